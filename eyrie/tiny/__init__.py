@@ -1,0 +1,35 @@
+"""Tiny targets the project builds itself, deterministically and without downloads.
+
+Each is a folder a vLLM or transformers user would recognise: config.json, model.safetensors and a fast tokenizer
+with a chat template. They stand in for the production target in the demo and the tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eyrie.tiny.tokenizer import build_tokenizer
+
+TINY_TARGETS = ("tiny-llama", "tiny-deepseek-v3", "tiny-kimi-k25")
+
+
+def build_target(kind: str, path: str | Path, seed: int = 0, **kw) -> Path:
+    """Write tiny target `kind` into `path` (idempotent: an existing complete folder is kept)."""
+    path = Path(path)
+    if (path / ".complete").exists():
+        return path
+    if kind == "tiny-llama":
+        from eyrie.tiny.llama import build_llama as build
+    elif kind == "tiny-deepseek-v3":
+        from eyrie.tiny.deepseek import build_deepseek_v3 as build
+    elif kind == "tiny-kimi-k25":
+        from eyrie.tiny.kimi import build_kimi_k25 as build
+    else:
+        raise ValueError(f"unknown tiny target {kind!r}; choose one of {', '.join(TINY_TARGETS)}")
+    path.mkdir(parents=True, exist_ok=True)
+    build(path, seed=seed, **kw)
+    (path / ".complete").write_text(kind + "\n")
+    return path
+
+
+__all__ = ["TINY_TARGETS", "build_target", "build_tokenizer"]

@@ -1,0 +1,28 @@
+"""A tiny Llama: 8 layers so the default aux ids (2, L//2, L-3) are distinct; head_dim 32 for CPU attention."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eyrie.tiny.common import padded_vocab, save_model
+from eyrie.tiny.tokenizer import build_tokenizer
+
+
+def llama_config(vocab_size: int, **overrides):
+    from transformers import LlamaConfig
+
+    fields = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                  tie_word_embeddings=False, rms_norm_eps=1e-5, torch_dtype="bfloat16")
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
+def build_llama(path: Path, seed: int = 0, **overrides) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    tokenizer = build_tokenizer(path)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config(padded_vocab(len(tokenizer)), **overrides))
+    save_model(model, tokenizer, path)
