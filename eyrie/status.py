@@ -1,0 +1,41 @@
+"""`eyrie status`: each stage's and each shard's state, read from the manifests on disk (no Prefect, no vLLM)."""
+
+from __future__ import annotations
+
+from eyrie.data import load_shards
+from eyrie.server import ExtractionServer
+from eyrie.store import RunFolder, read_json
+
+STAGES = ("prepare", "extract", "vocab", "train", "export", "evaluate")
+
+
+def run_status(run: RunFolder) -> dict:
+    out: dict = {"run_dir": str(run.root), "stages": {}, "shards": {}}
+    shards = load_shards(run.prepare)
+    for stage in STAGES:
+        if stage == "extract":
+            done = [s for s in shards if read_json(run.shard_manifests / f"{s.name}.json")]
+            for s in shards:
+                m = read_json(run.shard_manifests / f"{s.name}.json")
+                partial = sum(1 for i in range(s.start, s.stop) if (run.hidden_states / f"hs_{i}.safetensors").exists())
+                out["shards"][s.name] = ("done" if m else f"partial {partial}/{s.stop - s.start}" if partial
+                                         else "pending")
+            out["stages"][stage] = ("not started" if not shards else
+                                    "done" if len(done) == len(shards) else f"{len(done)}/{len(shards)} shards")
+        else:
+            out["stages"][stage] = "done" if read_json(run.manifest(stage)) else "not started"
+    server = ExtractionServer(run.extract)
+    state = server.state
+    out["server"] = (f"running pid {state['pid']} at {server.url(state)}" if state and server.healthy(state)
+                     else "not running")
+    return out
+
+
+def format_status(status: dict) -> str:
+    lines = [f"run folder: {status['run_dir']}"]
+    lines += [f"  {stage:<9} {state}" for stage, state in status["stages"].items()]
+    if status["shards"]:
+        lines.append("shards:")
+        lines += [f"  {name}  {state}" for name, state in status["shards"].items()]
+    lines.append(f"extraction server: {status['server']}")
+    return "\n".join(lines)

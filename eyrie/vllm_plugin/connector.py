@@ -1,0 +1,59 @@
+"""A hidden-states connector that works on CPU as well as GPU.
+
+vLLM's `ExampleHiddenStatesConnector` copies device-to-host through a CUDA stream into pinned memory, which crashes
+the CPU engine on its first request ("pin_memory=True requires a CUDA or other accelerator backend"). When the KV
+cache lives on the host there is nothing to copy asynchronously: index it directly and hand the tensor to the same
+writer thread pool. On an accelerator the stock path runs unchanged.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from functools import partial
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+    ExampleHiddenStatesConnector,
+    PendingSave,
+    extract_from_kv_cache,
+)
+
+
+class _Done:
+    """Stands in for the CUDA event of a copy that already happened (host memory, synchronous)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class EyrieHiddenStatesConnector(ExampleHiddenStatesConnector):
+    def _submit_async_write(self, pending: PendingSave) -> None:
+        if not self._is_tp_rank_zero:
+            return
+        assert self._kv_cache is not None
+        if self._kv_cache.device.type != "cpu":
+            return super()._submit_async_write(pending)
+
+        block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
+        offsets = torch.arange(self._block_size, dtype=torch.long)
+        slots = (offsets.reshape(1, -1) + block_ids.reshape(-1, 1) * self._block_size).flatten()
+        num_tokens = pending.token_ids.shape[0]
+        # clone: the blocks are freed (and reused) once get_finished reports the request done.
+        hidden = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()
+        tensors = {"hidden_states": hidden, "token_ids": pending.token_ids.clone()}
+
+        assert self._req_futures.get(pending.req_id) is None, "duplicate hidden-states request id"
+        os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
+        lock_fd = self._lock_fds.pop(pending.req_id, None)
+        if lock_fd is None and self.use_lock:
+            lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        done = _Done()
+        future = self._executor.submit(self._write_tensors, tensors, done, pending.filename, lock_fd)
+        self._req_copy_events[pending.req_id] = done
+        self._req_futures[pending.req_id] = future
+        future.add_done_callback(partial(self._on_write_done, pending.req_id))

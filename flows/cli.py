@@ -1,0 +1,87 @@
+"""The `eyrie` command: run the flow, run only the checks, show a run folder's state, stop a server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from eyrie.errors import EyrieError
+
+
+def _run(args) -> int:
+    from eyrie.config import load_config
+
+    config = load_config(args.config)  # a bad config fails here, before Prefect starts
+    run_dir = args.run_dir or f"runs/{config.name}"
+    from flows.pipeline import pipeline_flow
+
+    outputs = pipeline_flow(config=config, run_dir=run_dir)
+    print("\nEyrie run complete. Outputs:")
+    for k, v in outputs.items():
+        print(f"  {k:<14} {v}")
+    return 0
+
+
+def _preflight(args) -> int:
+    from eyrie.config import load_config
+    from eyrie.preflight import run_preflight
+
+    config = load_config(args.config)
+    report = run_preflight(config, Path(args.run_dir or f"runs/{config.name}"), raise_on_failure=False)
+    print(json.dumps(report.as_dict(), indent=2))
+    if report.failures:
+        print(f"\npreflight FAILED ({len(report.failures)}):", file=sys.stderr)
+        for f in report.failures:
+            print(f"  - {f}", file=sys.stderr)
+        return 1
+    print(f"\npreflight passed: {report.architecture} via the {report.eagle3_path} EAGLE-3 path, "
+          f"capturing layers {report.captured_layer_ids}")
+    return 0
+
+
+def _status(args) -> int:
+    from eyrie.status import format_status, run_status
+    from eyrie.store import RunFolder
+
+    print(format_status(run_status(RunFolder(args.run_dir))))
+    return 0
+
+
+def _stop_server(args) -> int:
+    from eyrie.server import ExtractionServer
+    from eyrie.store import RunFolder
+
+    stopped = ExtractionServer(RunFolder(args.run_dir).extract).stop()
+    print("stopped the extraction server" if stopped else "no extraction server was running")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="eyrie", description="Raise EAGLE-3 drafters for vLLM-served targets.")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run the pipeline flow")
+    r.add_argument("--config", required=True)
+    r.add_argument("--run-dir")
+    r.set_defaults(func=_run)
+    c = sub.add_parser("preflight", help="run only the checks (no weights load)")
+    c.add_argument("--config", required=True)
+    c.add_argument("--run-dir")
+    c.set_defaults(func=_preflight)
+    s = sub.add_parser("status", help="each stage's and shard's state from the manifests on disk")
+    s.add_argument("--run-dir", required=True)
+    s.set_defaults(func=_status)
+    k = sub.add_parser("stop-server", help="stop a run folder's extraction server")
+    k.add_argument("--run-dir", required=True)
+    k.set_defaults(func=_stop_server)
+    args = p.parse_args(argv)
+    try:
+        return args.func(args)
+    except EyrieError as err:
+        print(f"eyrie: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The extraction flow: start vLLM only if some shard lacks a complete manifest, one task per shard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from eyrie.config import PipelineConfig
+from eyrie.data import load_shards
+from eyrie.errors import ExtractionError
+from eyrie.extract import ExtractionPlan, clean_staging
+from eyrie.preflight import PreflightReport
+from eyrie.server import ExtractionServer
+from eyrie.store import RunFolder
+from tasks.extract import extract_shard_task, start_server_task, stop_server_task
+
+
+@flow(name="eyrie-extract", task_runner=ThreadPoolTaskRunner(max_workers=2))
+def extract_flow(config: PipelineConfig, run_dir: str, report: dict) -> dict:
+    log = get_run_logger()
+    run = RunFolder(run_dir)
+    plan = ExtractionPlan(config, run, PreflightReport(**report), load_shards(run.prepare))
+    pending = {s.name for s in plan.pending()}
+    log.info(f"{len(plan.shards)} shards, {len(pending)} to extract")
+    server = ExtractionServer(run.extract)
+    base_url = None
+    if pending:
+        removed = clean_staging(plan.staging) if not server.healthy() else 0
+        if removed:
+            log.info(f"removed {removed} orphaned staging files")
+        base_url = start_server_task(plan.spec, str(run.extract), config.extraction.startup_timeout_s)
+
+    futures = []
+    for shard in plan.shards:
+        opts = {"refresh_cache": True} if shard.name in pending else {}
+        futures.append(extract_shard_task.with_options(**opts).submit(
+            shard, plan.keys[shard.name], base_url, config.extraction.api_key_env, str(run.prepare),
+            str(run.hidden_states), str(plan.manifest_path(shard)), len(plan.captured_ids), plan.hidden_size,
+            config.extraction.concurrency, config.extraction.request_timeout_s))
+    failed = []
+    for shard, fut in zip(plan.shards, futures):
+        try:
+            fut.result()
+        except Exception as err:  # each shard fails on its own; report them all
+            failed.append(f"{shard.name}: {err}")
+    # A success must never leave samples missing: re-check every manifest against the files.
+    missing = [s.name for s in plan.shards if not plan.is_complete(s)]
+    if failed or missing:
+        if pending and not config.extraction.keep_server_after_failure:
+            stop_server_task(str(run.extract))
+        raise ExtractionError(f"extraction incomplete: {len(set(missing))} of {len(plan.shards)} shards lack a "
+                              f"complete manifest ({', '.join(missing[:10])}); failures: {'; '.join(failed[:5])}. "
+                              "Run again (or retry the flow run): finished shards are kept.")
+    if pending:
+        stop_server_task(str(run.extract))
+    return {"shards": len(plan.shards), "extracted": sorted(pending), "hidden_states": str(run.hidden_states)}

@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+from eyrie.data import Shard
+from eyrie.extract import extract_shard
+from eyrie.server import ExtractionServer, ServerClient, ServerSpec
+from tasks.caching import BY_KEY
+
+
+@task(name="start-server", retries=1, retry_delay_seconds=5)
+def start_server_task(spec: ServerSpec, folder: str, startup_timeout_s: float) -> str:
+    """Start (or reuse) the extraction server; returns its base URL."""
+    log = get_run_logger()
+    return ExtractionServer(Path(folder)).ensure(spec, startup_timeout_s, log=log.info).base_url
+
+
+@task(name="stop-server")
+def stop_server_task(folder: str) -> bool:
+    return ExtractionServer(Path(folder)).stop(log=get_run_logger().info)
+
+
+@task(name="extract", task_run_name="extract-{shard.name}", cache_policy=BY_KEY, retries=2, retry_delay_seconds=5)
+def extract_shard_task(shard: Shard, key: str, base_url: str | None, api_key_env: str | None, prepare_dir: str,
+                       hidden_dir: str, manifest_path: str, num_layers: int, hidden_size: int, concurrency: int,
+                       timeout_s: float) -> dict:
+    import os
+
+    log = get_run_logger()
+    if base_url is None:
+        raise RuntimeError(f"{shard.name} has no complete manifest but no server was started for it")
+    client = ServerClient(base_url, os.environ.get(api_key_env) if api_key_env else None)
+    artifact = create_progress_artifact(0.0, description=f"extract {shard.name}")
+
+    def progress(done: int, total: int) -> None:
+        update_progress_artifact(artifact, 100.0 * done / max(total, 1))
+
+    manifest = extract_shard(client, Path(prepare_dir), shard, key, Path(hidden_dir), Path(manifest_path),
+                             num_layers, hidden_size, concurrency, timeout_s, progress=progress, log=log.info)
+    log.info(f"{shard.name}: {manifest['extracted_samples']} extracted, {manifest['reused_samples']} reused")
+    return {k: v for k, v in manifest.items() if k != "files"}

@@ -1,0 +1,21 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+
+from eyrie.config import PipelineConfig
+from eyrie.preflight import run_preflight
+from eyrie.store import atomic_write_json
+
+
+@task(name="preflight", retries=0)
+def preflight_task(config: PipelineConfig, run_dir: str, tokens: int | None = None) -> dict:
+    """Seconds of checks before any weights load; raises PreflightError listing every problem."""
+    report = run_preflight(config, Path(run_dir), tokens=tokens, raise_on_failure=False)
+    atomic_write_json(Path(run_dir) / "preflight.json", report.as_dict())
+    if report.failures:
+        from eyrie.errors import PreflightError
+
+        raise PreflightError(report.failures)
+    return report.as_dict()

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_table_artifact
+
+from eyrie.config import PipelineConfig
+from eyrie.data import prepare, prepare_key
+from eyrie.tiny import build_target
+from tasks.caching import BY_KEY
+
+
+@task(name="target", retries=0)
+def ensure_target(config: PipelineConfig) -> str:
+    """Build the configured tiny target if its folder is missing (demo and tests); real targets are left alone."""
+    if config.target.tiny and not Path(config.target.model, "config.json").exists():
+        build_target(config.target.tiny, config.target.model)
+    return config.target.model
+
+
+@task(name="prepare-key")
+def compute_prepare_key(config: PipelineConfig) -> str:
+    return prepare_key(config.target, config.data)
+
+
+@task(name="prepare", cache_policy=BY_KEY, retries=1)
+def prepare_task(config: PipelineConfig, out_dir: str, key: str) -> dict:
+    manifest = prepare(config.target, config.data, Path(out_dir), key=key)
+    stats = manifest["stats"]
+    rows = [{"measure": k, "value": v} for k, v in stats.items() if not isinstance(v, dict)]
+    rows += [{"measure": f"dropped: {k}", "value": v} for k, v in stats["dropped"].items()]
+    create_table_artifact(rows, key="data-statistics", description="prepare: rows used and dropped by reason")
+    return manifest
