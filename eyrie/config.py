@@ -72,6 +72,9 @@ class TrainConfig(_Section):
     devices: int = Field(1, ge=1, description="GPUs for torchrun; 1 on CPU.")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_layers: int = Field(1, ge=1, description="Decoder layers in the drafter.")
+    val_fraction: float = Field(0.1, gt=0, lt=1, description="Share of prepared samples speculators validates on.")
+    mask_token_id: int | None = Field(None, description="Passed to speculators when it cannot read the target's "
+                                                         "processor (multimodal wrappers such as Kimi-K2.5).")
     seed: int = 0
 
 

@@ -327,6 +327,12 @@ def load_dataset_rows(prepare_dir: Path, start: int, stop: int) -> list[list[int
     return ds.select(range(start, stop))["input_ids"]
 
 
+def load_seq_lens(prepare_dir: Path) -> list[int]:
+    from datasets import load_from_disk
+
+    return list(load_from_disk(str(prepare_dir / "dataset")).with_format(None)["seq_len"])
+
+
 def iter_eval_prompts(prepare_dir: Path) -> Iterable[list[dict]]:
     """Held-out conversations cut before their first assistant turn: the prompts evaluation sends."""
     for line in (prepare_dir / "eval_prompts.jsonl").read_text().splitlines():

@@ -192,13 +192,7 @@ class ExtractionPlan:
         self.hidden_size = report.hidden_size
         tid = target_identity(config.target)
         self.keys = {s.name: shard_key(tid, self.captured_ids, s) for s in shards}
-        t, x = config.target, config.extraction
-        self.spec = ServerSpec(model=str(Path(t.model).resolve()) if Path(t.model).exists() else t.model,
-                               layer_ids=self.captured_ids, storage_path=str(self.staging), revision=t.revision,
-                               trust_remote_code=t.trust_remote_code, tensor_parallel_size=t.tensor_parallel_size,
-                               dtype=t.dtype, max_model_len=config.max_model_len, host=x.host, port=x.port,
-                               api_key_env=x.api_key_env, enforce_eager=x.enforce_eager,
-                               gpu_memory_utilization=x.gpu_memory_utilization, server_args=x.server_args)
+        self.spec = ServerSpec.from_config(config, layer_ids=self.captured_ids, storage_path=str(self.staging))
 
     @property
     def staging(self) -> Path:

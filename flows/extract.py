@@ -55,4 +55,5 @@ def extract_flow(config: PipelineConfig, run_dir: str, report: dict) -> dict:
                               "Run again (or retry the flow run): finished shards are kept.")
     if pending:
         stop_server_task(str(run.extract))
-    return {"shards": len(plan.shards), "extracted": sorted(pending), "hidden_states": str(run.hidden_states)}
+    return {"shards": len(plan.shards), "extracted": sorted(pending), "hidden_states": str(run.hidden_states),
+            "keys": [plan.keys[s.name] for s in plan.shards]}

@@ -1,14 +1,24 @@
-"""The end-to-end DAG: target -> preflight -> prepare -> preflight (disk) -> extract."""
+"""The end-to-end DAG: target -> preflight -> prepare -> preflight (disk) -> extract -> vocab -> train -> export
+-> evaluate (trained drafter and an untrained one of the same shape)."""
 
 from __future__ import annotations
 
+from itertools import islice
+
 from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
 
 from eyrie.config import PipelineConfig
-from eyrie.store import RunFolder
+from eyrie.data import iter_eval_prompts, load_seq_lens
+from eyrie.server import ServerSpec
+from eyrie.store import RunFolder, sha256_json
+from eyrie.train import train_key
+from eyrie.vocab import mapping_paths, vocab_key
 from flows.extract import extract_flow
+from tasks.evaluate import evaluate_task, export_task, report_task
 from tasks.prepare import compute_prepare_key, ensure_target, prepare_task
 from tasks.preflight import preflight_task
+from tasks.train import train_task, untrained_drafter_task, vocab_task
 
 
 @flow(name="eyrie-pipeline")
@@ -22,7 +32,49 @@ def pipeline_flow(config: PipelineConfig, run_dir: str) -> dict:
         prepared = prepare_task(config, str(run.prepare), compute_prepare_key(config))
         report = preflight_task(config, str(run.root), tokens=prepared["stats"]["tokens"])
         extracted = extract_flow(config, str(run.root), report)
-    outputs = {"run_dir": str(run.root), "prepared": str(run.prepare / "dataset"),
-               "hidden_states": extracted["hidden_states"], "shards": extracted["shards"]}
+
+        dvs, aux = config.vocab.draft_vocab_size, report["aux_layer_ids"]
+        vkey = vocab_key(prepared, dvs, report["vocab_size"])
+        vocab_task(str(run.prepare / "dataset" / "token_freq.pt"), dvs, report["vocab_size"], str(run.vocab), vkey)
+        d2t, t2d = (str(p) for p in mapping_paths(run.vocab, dvs))
+        data = (str(run.prepare / "dataset"), str(run.hidden_states), d2t, t2d, aux)
+        tkey = train_key(config, extracted["keys"], vkey, aux)
+        trained = train_task(config, str(run.train), tkey, *data, load_seq_lens(run.prepare))
+        untrained = untrained_drafter_task(config, str(run.train), *data)
+
+        spec = ServerSpec.from_config(config, num_speculative_tokens=config.evaluate.num_speculative_tokens)
+        prompts = list(islice(iter_eval_prompts(run.prepare), config.evaluate.num_prompts))
+        ekey = sha256_json([tkey, aux, spec.fingerprint()])[:16]
+        exported = export_task(trained["checkpoint"], str(run.export), config.target.model, aux,
+                               report["hidden_size"], ekey, spec, prompts[0], config.extraction.startup_timeout_s)
+        results = []
+        for label, drafter, server_dir in (("trained", exported["drafter"], run.export / "server-trained"),
+                                           ("untrained", untrained, run.evaluate / "server-untrained")):
+            key = sha256_json([label, ekey, config.evaluate.model_dump(), prompts])[:16]
+            results.append(evaluate_task(label, drafter, spec, str(server_dir), prompts,
+                                         config.evaluate.max_tokens, str(run.evaluate / f"{label}.json"), key,
+                                         config.extraction.startup_timeout_s))
+        summary = report_task(results, str(run.evaluate))
+
+    outputs = {"run_dir": str(run.root), "drafter": exported["drafter"],
+               "acceptance_length": summary["trained"]["acceptance_length"],
+               "untrained_acceptance_length": summary["untrained"]["acceptance_length"],
+               "hidden_states": extracted["hidden_states"], "evaluation": str(run.evaluate)}
+    create_markdown_artifact(_summary_markdown(config, outputs, summary), key="run-summary")
     log.info(f"outputs: {outputs}")
     return outputs
+
+
+def _summary_markdown(config: PipelineConfig, outputs: dict, summary: dict) -> str:
+    t, u = summary["trained"], summary["untrained"]
+    return "\n".join([
+        f"# Eyrie run `{config.name}`", "",
+        f"Target `{config.target.model}`; drafter `{outputs['drafter']}`.", "",
+        "| drafter | acceptance length | per-position acceptance |", "|---|---|---|",
+        f"| trained | {t['acceptance_length']} | {t['per_position_acceptance']} |",
+        f"| untrained (same shape) | {u['acceptance_length']} | {u['per_position_acceptance']} |", "",
+        f"Run folder: `{outputs['run_dir']}`; hidden states `{outputs['hidden_states']}`; "
+        f"evaluation `{outputs['evaluation']}`.",
+        "", "Serve it: `vllm serve <target> --speculative-config "
+        f"'{{\"method\": \"eagle3\", \"model\": \"{outputs['drafter']}\", \"num_speculative_tokens\": "
+        f"{config.evaluate.num_speculative_tokens}}}'`"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from eyrie.tiny.tokenizer import build_tokenizer
 
-TINY_TARGETS = ("tiny-llama", "tiny-deepseek-v3", "tiny-kimi-k25")
+TINY_TARGETS = ("tiny-llama", "tiny-llama-chat", "tiny-deepseek-v3", "tiny-kimi-k25")
 
 
 def build_target(kind: str, path: str | Path, seed: int = 0, **kw) -> Path:
@@ -20,6 +20,12 @@ def build_target(kind: str, path: str | Path, seed: int = 0, **kw) -> Path:
         return path
     if kind == "tiny-llama":
         from eyrie.tiny.llama import build_llama as build
+    elif kind == "tiny-llama-chat":  # the demo's target: taught the bundled conversations (about a minute)
+        from functools import partial
+
+        from eyrie.tiny.llama import build_llama
+
+        build = partial(build_llama, pretrain_steps=kw.pop("pretrain_steps", 400))
     elif kind == "tiny-deepseek-v3":
         from eyrie.tiny.deepseek import build_deepseek_v3 as build
     elif kind == "tiny-kimi-k25":

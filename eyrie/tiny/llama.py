@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from eyrie.tiny.common import padded_vocab, save_model
@@ -18,11 +19,17 @@ def llama_config(vocab_size: int, **overrides):
     return LlamaConfig(**fields)
 
 
-def build_llama(path: Path, seed: int = 0, **overrides) -> None:
+def build_llama(path: Path, seed: int = 0, pretrain_steps: int = 0, **overrides) -> None:
+    """Random weights, or (pretrain_steps > 0) weights taught the bundled demo conversations."""
     import torch
     from transformers import LlamaForCausalLM
 
     tokenizer = build_tokenizer(path)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(llama_config(padded_vocab(len(tokenizer)), **overrides))
+    if pretrain_steps:
+        from eyrie.tiny.pretrain import pretrain_on_demo_data
+
+        curve = pretrain_on_demo_data(model, tokenizer, steps=pretrain_steps, seed=seed)
+        (path / "pretrain_loss.json").write_text(json.dumps(curve) + "\n")
     save_model(model, tokenizer, path)

@@ -1,0 +1,148 @@
+"""train: speculators' EAGLE-3 trainer on the extracted hidden states, as a subprocess that resumes.
+
+The same command runs on CPU (demo, CI: `python -m eyrie.train_entry` with EYRIE_TRAIN_DEVICE=cpu) and on N GPUs
+(`torchrun --nproc-per-node N -m eyrie.train_entry`). Checkpoints go to `train/<key>/checkpoints` in speculators'
+layout (one folder per epoch, sub-epoch ones with `training_state.json`); a re-run with the same key resumes from
+the newest one, so a killed or retried training task continues from its saved step instead of starting over.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from eyrie.config import PipelineConfig
+from eyrie.errors import EyrieError
+from eyrie.store import atomic_write_json, read_json, sha256_json
+
+
+def resolve_device(config: PipelineConfig) -> str:
+    if config.train.device != "auto":
+        return config.train.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def train_key(config: PipelineConfig, data_keys: list[str], vocab_key: str, aux_ids: list[int],
+              warm_start: str | None = None) -> str:
+    return sha256_json({"data": data_keys, "vocab": vocab_key, "aux": aux_ids, "warm": warm_start,
+                        "train": config.train.model_dump(mode="json"), "target": config.target.model})[:16]
+
+
+def steps_per_epoch(seq_lens: list[int], total_seq_len: int, train_ratio: float) -> int:
+    """Approximate packed batches per epoch (speculators packs samples up to total_seq_len tokens)."""
+    n = int(len(seq_lens) * train_ratio)
+    return max(1, math.ceil(sum(min(s, total_seq_len) for s in seq_lens[:n]) / total_seq_len))
+
+
+def newest_checkpoint(save_path: Path) -> Path | None:
+    """The highest numbered epoch folder speculators wrote (it resumes from the same one)."""
+    epochs = [p for p in save_path.glob("*") if p.is_dir() and p.name.isdigit() and (p / "model.safetensors").exists()]
+    return max(epochs, key=lambda p: int(p.name)) if epochs else None
+
+
+def training_command(config: PipelineConfig, data_dir: Path, hidden_dir: Path, d2t: Path, t2d: Path,
+                     aux_ids: list[int], save_path: Path, checkpoint_freq: float, device: str,
+                     warm_start: Path | None = None, dry_run: bool = False) -> list[str]:
+    t = config.train
+    if device == "cuda" and t.devices > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={t.devices}"]
+    else:
+        launcher = [sys.executable]
+    args = ["-m", "eyrie.train_entry", "--speculator-type", "eagle3",
+            "--verifier-name-or-path", str(config.target.model), "--data-path", str(data_dir),
+            "--hidden-states-path", str(hidden_dir), "--d2t-path", str(d2t), "--t2d-path", str(t2d),
+            "--draft-vocab-size", str(config.vocab.draft_vocab_size),
+            "--target-layer-ids", *map(str, aux_ids), "--num-layers", str(t.num_layers),
+            "--save-path", str(save_path), "--epochs", str(t.epochs), "--lr", str(t.lr),
+            "--ttt-steps", str(t.ttt_steps), "--total-seq-len", str(t.max_seq_len),
+            "--checkpoint-freq", str(checkpoint_freq), "--train-data-ratio", str(1 - t.val_fraction),
+            "--seed", str(t.seed), "--on-missing", "raise", "--loss-implementation", "eager",
+            "--log-dir", str(save_path.parent / "logs"), "--logger", ""]
+    if config.target.trust_remote_code:
+        args.append("--trust-remote-code")
+    if t.mask_token_id is not None:
+        args += ["--mask-token-id", str(t.mask_token_id)]
+    if device == "cpu":  # no Triton, no flex attention kernels, no bf16 autocast benefit on CPU
+        args += ["--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32", "--num-workers", "0"]
+    if warm_start is not None:
+        args += ["--from-pretrained", str(warm_start)]
+    if dry_run:
+        args.append("--dry-run")
+    return launcher + args
+
+
+def run_training(config: PipelineConfig, out_dir: Path, key: str, data_dir: Path, hidden_dir: Path, d2t: Path,
+                 t2d: Path, aux_ids: list[int], seq_lens: list[int], warm_start: Path | None = None,
+                 log=print) -> dict:
+    """Train (or resume) into `out_dir/<key>`; returns the stage manifest naming the final checkpoint."""
+    manifest = read_json(out_dir / "manifest.json")
+    if manifest and manifest.get("key") == key and Path(manifest["checkpoint"]).exists():
+        return manifest
+    work = out_dir / key
+    save_path = work / "checkpoints"
+    device = resolve_device(config)
+    spe = steps_per_epoch(seq_lens, config.train.max_seq_len, 1 - config.train.val_fraction)
+    every = config.train.save_every_steps
+    freq = 1.0 if not every or every >= spe else max(every / spe, 1 / spe)
+    cmd = training_command(config, data_dir, hidden_dir, d2t, t2d, aux_ids, save_path, freq, device, warm_start)
+    resumed_from = newest_checkpoint(save_path)
+    state = read_json(resumed_from / "training_state.json") if resumed_from else None
+    log(f"training on {device} ({spe} steps/epoch, checkpoint every {freq:g} epoch)"
+        + (f"; resuming from {resumed_from} (global step {state and state.get('global_step')})" if resumed_from
+           else ""))
+    env = dict(os.environ, EYRIE_TRAIN_DEVICE=device, PYTHONUNBUFFERED="1")
+    work.mkdir(parents=True, exist_ok=True)
+    log_path = work / "train.log"
+    with open(log_path, "ab") as f:
+        f.write(f"\n===== eyrie: {' '.join(cmd)}\n".encode())
+        f.flush()
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+    if rc != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
+        raise EyrieError(f"training exited with code {rc}; checkpoints so far are kept in {save_path} and the "
+                         f"next run resumes from them. End of {log_path}:\n{tail}")
+    final = newest_checkpoint(save_path)
+    if final is None:
+        raise EyrieError(f"training finished but wrote no checkpoint under {save_path}")
+    state = read_json(final / "training_state.json") or {}
+    manifest = {"stage": "train", "key": key, "checkpoint": str(final), "device": device,
+                "epochs": config.train.epochs, "global_step": state.get("global_step"),
+                "resumed_from": str(resumed_from) if resumed_from else None,
+                "val_metrics": read_json(final / "val_metrics.json"), "log": str(log_path),
+                "history": epoch_metrics(save_path)}
+    atomic_write_json(out_dir / "manifest.json", manifest)
+    return manifest
+
+
+def epoch_metrics(save_path: Path) -> list[dict]:
+    rows = []
+    for p in sorted((p for p in save_path.glob("*") if p.name.isdigit()), key=lambda p: int(p.name)):
+        m = read_json(p / "val_metrics.json") or {}
+        s = read_json(p / "training_state.json") or {}
+        rows.append({"epoch": int(p.name), "global_step": s.get("global_step"),
+                     **{k: round(v, 5) for k, v in m.items() if isinstance(v, (int, float))}})
+    return rows
+
+
+def untrained_drafter(config: PipelineConfig, out_dir: Path, data_dir: Path, hidden_dir: Path, d2t: Path,
+                      t2d: Path, aux_ids: list[int], log=print) -> Path:
+    """A freshly initialised drafter of the same shape (speculators' --dry-run): the evaluation baseline."""
+    path = out_dir / "untrained"
+    if (path / "model.safetensors").exists():
+        return path
+    staging = out_dir / "untrained.staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    # Initialising needs no accelerator: always on CPU, one process.
+    cmd = training_command(config, data_dir, hidden_dir, d2t, t2d, aux_ids, staging, 1.0, "cpu", dry_run=True)
+    cmd = [sys.executable] + cmd[cmd.index("-m"):]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, EYRIE_TRAIN_DEVICE="cpu"))
+    if r.returncode != 0:
+        raise EyrieError(f"could not initialise the untrained drafter:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    os.replace(staging, path)
+    return path

@@ -1,0 +1,44 @@
+"""`python -m eyrie.train_entry ARGS` or `torchrun ... -m eyrie.train_entry ARGS`: speculators' EAGLE-3 trainer.
+
+On GPUs this is speculators' own entry point. With EYRIE_TRAIN_DEVICE=cpu it first patches the three places where
+speculators 0.9.0 assumes an accelerator (the device it moves the model and batches to, pinned loader memory,
+`torch.accelerator.synchronize`, and the autocast device type), so the demo and CI train the same way a GPU node does.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _run_on_cpu() -> None:
+    import torch
+    from speculators.train import dataloader, trainer
+
+    trainer.get_local_rank = lambda: "cpu"  # Trainer moves model and batches to `local_rank`
+    loader = dataloader.DataLoader
+    dataloader.DataLoader = lambda *a, **k: loader(*a, **{**k, "pin_memory": False})  # pinning needs a device
+    if torch.accelerator.is_available():
+        return
+    torch.accelerator.synchronize = lambda *a, **k: None
+    torch.accelerator.is_available = lambda: False
+    current = torch.accelerator.current_accelerator
+
+    def current_accelerator(check_available: bool = False):
+        # Trainer picks its autocast device type from here, defaulting to "cuda" when there is none.
+        return current(check_available=True) if check_available else torch.device("cpu")
+
+    torch.accelerator.current_accelerator = current_accelerator
+
+
+def main(argv: list[str]) -> None:
+    if os.environ.get("EYRIE_TRAIN_DEVICE") == "cpu":
+        _run_on_cpu()
+    from speculators.train.cli import main as train
+    from speculators.train.config import TrainConfig
+
+    train(TrainConfig.resolve(argv))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
+
+from eyrie.evaluate import measure
+from eyrie.export import export_drafter, prove_servable
+from eyrie.server import ExtractionServer, ServerClient, ServerSpec
+from eyrie.store import atomic_write_json, read_json
+from tasks.caching import BY_KEY
+
+
+def _serve(spec: ServerSpec, folder: Path, timeout_s: float) -> ServerClient:
+    return ExtractionServer(folder).ensure(spec, timeout_s, log=get_run_logger().info)
+
+
+@task(name="export", cache_policy=BY_KEY, retries=1)
+def export_task(checkpoint: str, out_dir: str, target_model: str, aux_ids: list[int], hidden_size: int, key: str,
+                spec: ServerSpec, probe: list[dict], startup_timeout_s: float) -> dict:
+    """Write the drafter, then prove vLLM serves it as eagle3 (the server stays up for evaluation to reuse)."""
+    out = Path(out_dir)
+    manifest = read_json(out / "manifest.json")
+    if manifest and manifest.get("key") == key and manifest.get("vllm_proof"):
+        return manifest
+    manifest = export_drafter(Path(checkpoint), out, target_model, aux_ids, hidden_size, key)
+    spec.drafter = manifest["drafter"]
+    manifest["vllm_proof"] = prove_servable(_serve(spec, out / "server-trained", startup_timeout_s), probe)
+    atomic_write_json(out / "manifest.json", manifest)
+    return manifest
+
+
+@task(name="evaluate", task_run_name="evaluate-{label}", cache_policy=BY_KEY, retries=1)
+def evaluate_task(label: str, drafter: str, spec: ServerSpec, server_dir: str, prompts: list[list[dict]],
+                  max_tokens: int, out_path: str, key: str, startup_timeout_s: float) -> dict:
+    spec.drafter = drafter
+    server = ExtractionServer(Path(server_dir))
+    try:
+        result = measure(_serve(spec, Path(server_dir), startup_timeout_s), prompts, max_tokens)
+    finally:
+        server.stop(log=get_run_logger().info)
+    result.update(label=label, drafter=drafter, num_speculative_tokens=spec.num_speculative_tokens)
+    atomic_write_json(Path(out_path), result)
+    return result
+
+
+@task(name="report")
+def report_task(results: list[dict], out_dir: str) -> dict:
+    rows = [{"drafter": r["label"], "acceptance_length": r["acceptance_length"],
+             **{f"accept@{i + 1}": v for i, v in enumerate(r["per_position_acceptance"])},
+             "drafts": r["drafts"], "prompts": r["prompts"]} for r in results]
+    create_table_artifact(rows, key="evaluation", description="acceptance length on held-out prompts")
+    summary = {r["label"]: r for r in results}
+    atomic_write_json(Path(out_dir) / "manifest.json", {"stage": "evaluate", "results": summary})
+    return summary

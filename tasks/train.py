@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+
+from eyrie.config import PipelineConfig
+from eyrie.train import newest_checkpoint, run_training, untrained_drafter
+from eyrie.vocab import build_vocab
+from tasks.caching import BY_KEY
+
+
+@task(name="vocab", cache_policy=BY_KEY, retries=1)
+def vocab_task(token_freq: str, draft_vocab_size: int, target_vocab_size: int, out_dir: str, key: str) -> dict:
+    return build_vocab(Path(token_freq), draft_vocab_size, target_vocab_size, Path(out_dir), key)
+
+
+def _watch_progress(save_path: Path, total_epochs: int, stop: threading.Event) -> None:
+    """Move the UI's progress bar as speculators writes epoch checkpoints."""
+    artifact = create_progress_artifact(0.0, description="train: epochs checkpointed")
+    while not stop.wait(10):
+        last = newest_checkpoint(save_path)
+        if last is not None:
+            update_progress_artifact(artifact, min(100.0, 100.0 * (int(last.name) + 1) / total_epochs))
+
+
+# retries resume from the newest checkpoint: the key (and so the checkpoint folder) is unchanged.
+@task(name="train", cache_policy=BY_KEY, retries=1, retry_delay_seconds=5)
+def train_task(config: PipelineConfig, out_dir: str, key: str, data_dir: str, hidden_dir: str, d2t: str, t2d: str,
+               aux_ids: list[int], seq_lens: list[int], warm_start: str | None = None) -> dict:
+    log = get_run_logger()
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch_progress, args=(Path(out_dir) / key / "checkpoints",
+                                                             config.train.epochs, stop), daemon=True)
+    watcher.start()
+    try:
+        manifest = run_training(config, Path(out_dir), key, Path(data_dir), Path(hidden_dir), Path(d2t), Path(t2d),
+                                aux_ids, seq_lens, Path(warm_start) if warm_start else None, log=log.info)
+    finally:
+        stop.set()
+    if manifest["history"]:
+        create_table_artifact(manifest["history"], key="training-metrics", description="validation metrics per epoch")
+    return manifest
+
+
+@task(name="untrained-drafter")
+def untrained_drafter_task(config: PipelineConfig, out_dir: str, data_dir: str, hidden_dir: str, d2t: str, t2d: str,
+                           aux_ids: list[int]) -> str:
+    return str(untrained_drafter(config, Path(out_dir), Path(data_dir), Path(hidden_dir), Path(d2t), Path(t2d),
+                                 aux_ids))
