@@ -1,7 +1,7 @@
 """`python -m eyrie.train_entry ARGS` or `torchrun ... -m eyrie.train_entry ARGS`: speculators' EAGLE-3 trainer.
 
-On GPUs this is speculators' own entry point. With EYRIE_TRAIN_DEVICE=cpu it first patches the three places where
-speculators 0.9.0 assumes an accelerator (the device it moves the model and batches to, pinned loader memory,
+On GPUs this is speculators' own entry point. With EYRIE_TRAIN_DEVICE=cpu it first patches the places where
+speculators 0.9.0 assumes an accelerator (the device it moves the model and batches to and resumes onto, pinned loader memory,
 `torch.accelerator.synchronize`, and the autocast device type), so the demo and CI train the same way a GPU node does.
 """
 
@@ -13,9 +13,10 @@ import sys
 
 def _run_on_cpu() -> None:
     import torch
-    from speculators.train import dataloader, trainer
+    from speculators.train import checkpointer, dataloader, trainer
 
     trainer.get_local_rank = lambda: "cpu"  # Trainer moves model and batches to `local_rank`
+    checkpointer.get_current_device = lambda: "cpu"  # resume loads onto it ("cuda:0" without an accelerator)
     loader = dataloader.DataLoader
     dataloader.DataLoader = lambda *a, **k: loader(*a, **{**k, "pin_memory": False})  # pinning needs a device
     if torch.accelerator.is_available():

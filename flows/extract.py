@@ -22,6 +22,8 @@ def extract_flow(config: PipelineConfig, run_dir: str, report: dict) -> dict:
     log = get_run_logger()
     run = RunFolder(run_dir)
     plan = ExtractionPlan(config, run, PreflightReport(**report), load_shards(run.prepare))
+    if not plan.shards:
+        raise ExtractionError(f"{run.prepare / 'shards.json'} lists no shards: run the prepare stage first")
     pending = {s.name for s in plan.pending()}
     log.info(f"{len(plan.shards)} shards, {len(pending)} to extract")
     server = ExtractionServer(run.extract)

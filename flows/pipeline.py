@@ -15,6 +15,7 @@ from eyrie.store import RunFolder, sha256_json
 from eyrie.train import train_key
 from eyrie.vocab import mapping_paths, vocab_key
 from flows.extract import extract_flow
+from tasks.caching import unless_missing
 from tasks.evaluate import evaluate_task, export_task, report_task
 from tasks.prepare import compute_prepare_key, ensure_target, prepare_task
 from tasks.preflight import preflight_task
@@ -29,29 +30,30 @@ def pipeline_flow(config: PipelineConfig, run_dir: str) -> dict:
     with run.lock():
         ensure_target(config)
         preflight_task(config, str(run.root))  # seconds, before anything expensive
-        prepared = prepare_task(config, str(run.prepare), compute_prepare_key(config))
+        pkey = compute_prepare_key(config)
+        prepared = unless_missing(prepare_task, run.manifest("prepare"), pkey)(config, str(run.prepare), pkey)
         report = preflight_task(config, str(run.root), tokens=prepared["stats"]["tokens"])
         extracted = extract_flow(config, str(run.root), report)
 
         dvs, aux = config.vocab.draft_vocab_size, report["aux_layer_ids"]
         vkey = vocab_key(prepared, dvs, report["vocab_size"])
-        vocab_task(str(run.prepare / "dataset" / "token_freq.pt"), dvs, report["vocab_size"], str(run.vocab), vkey)
+        unless_missing(vocab_task, run.manifest("vocab"), vkey)(str(run.prepare / "dataset" / "token_freq.pt"), dvs, report["vocab_size"], str(run.vocab), vkey)
         d2t, t2d = (str(p) for p in mapping_paths(run.vocab, dvs))
         data = (str(run.prepare / "dataset"), str(run.hidden_states), d2t, t2d, aux)
         tkey = train_key(config, extracted["keys"], vkey, aux)
-        trained = train_task(config, str(run.train), tkey, *data, load_seq_lens(run.prepare))
+        trained = unless_missing(train_task, run.manifest("train"), tkey)(config, str(run.train), tkey, *data, load_seq_lens(run.prepare))
         untrained = untrained_drafter_task(config, str(run.train), *data)
 
         spec = ServerSpec.from_config(config, num_speculative_tokens=config.evaluate.num_speculative_tokens)
         prompts = list(islice(iter_eval_prompts(run.prepare), config.evaluate.num_prompts))
         ekey = sha256_json([tkey, aux, spec.fingerprint()])[:16]
-        exported = export_task(trained["checkpoint"], str(run.export), config.target.model, aux,
+        exported = unless_missing(export_task, run.manifest("export"), ekey)(trained["checkpoint"], str(run.export), config.target.model, aux,
                                report["hidden_size"], ekey, spec, prompts[0], config.extraction.startup_timeout_s)
         results = []
         for label, drafter, server_dir in (("trained", exported["drafter"], run.export / "server-trained"),
                                            ("untrained", untrained, run.evaluate / "server-untrained")):
             key = sha256_json([label, ekey, config.evaluate.model_dump(), prompts])[:16]
-            results.append(evaluate_task(label, drafter, spec, str(server_dir), prompts,
+            results.append(unless_missing(evaluate_task, run.evaluate / f"{label}.json", key)(label, drafter, spec, str(server_dir), prompts,
                                          config.evaluate.max_tokens, str(run.evaluate / f"{label}.json"), key,
                                          config.extraction.startup_timeout_s))
         summary = report_task(results, str(run.evaluate))

@@ -9,9 +9,12 @@ for work whose manifest is missing, so a cache record that outlived its files is
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from prefect.cache_policies import CachePolicy
+
+from eyrie.store import read_json
 
 
 @dataclass
@@ -26,3 +29,9 @@ class KeyedOn(CachePolicy):
 
 
 BY_KEY = KeyedOn()
+
+
+def unless_missing(task, manifest_path: Path, key: str):
+    """`task`, told to recompute when the manifest on disk does not record `key` (the files are the truth)."""
+    manifest = read_json(Path(manifest_path))
+    return task if manifest and manifest.get("key") == key else task.with_options(refresh_cache=True)

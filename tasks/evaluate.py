@@ -40,7 +40,7 @@ def evaluate_task(label: str, drafter: str, spec: ServerSpec, server_dir: str, p
         result = measure(_serve(spec, Path(server_dir), startup_timeout_s), prompts, max_tokens)
     finally:
         server.stop(log=get_run_logger().info)
-    result.update(label=label, drafter=drafter, num_speculative_tokens=spec.num_speculative_tokens)
+    result.update(label=label, key=key, drafter=drafter, num_speculative_tokens=spec.num_speculative_tokens)
     atomic_write_json(Path(out_path), result)
     return result
 

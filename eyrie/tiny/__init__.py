@@ -25,7 +25,7 @@ def build_target(kind: str, path: str | Path, seed: int = 0, **kw) -> Path:
 
         from eyrie.tiny.llama import build_llama
 
-        build = partial(build_llama, pretrain_steps=kw.pop("pretrain_steps", 400))
+        build = partial(build_llama, pretrain_steps=kw.pop("pretrain_steps", 200))
     elif kind == "tiny-deepseek-v3":
         from eyrie.tiny.deepseek import build_deepseek_v3 as build
     elif kind == "tiny-kimi-k25":

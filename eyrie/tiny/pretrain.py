@@ -4,7 +4,7 @@ something to learn (a random target's next token is noise, and acceptance would 
 from __future__ import annotations
 
 
-def pretrain_on_demo_data(model, tokenizer, steps: int = 400, seq_len: int = 128, batch_size: int = 16,
+def pretrain_on_demo_data(model, tokenizer, steps: int = 200, seq_len: int = 128, batch_size: int = 8,
                           lr: float = 3e-3, seed: int = 0) -> list[float]:
     """Causal-LM training on the chat-rendered demo conversations; returns the loss curve (every 50 steps)."""
     import torch

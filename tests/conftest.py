@@ -1,0 +1,170 @@
+"""Session set-up shared by every test: cache locations, the tiny targets, config files and server clean-up.
+
+The environment is set at import time, before anything imports Prefect or vLLM (both read their settings once, at
+import). Subprocesses (flows run through `python -m flows.cli`, vLLM servers) inherit it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = REPO / ".cache"  # ignored by git
+DEMO_DATA = REPO / "eyrie" / "data" / "demo_chat.jsonl"
+
+# Task results (and so Prefect's cache records) live for one test session only: a cache hit in these tests must
+# come from an earlier run in the same session, never from yesterday's.
+_RESULTS_DIR = tempfile.mkdtemp(prefix="eyrie-test-results-")
+
+TEST_ENV = {
+    "HF_HOME": str(CACHE / "hf"),
+    "VLLM_CACHE_ROOT": str(CACHE / "vllm"),
+    "TORCHINDUCTOR_CACHE_DIR": str(CACHE / "inductor"),
+    # Its own Prefect database, so tests never contend with a demo run's SQLite file.
+    "PREFECT_HOME": str(CACHE / "prefect-tests"),
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_RESULTS_LOCAL_STORAGE_PATH": _RESULTS_DIR,
+    "HF_HUB_OFFLINE": "1",
+}
+os.environ.update(TEST_ENV)
+# The Makefile lets a caller override these two (`?=`); so do the tests.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+for _var in ("HF_HOME", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "PREFECT_HOME"):
+    Path(os.environ[_var]).mkdir(parents=True, exist_ok=True)
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+if "prefect" in sys.modules:
+    import warnings
+
+    warnings.warn("prefect was imported before tests/conftest.py set its environment; its settings may differ")
+
+import pytest  # noqa: E402
+import yaml  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tiny targets: built once into .cache/test-targets/<hash of the builders' source>/<kind> and kept across sessions
+# (deterministic builds; a change to the builders gives a new folder, never a stale target).
+
+
+def _builder_hash() -> str:
+    h = hashlib.sha256()
+    for p in sorted((REPO / "eyrie" / "tiny").glob("*.py")) + [REPO / "eyrie" / "demo_data.py"]:
+        h.update(p.name.encode() + p.read_bytes())
+    return h.hexdigest()[:12]
+
+
+TARGETS_DIR = CACHE / "test-targets" / _builder_hash()
+
+
+def build_tiny_target(kind: str) -> Path:
+    """The tiny target `kind`, built on first use; the build goes to a temporary folder renamed into place."""
+    from eyrie.tiny import build_target
+
+    final = TARGETS_DIR / kind
+    if (final / ".complete").exists():
+        return final
+    shutil.rmtree(final, ignore_errors=True)  # a half-built folder from an interrupted session
+    tmp = TARGETS_DIR / f".{kind}.build-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_target(kind, tmp)
+    try:
+        os.replace(tmp, final)
+    except OSError:  # another session finished the same build first
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert (final / ".complete").exists()
+    return final
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    """Factory: tiny_target("tiny-llama") -> the folder of that tiny target (built once per builder version)."""
+    return build_tiny_target
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> Path:
+    return build_tiny_target("tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek() -> Path:
+    return build_tiny_target("tiny-deepseek-v3")
+
+
+@pytest.fixture(scope="session")
+def tiny_kimi() -> Path:
+    return build_tiny_target("tiny-kimi-k25")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configs
+
+
+def config_dict(target: Path, tiny: str | None = None, source: str | Path = DEMO_DATA, *, max_samples: int = 48,
+                shard_size: int = 8, max_length: int = 256, max_model_len: int = 256, layer_ids=None,
+                concurrency: int = 4, name: str = "test", **sections) -> dict:
+    """A demo-like config for `target` with small data; `sections` are merged into the top-level sections."""
+    data = {
+        "name": name,
+        "target": {"model": str(target), "max_model_len": max_model_len},
+        "data": {"source": str(source), "max_length": max_length, "shard_size": shard_size,
+                 "max_samples": max_samples, "eval_fraction": 0.05},
+        "extraction": {"concurrency": concurrency, "startup_timeout_s": 900, "request_timeout_s": 120},
+        "vocab": {"draft_vocab_size": 256},
+    }
+    if tiny:
+        data["target"]["tiny"] = tiny
+    if layer_ids is not None:
+        data["extraction"]["layer_ids"] = list(layer_ids)
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    return data
+
+
+def write_config(path: Path, target: Path, tiny: str | None = None, **kw):
+    """Write a YAML config for `target` + small data to `path`; returns (path, the validated PipelineConfig)."""
+    from eyrie.config import parse_config
+
+    data = config_dict(target, tiny, **kw)
+    config = parse_config(data, str(path))  # the same validation `eyrie run --config` applies
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path, config
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM servers: every folder a test starts a server in is registered here and stopped at the end of the session
+# at the latest, whatever happened (fixtures stop their own servers earlier).
+
+_SERVER_FOLDERS: list[Path] = []
+
+
+def register_server_folder(folder: Path) -> Path:
+    _SERVER_FOLDERS.append(Path(folder))
+    return Path(folder)
+
+
+def stop_server(folder: Path) -> None:
+    from eyrie.server import ExtractionServer
+
+    ExtractionServer(Path(folder)).stop(log=lambda *_: None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_all_servers_at_exit():
+    yield
+    for folder in _SERVER_FOLDERS:
+        try:
+            stop_server(folder)
+        except Exception as err:  # keep stopping the others
+            print(f"could not stop the server in {folder}: {err}", file=sys.stderr)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_RESULTS_DIR, ignore_errors=True)

@@ -1,0 +1,112 @@
+"""Config errors name the offending key and say how to fix it; fingerprints are stable and section-specific."""
+
+from __future__ import annotations
+
+import pytest
+
+from eyrie.config import load_config, parse_config
+from eyrie.errors import ConfigError
+
+from conftest import config_dict
+
+
+def _error(data: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, "cfg.yaml")
+    return str(info.value)
+
+
+def test_valid_config_round_trips(tmp_path):
+    config = parse_config(config_dict(tmp_path / "target", layer_ids=[2, 4, 5]))
+    assert config.data.shard_size == 8
+    assert config.extraction.layer_ids == [2, 4, 5]
+    assert config.max_model_len == 256
+    # max_model_len defaults to data.max_length
+    data = config_dict(tmp_path / "target")
+    del data["target"]["max_model_len"]
+    assert parse_config(data).max_model_len == data["data"]["max_length"]
+
+
+def test_unknown_key_is_named(tmp_path):
+    data = config_dict(tmp_path / "t")
+    data["data"]["shard_sise"] = 8
+    msg = _error(data)
+    assert "unknown key `data.shard_sise`" in msg
+    assert "cfg.yaml" in msg
+
+    data = config_dict(tmp_path / "t")
+    data["extractoin"] = {}
+    assert "unknown key `extractoin`" in _error(data)
+
+
+def test_wrong_type_is_named(tmp_path):
+    data = config_dict(tmp_path / "t")
+    data["data"]["shard_size"] = "lots"
+    msg = _error(data)
+    assert "`data.shard_size`" in msg and "'lots'" in msg
+
+    data = config_dict(tmp_path / "t")
+    data["target"]["dtype"] = "float64"
+    assert "`target.dtype`" in _error(data)
+
+    data = config_dict(tmp_path / "t")
+    data["data"]["eval_fraction"] = 1.5
+    assert "`data.eval_fraction`" in _error(data)
+
+
+def test_missing_required_key_is_named(tmp_path):
+    data = config_dict(tmp_path / "t")
+    del data["target"]
+    assert "missing key `target`" in _error(data)
+    data = config_dict(tmp_path / "t")
+    del data["data"]["source"]
+    assert "missing key `data.source`" in _error(data)
+
+
+def test_duplicate_layer_ids_rejected(tmp_path):
+    msg = _error(config_dict(tmp_path / "t", layer_ids=[2, 4, 4]))
+    assert "extraction.layer_ids" in msg and "duplicates" in msg
+    msg = _error(config_dict(tmp_path / "t", layer_ids=[-1, 2, 4]))
+    assert "extraction.layer_ids" in msg and "negative" in msg
+    assert "extraction.layer_ids" in _error(config_dict(tmp_path / "t", layer_ids=[]))
+
+
+def test_non_loopback_host_needs_api_key_env(tmp_path):
+    data = config_dict(tmp_path / "t", extraction={"host": "0.0.0.0"})
+    msg = _error(data)
+    assert "extraction.host" in msg and "extraction.api_key_env" in msg
+    for host in ("127.0.0.1", "localhost", "::1"):
+        assert parse_config(config_dict(tmp_path / "t", extraction={"host": host})).extraction.host == host
+    ok = parse_config(config_dict(tmp_path / "t", extraction={"host": "0.0.0.0", "api_key_env": "EYRIE_KEY"}))
+    assert ok.extraction.api_key_env == "EYRIE_KEY"
+
+
+def test_load_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("target: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(listy)
+
+
+def test_demo_config_is_valid():
+    from conftest import REPO
+
+    config = load_config(REPO / "configs" / "demo.yaml")
+    assert config.target.tiny == "tiny-llama"
+
+
+def test_fingerprint_stable_and_section_specific(tmp_path):
+    a = parse_config(config_dict(tmp_path / "t"))
+    b = parse_config(config_dict(tmp_path / "t"))
+    assert a.fingerprint() == b.fingerprint()
+    assert a.fingerprint("data") == b.fingerprint("data")
+    c = parse_config(config_dict(tmp_path / "t", train={"epochs": 7}))
+    assert c.fingerprint("data", "target") == a.fingerprint("data", "target")
+    assert c.fingerprint("train") != a.fingerprint("train")
+    assert c.fingerprint() != a.fingerprint()

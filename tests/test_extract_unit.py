@@ -1,0 +1,175 @@
+"""extract's bookkeeping with a fake server client (pure logic; the real server is in test_extraction_correctness):
+every file validated before it counts, a manifest that vouches for exactly the files on disk, resume that keeps
+valid samples and redoes only missing or damaged ones, and server settings that never leak the API key."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eyrie.config import DataConfig, TargetConfig
+from eyrie.data import load_dataset_rows, load_shards, prepare
+from eyrie.errors import ExtractionError
+from eyrie.extract import (check_sample, clean_staging, extract_shard, load_checked, sample_path, shard_complete,
+                           shard_key)
+from eyrie.server import ServerSpec
+from eyrie.vllm_plugin import CONNECTOR_NAME
+
+from conftest import DEMO_DATA
+
+LAYERS, HIDDEN = 4, 8
+
+
+def fake_hidden(ids: list[int]) -> torch.Tensor:
+    t = torch.tensor(ids, dtype=torch.float32)
+    return (t[:, None, None] + torch.arange(LAYERS * HIDDEN).reshape(1, LAYERS, HIDDEN)).to(torch.bfloat16)
+
+
+class FakeClient:
+    """Writes what the connector would write into `staging`, then returns its path (like ServerClient.extract)."""
+
+    def __init__(self, staging: Path, bad: set[int] = frozenset()):
+        self.staging = staging
+        self.bad = bad
+        self.sent: list[list[int]] = []
+        self.lock = threading.Lock()
+
+    def extract(self, token_ids: list[int], timeout_s: float) -> str:
+        with self.lock:
+            n = len(self.sent)
+            self.sent.append(list(token_ids))
+        self.staging.mkdir(parents=True, exist_ok=True)
+        path = self.staging / f"cmpl-{n}.safetensors"
+        hs = fake_hidden(token_ids)
+        if len(token_ids) in self.bad:
+            hs = hs[:, :-1].contiguous()  # one layer short
+        save_file({"hidden_states": hs, "token_ids": torch.tensor(token_ids)}, str(path))
+        return str(path)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, tiny_llama) -> Path:
+    out = tmp_path_factory.mktemp("extract-unit") / "prepare"
+    prepare(TargetConfig(model=str(tiny_llama)),
+            DataConfig(source=str(DEMO_DATA), max_samples=12, shard_size=6, eval_fraction=0.0), out)
+    return out
+
+
+def _run(prepared, tmp_path, client, shard_no=1, key="k1"):
+    shard = load_shards(prepared)[shard_no]
+    hidden, manifest = tmp_path / "hidden_states", tmp_path / "shards" / f"{shard.name}.json"
+    m = extract_shard(client, prepared, shard, key, hidden, manifest, LAYERS, HIDDEN, concurrency=3,
+                      log=lambda *_: None)
+    return shard, hidden, manifest, m
+
+
+def test_shard_written_validated_and_vouched_for(prepared, tmp_path):
+    client = FakeClient(tmp_path / "staging")
+    shard, hidden, manifest, m = _run(prepared, tmp_path, client)
+    rows = load_dataset_rows(prepared, shard.start, shard.stop)
+    assert sorted(client.sent) == sorted(rows)
+    assert m["extracted_samples"] == 6 and m["reused_samples"] == 0 and m["rows"] == [6, 12]
+    assert sorted(m["files"], key=int) == [str(i) for i in range(6, 12)]
+    for offset, ids in enumerate(rows):
+        load_checked(sample_path(hidden, shard.start + offset), ids, LAYERS, HIDDEN)
+    assert not list((tmp_path / "staging").iterdir())  # every staging file was moved into place
+    assert shard_complete(manifest, "k1", hidden, verify_checksums=True)
+    assert not shard_complete(manifest, "other-key", hidden)
+    # A finished shard is not sent again.
+    again = FakeClient(tmp_path / "staging")
+    _run(prepared, tmp_path, again)
+    assert again.sent == []
+    # Same size, different bytes: only the checksum notices.
+    p = sample_path(hidden, 7)
+    data = bytearray(p.read_bytes())
+    data[-1] ^= 0xFF
+    p.write_bytes(bytes(data))
+    assert shard_complete(manifest, "k1", hidden)
+    assert not shard_complete(manifest, "k1", hidden, verify_checksums=True)
+
+
+def test_resume_keeps_valid_samples_and_redoes_bad_ones(prepared, tmp_path):
+    shard, hidden, manifest, _ = _run(prepared, tmp_path, FakeClient(tmp_path / "staging"))
+    rows = load_dataset_rows(prepared, shard.start, shard.stop)
+    manifest.unlink()  # as if the run died before the manifest was written
+    sample_path(hidden, 6).unlink()  # missing
+    torn = sample_path(hidden, 8)
+    torn.write_bytes(torn.read_bytes()[:40])  # truncated
+    kept = {i: sample_path(hidden, i).stat().st_mtime_ns for i in (7, 9, 10, 11)}
+    client = FakeClient(tmp_path / "staging")
+    _, _, _, m = _run(prepared, tmp_path, client)
+    assert sorted(client.sent) == sorted([rows[0], rows[2]])
+    assert m["reused_samples"] == 4 and m["extracted_samples"] == 2
+    assert {i: sample_path(hidden, i).stat().st_mtime_ns for i in kept} == kept
+    assert shard_complete(manifest, "k1", hidden, verify_checksums=True)
+    # A changed key (other layers, other target) invalidates the manifest and redoes the shard's bookkeeping.
+    _, _, _, m2 = _run(prepared, tmp_path, FakeClient(tmp_path / "staging"), key="k2")
+    assert m2["key"] == "k2" and m2["reused_samples"] == 6
+
+
+def test_bad_file_from_server_fails_the_shard(prepared, tmp_path):
+    shard = load_shards(prepared)[0]
+    rows = load_dataset_rows(prepared, shard.start, shard.stop)
+    client = FakeClient(tmp_path / "staging", bad={len(rows[3])})
+    with pytest.raises(ExtractionError) as info:
+        _run(prepared, tmp_path, client, shard_no=0)
+    assert "the server wrote a bad file" in str(info.value) and "expected (" in str(info.value)
+    assert not (tmp_path / "shards" / f"{shard.name}.json").exists()  # no manifest vouches for it
+    assert not list((tmp_path / "staging").glob("*.safetensors"))  # the bad file was removed
+
+
+def test_check_sample_rejects_wrong_files():
+    ids = [1, 2, 3]
+    good = {"hidden_states": fake_hidden(ids), "token_ids": torch.tensor(ids)}
+    check_sample(good, ids, LAYERS, HIDDEN)
+    with pytest.raises(ValueError, match="token ids differ"):
+        check_sample(good, [1, 2, 4], LAYERS, HIDDEN)
+    with pytest.raises(ValueError, match="shape"):
+        check_sample(good, ids, LAYERS + 1, HIDDEN)
+    nan = dict(good, hidden_states=good["hidden_states"].clone())
+    nan["hidden_states"][1, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        check_sample(nan, ids, LAYERS, HIDDEN)
+    with pytest.raises(ValueError, match="expected hidden_states and token_ids"):
+        check_sample({"token_ids": good["token_ids"]}, ids, LAYERS, HIDDEN)
+
+
+def test_clean_staging_removes_orphans(tmp_path):
+    (tmp_path / "a.safetensors").write_bytes(b"x")
+    (tmp_path / "a.safetensors.lock").write_bytes(b"")
+    (tmp_path / "keep.txt").write_text("x")
+    assert clean_staging(tmp_path) == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+    assert clean_staging(tmp_path / "missing") == 0
+
+
+def test_shard_key_covers_target_layers_and_rows(prepared):
+    shard = load_shards(prepared)[0]
+    base = shard_key("t1", [2, 4, 5, 8], shard)
+    assert base == shard_key("t1", [2, 4, 5, 8], shard)
+    assert base != shard_key("t2", [2, 4, 5, 8], shard)
+    assert base != shard_key("t1", [1, 4, 5, 8], shard)
+    assert base != shard_key("t1", [2, 4, 5, 8], load_shards(prepared)[1])
+
+
+def test_server_spec_fingerprint_and_command(monkeypatch):
+    spec = ServerSpec(model="/m", layer_ids=[2, 4, 5, 8], storage_path="/s", port=1234, api_key_env="EYRIE_TEST_KEY")
+    assert spec.fingerprint() == ServerSpec(**{**spec.__dict__, "port": 999}).fingerprint()  # not the port
+    assert spec.fingerprint() != ServerSpec(**{**spec.__dict__, "layer_ids": [2, 4, 6, 8]}).fingerprint()
+    cmd = spec.command(4321)
+    text = " ".join(cmd)
+    assert '"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 8]' in text
+    assert CONNECTOR_NAME in text and '"shared_storage_path": "/s"' in text and "extract_hidden_states" in text
+    assert cmd[cmd.index("--port") + 1] == "4321"
+    monkeypatch.delenv("EYRIE_TEST_KEY", raising=False)
+    with pytest.raises(ExtractionError, match=r"\$EYRIE_TEST_KEY"):
+        spec.api_key()
+    monkeypatch.setenv("EYRIE_TEST_KEY", "s3cret-value")
+    assert spec.api_key() == "s3cret-value"
+    assert "s3cret-value" not in " ".join(spec.command(1)) and "s3cret-value" not in spec.fingerprint()
+    monkeypatch.setenv("EYRIE_TEST_KEY", "another")
+    assert spec.fingerprint() == ServerSpec(**spec.__dict__).fingerprint()  # the key's value is never part of it

@@ -1,0 +1,207 @@
+"""What the vLLM extraction server writes is what the target computes: for each tiny target (Llama, DeepseekV3 and
+the Kimi-K2.5-style multimodal wrapper) one sample goes through Eyrie's server, client and file checks, and every
+captured layer is compared with transformers' hidden states on the same token ids.
+
+vLLM's id k is the input of layer k, which is transformers' hidden_states[k]. Id L (the last layer's output) is taken
+before the final norm; transformers' hidden_states[-1] has the norm applied, so the reference for id L is the last
+decoder layer's output, caught with a forward hook.
+
+The three servers start together (their start-up is mostly single-threaded Python imports, so on two cores running
+them side by side takes about half the time of one after the other), once for the whole module, and are stopped at
+its end whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eyrie.extract import _wait_and_release, extract_shard, load_checked, sample_path
+from eyrie.preflight import captured_layer_ids, default_aux_layer_ids, text_config
+from eyrie.server import ExtractionServer, ServerClient, ServerSpec
+
+from conftest import DEMO_DATA, register_server_folder, stop_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+KINDS = ["tiny-llama", "tiny-deepseek-v3", "tiny-kimi-k25"]
+MAX_MODEL_LEN = 256
+REL_TOL = 0.03  # vLLM computes in bf16; the reference runs in float32 on the same bf16 weights
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Count from 12 to 19."},
+    {"role": "assistant", "content": "12, 13, 14, 15, 16, 17, 18, 19."},
+    {"role": "user", "content": "Spell the word falcon."},
+    {"role": "assistant", "content": "The word falcon is spelled f-a-l-c-o-n."},
+]
+
+
+@dataclass
+class Running:
+    kind: str
+    model: Path
+    folder: Path
+    spec: ServerSpec
+    num_layers: int
+    hidden_size: int
+    future: Future
+
+    def client(self) -> ServerClient:
+        return self.future.result(timeout=1100)
+
+    @property
+    def startup_s(self) -> float:
+        return self._startup_s
+
+
+class Servers:
+    def __init__(self, running: dict[str, Running]):
+        self.running = running
+
+    def __getitem__(self, kind: str) -> Running:
+        return self.running[kind]
+
+
+def _start(r: Running) -> ServerClient:
+    t0 = time.monotonic()
+    client = ExtractionServer(r.folder).ensure(r.spec, startup_timeout_s=1000, log=lambda *_: None)
+    r._startup_s = time.monotonic() - t0
+    return client
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, tiny_target):
+    root = tmp_path_factory.mktemp("servers")
+    running = {}
+    for kind in KINDS:
+        model = tiny_target(kind).resolve()
+        text = text_config(json.loads((model / "config.json").read_text()))
+        n = text["num_hidden_layers"]
+        folder = register_server_folder(root / kind)
+        spec = ServerSpec(model=str(model), layer_ids=captured_layer_ids(default_aux_layer_ids(n), n),
+                          storage_path=str(folder / "staging"), max_model_len=MAX_MODEL_LEN)
+        running[kind] = Running(kind, model, folder, spec, n, text["hidden_size"], Future())
+    pool = ThreadPoolExecutor(max_workers=len(KINDS), thread_name_prefix="start-vllm")
+    try:
+        for r in running.values():
+            r.future = pool.submit(_start, r)
+        yield Servers(running)
+    finally:
+        for r in running.values():
+            stop_server(r.folder)  # a start still waiting sees its server exit and gives up
+        pool.shutdown(wait=True, cancel_futures=True)
+        for r in running.values():
+            stop_server(r.folder)  # in case a start recorded its server after the first pass
+            state = ExtractionServer(r.folder).state
+            assert state is None, f"{r.kind}: server still recorded after teardown: {state}"
+
+
+def _hf_reference(folder: Path, token_ids: list[int]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """transformers' hidden_states (float32 compute on the bf16 checkpoint) and the last layer's pre-norm output."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    caught = {}
+
+    def hook(_module, _inputs, output):
+        caught["last"] = output[0] if isinstance(output, tuple) else output
+
+    handle = model.model.layers[-1].register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([token_ids]), output_hidden_states=True)
+    finally:
+        handle.remove()
+    return tuple(h[0] for h in out.hidden_states), caught["last"][0]
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hidden_states_match_transformers(servers, kind, record_property):
+    from transformers import AutoTokenizer
+
+    from eyrie.data import tokenize_conversation
+
+    r = servers[kind]
+    client = r.client()
+    record_property("server_startup_s", round(r.startup_s, 1))
+    tok = AutoTokenizer.from_pretrained(str(r.model))
+    ids, _, _ = tokenize_conversation(tok, MESSAGES, MAX_MODEL_LEN)
+    assert 40 < len(ids) < MAX_MODEL_LEN
+
+    path = client.extract(ids, 120)
+    _wait_and_release(path)
+    assert Path(path).parent == Path(r.spec.storage_path)  # the connector writes where Eyrie told it
+    assert not Path(path + ".lock").exists()
+    n_captured = len(r.spec.layer_ids)
+    load_checked(Path(path), ids, n_captured, r.hidden_size)  # whole, finite, right shape and token ids
+    data = load_file(path)
+    os.unlink(path)
+    hs = data["hidden_states"]
+    assert hs.dtype == torch.bfloat16 and tuple(hs.shape) == (len(ids), n_captured, r.hidden_size)
+
+    # Kimi: the reference is the plain DeepseekV3 copy of the wrapper's language model; check that it is one.
+    ref_folder = r.model / "text_model" if kind == "tiny-kimi-k25" else r.model
+    if kind == "tiny-kimi-k25":
+        wrapper = load_file(str(r.model / "model.safetensors"))
+        text = load_file(str(ref_folder / "model.safetensors"))
+        assert text and all(torch.equal(wrapper["language_model." + k], v) for k, v in text.items())
+        assert AutoTokenizer.from_pretrained(str(ref_folder))(tok.decode(ids), add_special_tokens=False)[
+            "input_ids"] == ids
+
+    hf_states, last_pre_norm = _hf_reference(ref_folder, ids)
+    L = r.num_layers
+    assert len(hf_states) == L + 1
+    errors = {}
+    for j, k in enumerate(r.spec.layer_ids):
+        ref = last_pre_norm if k == L else hf_states[k]
+        errors[k] = _rel_err(hs[:, j], ref)
+    record_property("rel_err", {k: round(v, 4) for k, v in errors.items()})
+    print(f"{kind}: server start-up {r.startup_s:.0f} s; relative L2 error per captured id {errors}")
+    assert all(e < REL_TOL for e in errors.values()), errors
+    # Id L is the pre-norm output: far from transformers' (normed) last hidden state.
+    assert _rel_err(hs[:, -1], hf_states[-1]) > 0.2
+    # The captured layers are distinct (not one layer written several times).
+    for j in range(1, n_captured):
+        assert _rel_err(hs[:, j], hs[:, j - 1]) > 0.05
+
+
+def test_concurrent_requests_each_get_their_own_sample(servers, tmp_path, tiny_llama):
+    """extract_shard against the real server, 8 requests in flight: every file holds its own prompt's states."""
+    from eyrie.config import DataConfig, TargetConfig
+    from eyrie.data import load_dataset_rows, load_shards, prepare
+
+    r = servers["tiny-llama"]
+    client = r.client()
+    prepared = tmp_path / "prepare"
+    prepare(TargetConfig(model=str(r.model)), DataConfig(source=str(DEMO_DATA), max_samples=16, shard_size=16,
+                                                         eval_fraction=0.0, max_length=MAX_MODEL_LEN), prepared)
+    shard = load_shards(prepared)[0]
+    hidden = tmp_path / "hidden_states"
+    # The run folder and the server's staging folder must share a filesystem (files are renamed into place).
+    assert os.stat(tmp_path).st_dev == os.stat(r.spec.storage_path).st_dev
+    manifest = extract_shard(client, prepared, shard, "key", hidden, tmp_path / "shard.json",
+                             len(r.spec.layer_ids), r.hidden_size, concurrency=8, timeout_s=120, log=lambda *_: None)
+    assert manifest["extracted_samples"] == 16 and len(manifest["files"]) == 16
+    rows = load_dataset_rows(prepared, 0, 16)
+    for i, ids in enumerate(rows):
+        load_checked(sample_path(hidden, i), ids, len(r.spec.layer_ids), r.hidden_size)
+    # Batched with 7 others or alone, a prompt's states agree (to bf16 precision).
+    solo = client.extract(rows[3], 120)
+    _wait_and_release(solo)
+    alone = load_file(solo)["hidden_states"]
+    os.unlink(solo)
+    batched = load_file(str(sample_path(hidden, 3)))["hidden_states"]
+    assert _rel_err(batched, alone) < REL_TOL
+    assert not [p for p in Path(r.spec.storage_path).iterdir()]  # nothing left in the server's staging folder

@@ -1,0 +1,150 @@
+"""preflight: seconds of checks before any weights load. The case this project exists for: a target whose vLLM
+class lacks the EAGLE-3 interface is refused from its config.json alone, never after loading the weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eyrie.config import parse_config
+from eyrie.errors import ConfigError, PreflightError
+from eyrie.preflight import (captured_layer_ids, default_aux_layer_ids, probe_eagle3, resolve_vllm_class,
+                             run_preflight, validate_aux_layer_ids)
+from eyrie.tiny.tokenizer import build_tokenizer
+from flows.cli import main as eyrie_main
+
+from conftest import config_dict, write_config
+
+# Architectures whose vLLM 0.32 class has no `supports_eagle3` (checked in test_unsupported_architectures_exist).
+# OPT's config uses the standard num_hidden_layers/hidden_size keys, so its class is the only problem.
+UNSUPPORTED = {
+    "OPTForCausalLM": {"model_type": "opt", "hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 2,
+                       "ffn_dim": 128, "word_embed_proj_dim": 64, "max_position_embeddings": 256,
+                       "do_layer_norm_before": True, "vocab_size": 512},
+    "GPT2LMHeadModel": {"model_type": "gpt2", "n_embd": 64, "n_layer": 8, "n_head": 2, "n_positions": 256,
+                        "vocab_size": 512, "num_hidden_layers": 8, "hidden_size": 64},
+}
+
+
+def unsupported_target(folder: Path, arch: str) -> Path:
+    """A tokenizer, the architecture's config.json and a model.safetensors of garbage: loading it would fail."""
+    folder.mkdir(parents=True)
+    build_tokenizer(folder)
+    (folder / "config.json").write_text(json.dumps({"architectures": [arch], "torch_dtype": "bfloat16",
+                                                    **UNSUPPORTED[arch]}, indent=2))
+    (folder / "model.safetensors").write_bytes(b"\x13\x37 not a safetensors file " * 64)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def opt_target(tmp_path_factory) -> Path:
+    return unsupported_target(tmp_path_factory.mktemp("unsupported") / "tiny-opt", "OPTForCausalLM")
+
+
+def test_validate_aux_layer_ids():
+    assert validate_aux_layer_ids(None, 8) == ([2, 4, 5], [])
+    assert default_aux_layer_ids(61) == [2, 30, 58]
+    assert captured_layer_ids([2, 4, 5], 8) == [2, 4, 5, 8]
+    ids, problems = validate_aux_layer_ids([2, 4, 8], 8)
+    assert ids == [2, 4, 8] and len(problems) == 1
+    assert "[8] outside 0..7" in problems[0] and "the target has 8 layers" in problems[0]
+    _, problems = validate_aux_layer_ids([-1, 3], 8)
+    assert "[-1] outside 0..7" in problems[0]
+    _, problems = validate_aux_layer_ids([2, 2, 5], 8)
+    assert len(problems) == 1 and "duplicates" in problems[0]
+    _, problems = validate_aux_layer_ids(None, 4)  # defaults [2, 2, 1] collide on a 4-layer target
+    assert any("duplicates" in p and "[2, 2, 1]" in p for p in problems)
+    _, problems = validate_aux_layer_ids([5, 2, 4], 8)
+    assert problems == ["extraction.layer_ids [5, 2, 4] is not ascending: list them low to high"]
+
+
+@pytest.mark.parametrize("arch", sorted(UNSUPPORTED))
+def test_unsupported_architectures_exist(arch):
+    """The premise of the key test: the installed vLLM resolves these classes and they lack SupportsEagle3."""
+    cls = resolve_vllm_class(arch)
+    assert cls is not None and cls.__name__ == arch
+    assert not getattr(cls, "supports_eagle3", False)
+    probe = probe_eagle3({"architectures": [arch]})
+    assert probe.path == "unsupported" and "SupportsEagle3" in probe.reason
+
+
+def test_unsupported_class_refused_without_loading_weights(opt_target, tmp_path):
+    config = parse_config(config_dict(opt_target))
+    with pytest.raises(PreflightError) as info:
+        run_preflight(config, tmp_path / "run")
+    err = info.value
+    msg = str(err)
+    assert "no weights were loaded" in msg
+    assert len(err.failures) == 1, err.failures  # the class, and nothing else, is wrong with this target
+    assert "vLLM's OPTForCausalLM does not implement SupportsEagle3" in err.failures[0]
+    assert "Model does not support EAGLE3 interface" in err.failures[0]  # the failure it saves the user from
+    assert "Fix:" in err.failures[0]
+    assert "safetensors" not in msg.lower()  # the corrupt weights were never opened
+    report = run_preflight(config, tmp_path / "run", raise_on_failure=False)
+    assert report.eagle3_path == "unsupported"
+    assert report.vllm_class == "vllm.model_executor.models.opt.OPTForCausalLM"
+
+
+def test_gpt2_target_refused_too(tmp_path):
+    target = unsupported_target(tmp_path / "tiny-gpt2", "GPT2LMHeadModel")
+    with pytest.raises(PreflightError) as info:
+        run_preflight(parse_config(config_dict(target)), tmp_path / "run")
+    assert any("GPT2LMHeadModel does not implement SupportsEagle3" in f for f in info.value.failures)
+
+
+@pytest.mark.parametrize("kind, lm", [("tiny-llama", None), ("tiny-deepseek-v3", None),
+                                      ("tiny-kimi-k25", "DeepseekV3ForCausalLM")])
+def test_tiny_targets_pass(tiny_target, tmp_path, kind, lm):
+    report = run_preflight(parse_config(config_dict(tiny_target(kind))), tmp_path / "run", tokens=10_000)
+    assert report.failures == []
+    assert report.eagle3_path == "native"
+    assert (report.num_layers, report.hidden_size) == (8, 64)
+    assert report.aux_layer_ids == [2, 4, 5] and report.captured_layer_ids == [2, 4, 5, 8]
+    assert report.estimated_bytes == 10_000 * (4 * 64 * 2 + 8)
+    if lm:
+        assert report.architecture == "KimiK25ForConditionalGeneration"
+        assert report.language_model.endswith(lm)
+
+
+def test_preflight_lists_every_problem(tiny_llama, tmp_path):
+    config = parse_config(config_dict(tiny_llama, layer_ids=[2, 4, 9], vocab={"draft_vocab_size": 100_000}))
+    with pytest.raises(PreflightError) as info:
+        run_preflight(config, tmp_path / "run", tokens=10**15)  # petabytes of hidden states
+    failures = info.value.failures
+    assert len(failures) == 3, failures
+    assert "[9] outside 0..7" in failures[0]
+    assert "vocab.draft_vocab_size 100000 is larger than the target's vocabulary (512)" in failures[1]
+    assert "hidden states need about" in failures[2] and "free" in failures[2]
+
+
+def test_preflight_refuses_missing_template_and_missing_target(tiny_llama, tmp_path):
+    folder = tmp_path / "no-template"
+    folder.mkdir()
+    build_tokenizer(folder, chat_template=None)
+    shutil.copy(tiny_llama / "config.json", folder / "config.json")
+    with pytest.raises(PreflightError, match="has no chat template"):
+        run_preflight(parse_config(config_dict(folder)), tmp_path / "run")
+    with pytest.raises(ConfigError, match="does not exist"):
+        run_preflight(parse_config(config_dict(tmp_path / "nowhere")), tmp_path / "run")
+
+
+def test_cli_preflight_exit_codes(opt_target, tiny_llama, tmp_path, capsys):
+    bad, _ = write_config(tmp_path / "opt.yaml", opt_target)
+    assert eyrie_main(["preflight", "--config", str(bad), "--run-dir", str(tmp_path / "run-opt")]) == 1
+    out = capsys.readouterr()
+    assert "preflight FAILED (1)" in out.err and "OPTForCausalLM does not implement SupportsEagle3" in out.err
+    assert json.loads(out.out)["eagle3_path"] == "unsupported"
+
+    good, _ = write_config(tmp_path / "llama.yaml", tiny_llama)
+    assert eyrie_main(["preflight", "--config", str(good), "--run-dir", str(tmp_path / "run-llama")]) == 0
+    out = capsys.readouterr()
+    assert "preflight passed: LlamaForCausalLM via the native EAGLE-3 path, capturing layers [2, 4, 5, 8]" in out.out
+
+    # A bad config is a usage error (2), reported before anything runs.
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(good.read_text().replace("shard_size", "shard_sise"))
+    assert eyrie_main(["preflight", "--config", str(broken)]) == 2
+    assert "unknown key `data.shard_sise`" in capsys.readouterr().err
