@@ -77,6 +77,15 @@ def training_command(config: PipelineConfig, data_dir: Path, hidden_dir: Path, d
     return launcher + args
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGTERM the trainer when the flow process dies (even by SIGKILL), so no orphan keeps writing
+    checkpoints that the next run is about to resume from (speculators saves `interrupted/` on SIGTERM)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def run_training(config: PipelineConfig, out_dir: Path, key: str, data_dir: Path, hidden_dir: Path, d2t: Path,
                  t2d: Path, aux_ids: list[int], seq_lens: list[int], warm_start: Path | None = None,
                  log=print) -> dict:
@@ -102,7 +111,7 @@ def run_training(config: PipelineConfig, out_dir: Path, key: str, data_dir: Path
     with open(log_path, "ab") as f:
         f.write(f"\n===== eyrie: {' '.join(cmd)}\n".encode())
         f.flush()
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent).returncode
     if rc != 0:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
         raise EyrieError(f"training exited with code {rc}; checkpoints so far are kept in {save_path} and the "

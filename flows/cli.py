@@ -17,8 +17,8 @@ def _run(args) -> int:
     run_dir = args.run_dir or f"runs/{config.name}"
     from flows.pipeline import pipeline_flow
 
-    outputs = pipeline_flow(config=config, run_dir=run_dir)
-    print("\nEyrie run complete. Outputs:")
+    outputs = pipeline_flow(config=config, run_dir=run_dir, until=args.until)
+    print(f"\nEyrie run complete (through {args.until}). Outputs:")
     for k, v in outputs.items():
         print(f"  {k:<14} {v}")
     return 0
@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="run the pipeline flow")
     r.add_argument("--config", required=True)
     r.add_argument("--run-dir")
+    r.add_argument("--until", choices=("prepare", "extract", "train", "evaluate"), default="evaluate",
+                   help="stop after this stage (default: the whole pipeline)")
     r.set_defaults(func=_run)
     c = sub.add_parser("preflight", help="run only the checks (no weights load)")
     c.add_argument("--config", required=True)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from itertools import islice
+from typing import Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
@@ -22,8 +23,12 @@ from tasks.preflight import preflight_task
 from tasks.train import train_task, untrained_drafter_task, vocab_task
 
 
+STAGES = ("prepare", "extract", "train", "evaluate")
+
+
 @flow(name="eyrie-pipeline")
-def pipeline_flow(config: PipelineConfig, run_dir: str) -> dict:
+def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[STAGES] = "evaluate") -> dict:
+    """Run every stage up to and including `until` (evaluate: the whole pipeline)."""
     log = get_run_logger()
     run = RunFolder(run_dir)
     run.ensure()
@@ -33,7 +38,12 @@ def pipeline_flow(config: PipelineConfig, run_dir: str) -> dict:
         pkey = compute_prepare_key(config)
         prepared = unless_missing(prepare_task, run.manifest("prepare"), pkey)(config, str(run.prepare), pkey)
         report = preflight_task(config, str(run.root), tokens=prepared["stats"]["tokens"])
+        if until == "prepare":
+            return {"run_dir": str(run.root), "prepared": str(run.prepare / "dataset")}
         extracted = extract_flow(config, str(run.root), report)
+        if until == "extract":
+            return {"run_dir": str(run.root), "prepared": str(run.prepare / "dataset"),
+                    "hidden_states": extracted["hidden_states"], "shards": extracted["shards"]}
 
         dvs, aux = config.vocab.draft_vocab_size, report["aux_layer_ids"]
         vkey = vocab_key(prepared, dvs, report["vocab_size"])
@@ -43,6 +53,8 @@ def pipeline_flow(config: PipelineConfig, run_dir: str) -> dict:
         tkey = train_key(config, extracted["keys"], vkey, aux)
         trained = unless_missing(train_task, run.manifest("train"), tkey)(config, str(run.train), tkey, *data, load_seq_lens(run.prepare))
         untrained = untrained_drafter_task(config, str(run.train), *data)
+        if until == "train":
+            return {"run_dir": str(run.root), "checkpoint": trained["checkpoint"], "untrained": untrained}
 
         spec = ServerSpec.from_config(config, num_speculative_tokens=config.evaluate.num_speculative_tokens)
         prompts = list(islice(iter_eval_prompts(run.prepare), config.evaluate.num_prompts))

@@ -19,7 +19,7 @@ def ensure_target(config: PipelineConfig) -> str:
     return config.target.model
 
 
-@task(name="prepare-key")
+@task(name="data-fingerprint")
 def compute_prepare_key(config: PipelineConfig) -> str:
     return prepare_key(config.target, config.data)
 
