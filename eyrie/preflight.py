@@ -95,7 +95,7 @@ def validate_aux_layer_ids(ids: list[int] | None, num_layers: int) -> tuple[list
 class ClassProbe:
     architecture: str
     vllm_class: str | None = None
-    path: str = "unsupported"  # native | unsupported (issue: compatibility layer adds "compat")
+    path: str = "unsupported"  # native | compat (Eyrie's compatibility layer) | unsupported
     reason: str = ""
     language_model: str | None = None
 
@@ -142,11 +142,16 @@ def probe_eagle3(cfg: dict) -> ClassProbe:
         probe.path = "native"
         probe.reason = f"{cls.__name__} implements SupportsEagle3"
         return probe
-    probe.reason = (f"vLLM's {cls.__name__} does not implement SupportsEagle3 (no `supports_eagle3` flag or "
-                    "`set_aux_hidden_state_layers`), so vLLM would load the weights and then fail with 'Model does not"
-                    " support EAGLE3 interface'")
-    if lm_arch:
-        probe.reason += f"; its language model {lm_arch} is built inside it, so the wrapper must forward the interface"
+    lacks = (f"vLLM's {cls.__name__} does not implement SupportsEagle3 (no `supports_eagle3` flag or "
+             "`set_aux_hidden_state_layers`)")
+    if not callable(getattr(cls, "compute_logits", None)):
+        probe.reason = f"{lacks}, and it is not a text-generation model the compatibility layer can serve"
+    elif os.environ.get("EYRIE_EAGLE3_COMPAT", "1") == "0":
+        probe.reason = (f"{lacks}, so vLLM would load the weights and then fail with 'Model does not support EAGLE3 "
+                        "interface'; Eyrie's compatibility layer is off (EYRIE_EAGLE3_COMPAT=0)")
+    else:
+        probe.path = "compat"
+        probe.reason = f"{lacks}; Eyrie's compatibility layer gives it the interface in every vLLM process"
     return probe
 
 
@@ -211,6 +216,9 @@ def run_preflight(config: PipelineConfig, run_dir: Path, tokens: int | None = No
     if probe.path == "unsupported":
         failures.append(f"{probe.reason}. Fix: use a vLLM version whose {probe.architecture} implements "
                         "SupportsEagle3, or a target architecture that does")
+    if probe.path == "compat" and not config.extraction.enforce_eager:
+        failures.append(f"{probe.architecture} takes Eyrie's compatibility layer, whose hooks need eager execution: "
+                        "set extraction.enforce_eager: true")
     if not vllm_has_extract_hidden_states():
         failures.append(f"the installed vLLM {vllm.__version__} lacks the `extract_hidden_states` speculative "
                         "method: install vLLM >= 0.17 (pyproject extras `cpu` or `gpu`)")

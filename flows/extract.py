@@ -57,5 +57,10 @@ def extract_flow(config: PipelineConfig, run_dir: str, report: dict) -> dict:
                               "Run again (or retry the flow run): finished shards are kept.")
     if pending:
         stop_server_task(str(run.extract))
+        # Every request of this run has been answered and moved out of staging, and the server is down: what is
+        # left there was written for a client that died (a killed earlier run whose server this run reused).
+        removed = clean_staging(plan.staging)
+        if removed:
+            log.info(f"removed {removed} orphaned staging files")
     return {"shards": len(plan.shards), "extracted": sorted(pending), "hidden_states": str(run.hidden_states),
             "keys": [plan.keys[s.name] for s in plan.shards]}

@@ -19,14 +19,19 @@ from flows.cli import main as eyrie_main
 from conftest import config_dict, write_config
 
 # Architectures whose vLLM 0.32 class has no `supports_eagle3` (checked in test_unsupported_architectures_exist).
-# OPT's config uses the standard num_hidden_layers/hidden_size keys, so its class is the only problem.
+# OPT's config uses the standard num_hidden_layers/hidden_size keys, so its class is the only problem. OPT and GPT-2
+# generate text, so Eyrie's EAGLE-3 compatibility layer (eyrie/vllm_plugin/compat.py) may take them on; the tests of
+# the bare refusal turn it off with EYRIE_EAGLE3_COMPAT=0. BertModel (an embedding model) is refused either way.
 UNSUPPORTED = {
     "OPTForCausalLM": {"model_type": "opt", "hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 2,
                        "ffn_dim": 128, "word_embed_proj_dim": 64, "max_position_embeddings": 256,
                        "do_layer_norm_before": True, "vocab_size": 512},
     "GPT2LMHeadModel": {"model_type": "gpt2", "n_embd": 64, "n_layer": 8, "n_head": 2, "n_positions": 256,
                         "vocab_size": 512, "num_hidden_layers": 8, "hidden_size": 64},
+    "BertModel": {"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 2,
+                  "intermediate_size": 128, "max_position_embeddings": 256, "vocab_size": 512},
 }
+NO_COMPAT = "EYRIE_EAGLE3_COMPAT"
 
 
 def unsupported_target(folder: Path, arch: str) -> Path:
@@ -62,16 +67,18 @@ def test_validate_aux_layer_ids():
 
 
 @pytest.mark.parametrize("arch", sorted(UNSUPPORTED))
-def test_unsupported_architectures_exist(arch):
+def test_unsupported_architectures_exist(arch, monkeypatch):
     """The premise of the key test: the installed vLLM resolves these classes and they lack SupportsEagle3."""
+    monkeypatch.setenv(NO_COMPAT, "0")
     cls = resolve_vllm_class(arch)
-    assert cls is not None and cls.__name__ == arch
+    assert cls is not None
     assert not getattr(cls, "supports_eagle3", False)
     probe = probe_eagle3({"architectures": [arch]})
     assert probe.path == "unsupported" and "SupportsEagle3" in probe.reason
 
 
-def test_unsupported_class_refused_without_loading_weights(opt_target, tmp_path):
+def test_unsupported_class_refused_without_loading_weights(opt_target, tmp_path, monkeypatch):
+    monkeypatch.setenv(NO_COMPAT, "0")
     config = parse_config(config_dict(opt_target))
     with pytest.raises(PreflightError) as info:
         run_preflight(config, tmp_path / "run")
@@ -88,7 +95,8 @@ def test_unsupported_class_refused_without_loading_weights(opt_target, tmp_path)
     assert report.vllm_class == "vllm.model_executor.models.opt.OPTForCausalLM"
 
 
-def test_gpt2_target_refused_too(tmp_path):
+def test_gpt2_target_refused_too(tmp_path, monkeypatch):
+    monkeypatch.setenv(NO_COMPAT, "0")
     target = unsupported_target(tmp_path / "tiny-gpt2", "GPT2LMHeadModel")
     with pytest.raises(PreflightError) as info:
         run_preflight(parse_config(config_dict(target)), tmp_path / "run")
@@ -131,7 +139,19 @@ def test_preflight_refuses_missing_template_and_missing_target(tiny_llama, tmp_p
         run_preflight(parse_config(config_dict(tmp_path / "nowhere")), tmp_path / "run")
 
 
-def test_cli_preflight_exit_codes(opt_target, tiny_llama, tmp_path, capsys):
+def test_embedding_model_refused_even_with_the_compatibility_layer(tmp_path, monkeypatch):
+    monkeypatch.delenv(NO_COMPAT, raising=False)
+    target = unsupported_target(tmp_path / "tiny-bert", "BertModel")
+    with pytest.raises(PreflightError) as info:
+        run_preflight(parse_config(config_dict(target)), tmp_path / "run")
+    failures = info.value.failures
+    assert len(failures) == 1, failures
+    assert "vLLM's BertEmbeddingModel does not implement SupportsEagle3" in failures[0]
+    assert "safetensors" not in str(info.value).lower()
+
+
+def test_cli_preflight_exit_codes(opt_target, tiny_llama, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(NO_COMPAT, "0")
     bad, _ = write_config(tmp_path / "opt.yaml", opt_target)
     assert eyrie_main(["preflight", "--config", str(bad), "--run-dir", str(tmp_path / "run-opt")]) == 1
     out = capsys.readouterr()

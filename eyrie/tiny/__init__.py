@@ -10,7 +10,7 @@ from pathlib import Path
 
 from eyrie.tiny.tokenizer import build_tokenizer
 
-TINY_TARGETS = ("tiny-llama", "tiny-llama-chat", "tiny-deepseek-v3", "tiny-kimi-k25")
+TINY_TARGETS = ("tiny-llama", "tiny-llama-chat", "tiny-deepseek-v3", "tiny-kimi-k25", "tiny-gpt2", "tiny-opt")
 
 
 def build_target(kind: str, path: str | Path, seed: int = 0, **kw) -> Path:
@@ -28,6 +28,10 @@ def build_target(kind: str, path: str | Path, seed: int = 0, **kw) -> Path:
         build = partial(build_llama, pretrain_steps=kw.pop("pretrain_steps", 200))
     elif kind == "tiny-deepseek-v3":
         from eyrie.tiny.deepseek import build_deepseek_v3 as build
+    elif kind == "tiny-gpt2":
+        from eyrie.tiny.classic import build_gpt2 as build
+    elif kind == "tiny-opt":
+        from eyrie.tiny.classic import build_opt as build
     elif kind == "tiny-kimi-k25":
         from eyrie.tiny.kimi import build_kimi_k25 as build
     else:

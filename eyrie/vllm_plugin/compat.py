@@ -1,0 +1,115 @@
+"""EAGLE-3 for target classes that lack vLLM's `SupportsEagle3` interface.
+
+vLLM checks the interface on the built model, in the model runner, just before it asks for aux hidden states
+(`_setup_eagle3_aux_hidden_state_outputs`); without it the run dies after the whole load. Eyrie wraps that one
+method: when aux outputs are requested and the model lacks the interface, the model instance is given a subclass
+with the class flag, `set_aux_hidden_state_layers`, the default ids (2, L//2, L-3) and a forward that also returns
+the residual stream entering each requested decoder layer (vLLM's convention; id L is the last layer's output).
+The stream is read with forward hooks on the decoder layers found under `model.layers`, `decoder.layers`, `h`, or a
+wrapper's `language_model`. Classes that implement the interface are never touched. Hooks need eager execution
+(`enforce_eager`), which preflight checks.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+_INSTALLED = "_eyrie_eagle3_compat"
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The decoder's layer list, unwrapping a multimodal wrapper's language model the way vLLM does."""
+    parent = model.get_language_model() if hasattr(model, "get_language_model") else \
+        getattr(model, "language_model", model)
+    holder = getattr(parent, "model", parent)
+    for path in ("layers", "decoder.layers", "h", "transformer.h", "model.layers"):
+        obj = holder
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if isinstance(obj, nn.ModuleList) and len(obj) > 0:
+            return obj
+    return None
+
+
+def _stream(layer: nn.Module):
+    """A function (args, kwargs) -> the residual stream entering `layer` (hidden_states + residual, if split)."""
+    params = list(inspect.signature(layer.forward).parameters)
+
+    def read(args, kwargs):
+        bound = dict(zip(params, args), **kwargs)
+        hs = bound.get("hidden_states", args[0] if args else None)
+        residual = bound.get("residual")
+        return hs if residual is None else hs + residual
+    return read
+
+
+class _Capture:
+    def __init__(self, layers: nn.ModuleList, ids: tuple[int, ...]):
+        self.ids = ids
+        self.out: dict[int, torch.Tensor] = {}
+        n = len(layers)
+        for k in ids:
+            if k < n:
+                read = _stream(layers[k])
+                layers[k].register_forward_pre_hook(
+                    lambda m, a, kw, k=k, read=read: self.out.__setitem__(k, read(a, kw)), with_kwargs=True)
+            elif k == n:  # the last layer's output, before the final norm
+                layers[n - 1].register_forward_hook(
+                    lambda m, a, o: self.out.__setitem__(n, o[0] + o[1] if isinstance(o, tuple) and len(o) == 2
+                                                         and o[1] is not None else (o[0] if isinstance(o, tuple)
+                                                                                    else o)))
+            else:
+                raise ValueError(f"aux hidden state layer {k} is beyond the model's {n} layers")
+
+    def collect(self) -> list[torch.Tensor]:
+        out, self.out = self.out, {}
+        return [out[k] for k in self.ids]
+
+
+def graft_eagle3(model: nn.Module) -> None:
+    """Give `model` (an instance lacking the interface) EAGLE-3 aux outputs, in place."""
+    layers = decoder_layers(model)
+    if layers is None:
+        raise RuntimeError(f"Eyrie's EAGLE-3 compatibility layer found no decoder layers in "
+                           f"{type(model).__name__} (looked for model.layers, decoder.layers, h)")
+    base = type(model)
+
+    def set_aux_hidden_state_layers(self, ids) -> None:
+        self._eyrie_capture = _Capture(layers, tuple(sorted(set(ids))))
+
+    def get_eagle3_default_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        n = len(layers)
+        return (2, n // 2, n - 3)
+
+    def forward(self, *args, **kwargs):
+        out = base.forward(self, *args, **kwargs)
+        capture = self.__dict__.get("_eyrie_capture")
+        return out if capture is None else (out, capture.collect())
+
+    model.__class__ = type(f"{base.__name__}WithEagle3", (base,), {
+        # every member vLLM's runtime protocol check looks for (SupportsEagleBase's defaults included)
+        "supports_eagle3": True, "has_own_lm_head": False, "has_own_embed_tokens": False,
+        "set_aux_hidden_state_layers": set_aux_hidden_state_layers,
+        "get_eagle3_default_aux_hidden_state_layers": get_eagle3_default_aux_hidden_state_layers,
+        "forward": forward, "__module__": base.__module__})
+
+
+def install() -> None:
+    """Wrap the model runner's EAGLE-3 setup (idempotent: vLLM may load plugins more than once)."""
+    from vllm.model_executor.models.interfaces import supports_eagle3
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner._setup_eagle3_aux_hidden_state_outputs
+    if getattr(original, _INSTALLED, False):
+        return
+
+    def _setup_eagle3_aux_hidden_state_outputs(self) -> None:
+        if self.use_aux_hidden_state_outputs and not supports_eagle3(self.get_model()):
+            graft_eagle3(self.get_model())
+        return original(self)
+
+    setattr(_setup_eagle3_aux_hidden_state_outputs, _INSTALLED, True)
+    GPUModelRunner._setup_eagle3_aux_hidden_state_outputs = _setup_eagle3_aux_hidden_state_outputs
