@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -27,16 +28,18 @@ def stop_server_task(folder: str) -> bool:
 def extract_shard_task(shard: Shard, key: str, base_url: str | None, api_key_env: str | None, prepare_dir: str,
                        hidden_dir: str, manifest_path: str, num_layers: int, hidden_size: int, concurrency: int,
                        timeout_s: float) -> dict:
-    import os
-
     log = get_run_logger()
     if base_url is None:
         raise RuntimeError(f"{shard.name} has no complete manifest but no server was started for it")
     client = ServerClient(base_url, os.environ.get(api_key_env) if api_key_env else None)
     artifact = create_progress_artifact(0.0, description=f"extract {shard.name}")
+    shown = [0.0]
 
     def progress(done: int, total: int) -> None:
-        update_progress_artifact(artifact, 100.0 * done / max(total, 1))
+        pct = 100.0 * done / max(total, 1)
+        if pct - shown[0] >= 5 or done == total:  # one API call per 5%, not per sample
+            shown[0] = pct
+            update_progress_artifact(artifact, pct)
 
     manifest = extract_shard(client, Path(prepare_dir), shard, key, Path(hidden_dir), Path(manifest_path),
                              num_layers, hidden_size, concurrency, timeout_s, progress=progress, log=log.info)

@@ -1,0 +1,66 @@
+"""A target whose vLLM class lacks the EAGLE-3 interface (GPT-2 in the installed vLLM) goes through the whole
+pipeline on Eyrie's compatibility layer: preflight reports the path, extraction runs through the flow and matches
+transformers, and vLLM serves the exported drafter as `eagle3` for evaluation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eyrie.config import TargetConfig
+from eyrie.preflight import probe_eagle3, read_target_config, resolve_vllm_class
+from eyrie.store import read_json
+
+from conftest import REPO, build_tiny_target, register_server_folder, write_config
+
+LAYER_IDS = [2, 4, 5]
+
+
+@pytest.mark.parametrize("kind, arch", [("tiny-gpt2", "GPT2LMHeadModel"), ("tiny-opt", "OPTForCausalLM")])
+def test_preflight_reports_the_compatibility_path(kind, arch):
+    cls = resolve_vllm_class(arch)
+    assert not getattr(cls, "supports_eagle3", False), f"{arch} implements the interface in this vLLM now"
+    probe = probe_eagle3(read_target_config(TargetConfig(model=str(build_tiny_target(kind)))))
+    assert probe.path == "compat" and "compatibility layer" in probe.reason
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_gpt2_whole_pipeline_through_the_compatibility_layer(tmp_path):
+    target = build_tiny_target("tiny-gpt2")
+    config, _ = write_config(tmp_path / "config.yaml", target, "tiny-gpt2", max_samples=64, shard_size=32,
+                             layer_ids=LAYER_IDS, name="compat",
+                             train={"epochs": 1, "lr": 3e-3, "max_seq_len": 512},
+                             evaluate={"num_prompts": 4, "max_tokens": 16, "num_speculative_tokens": 2})
+    run = tmp_path / "run"
+    for folder in (run / "extract", run / "export" / "server-trained", run / "evaluate" / "server-untrained"):
+        register_server_folder(folder)
+    cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-dir", str(run)]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1700)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+
+    assert read_json(run / "preflight.json")["eagle3_path"] == "compat"
+    # A sample extracted through the flow matches transformers' residual stream entering each aux layer.
+    sample = load_file(str(run / "extract" / "hidden_states" / "hs_0.safetensors"))
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target), torch_dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(sample["token_ids"][None], output_hidden_states=True).hidden_states
+    for j, k in enumerate(LAYER_IDS):
+        got, want = sample["hidden_states"][:, j].float(), ref[k][0]
+        assert ((got - want).norm() / want.norm()).item() < 0.03, f"layer {k}"
+
+    export = read_json(run / "export" / "manifest.json")
+    assert export["vllm_proof"]["completion_tokens"] > 0
+    assert json.loads((Path(export["drafter"]) / "config.json").read_text())[
+        "eagle_aux_hidden_state_layer_ids"] == LAYER_IDS
+    for label in ("trained", "untrained"):
+        result = read_json(run / "evaluate" / f"{label}.json")
+        assert result["drafts"] > 0 and result["acceptance_length"] >= 1.0
