@@ -55,6 +55,9 @@ class ExtractionConfig(_Section):
     enforce_eager: bool = True
     server_args: list[str] = Field(default_factory=list, description="Extra vLLM server arguments.")
     min_free_disk_gib: float = Field(1.0, ge=0, description="Head-room kept free after the estimated output.")
+    verify_checksums: bool = Field(True, description="Re-hash every hidden-state file against its manifest on each "
+                                                     "run, so a file changed after its shard completed is redone, "
+                                                     "never trained on (costs a read of all hidden states).")
     keep_server_after_failure: bool = Field(True, description="Leave the server up when a shard fails, so a retry "
                                                               "reuses the loaded target (`eyrie stop-server`).")
 

@@ -84,13 +84,16 @@ def _wait_and_release(path: str) -> None:
 
 def extract_shard(client, prepare_dir: Path, shard: Shard, key: str, hidden_dir: Path, manifest_path: Path,
                   num_layers: int, hidden_size: int, concurrency: int = 8, timeout_s: float = 600,
-                  progress: Callable[[int, int], None] | None = None, log=print) -> dict:
+                  progress: Callable[[int, int], None] | None = None, log=print,
+                  verify_checksums: bool = True) -> dict:
     """Make every sample of `shard` valid on disk and write its manifest; returns the manifest.
 
     Samples already on disk and valid (from an interrupted attempt) are kept; only missing or bad ones are sent.
     """
-    if shard_complete(manifest_path, key, hidden_dir):
+    if shard_complete(manifest_path, key, hidden_dir, verify_checksums):
         return read_json(manifest_path)
+    old = read_json(manifest_path) or {}
+    recorded = old.get("files", {}) if old.get("key") == key else {}
     manifest_path.unlink(missing_ok=True)  # a stale manifest must not vouch for files about to change
     hidden_dir.mkdir(parents=True, exist_ok=True)
     rows = load_dataset_rows(prepare_dir, shard.start, shard.stop)
@@ -100,6 +103,10 @@ def extract_shard(client, prepare_dir: Path, shard: Shard, key: str, hidden_dir:
         p = sample_path(hidden_dir, idx)
         if p.exists():
             try:
+                # A file the manifest vouched for must be byte-identical (zeros or flipped bits pass the other
+                # checks); a file from an interrupted attempt must be whole, finite and for these tokens.
+                if str(idx) in recorded and sha256_file(p) != recorded[str(idx)]["sha256"]:
+                    raise ValueError("changed since its shard completed (checksum differs)")
                 load_checked(p, ids, num_layers, hidden_size)
                 continue
             except ValueError as err:
@@ -205,5 +212,5 @@ class ExtractionPlan:
         return shard_complete(self.manifest_path(shard), self.keys[shard.name], self.run.hidden_states,
                               verify_checksums)
 
-    def pending(self) -> list[Shard]:
-        return [s for s in self.shards if not self.is_complete(s)]
+    def pending(self, verify_checksums: bool = False) -> list[Shard]:
+        return [s for s in self.shards if not self.is_complete(s, verify_checksums)]

@@ -24,7 +24,8 @@ def extract_flow(config: PipelineConfig, run_dir: str, report: dict) -> dict:
     plan = ExtractionPlan(config, run, PreflightReport(**report), load_shards(run.prepare))
     if not plan.shards:
         raise ExtractionError(f"{run.prepare / 'shards.json'} lists no shards: run the prepare stage first")
-    pending = {s.name for s in plan.pending()}
+    verify = config.extraction.verify_checksums
+    pending = {s.name for s in plan.pending(verify)}
     log.info(f"{len(plan.shards)} shards, {len(pending)} to extract")
     server = ExtractionServer(run.extract)
     base_url = None
@@ -40,7 +41,7 @@ def extract_flow(config: PipelineConfig, run_dir: str, report: dict) -> dict:
         futures.append(extract_shard_task.with_options(**opts).submit(
             shard, plan.keys[shard.name], base_url, config.extraction.api_key_env, str(run.prepare),
             str(run.hidden_states), str(plan.manifest_path(shard)), len(plan.captured_ids), plan.hidden_size,
-            config.extraction.concurrency, config.extraction.request_timeout_s))
+            config.extraction.concurrency, config.extraction.request_timeout_s, verify))
     failed = []
     for shard, fut in zip(plan.shards, futures):
         try:

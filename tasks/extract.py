@@ -27,7 +27,7 @@ def stop_server_task(folder: str) -> bool:
 @task(name="extract", task_run_name="extract-{shard.name}", cache_policy=BY_KEY, retries=2, retry_delay_seconds=5)
 def extract_shard_task(shard: Shard, key: str, base_url: str | None, api_key_env: str | None, prepare_dir: str,
                        hidden_dir: str, manifest_path: str, num_layers: int, hidden_size: int, concurrency: int,
-                       timeout_s: float) -> dict:
+                       timeout_s: float, verify_checksums: bool = True) -> dict:
     log = get_run_logger()
     if base_url is None:
         raise RuntimeError(f"{shard.name} has no complete manifest but no server was started for it")
@@ -42,6 +42,7 @@ def extract_shard_task(shard: Shard, key: str, base_url: str | None, api_key_env
             update_progress_artifact(artifact, pct)
 
     manifest = extract_shard(client, Path(prepare_dir), shard, key, Path(hidden_dir), Path(manifest_path),
-                             num_layers, hidden_size, concurrency, timeout_s, progress=progress, log=log.info)
+                             num_layers, hidden_size, concurrency, timeout_s, progress=progress, log=log.info,
+                             verify_checksums=verify_checksums)
     log.info(f"{shard.name}: {manifest['extracted_samples']} extracted, {manifest['reused_samples']} reused")
     return {k: v for k, v in manifest.items() if k != "files"}
