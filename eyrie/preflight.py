@@ -187,6 +187,10 @@ class PreflightReport:
         return asdict(self)
 
 
+def _first(cfg: dict, *keys: str) -> int:
+    return next((cfg[k] for k in keys if cfg.get(k)), 0)
+
+
 def hidden_state_bytes(tokens: int, num_captured: int, hidden_size: int, dtype_bytes: int = 2) -> int:
     """Bytes of hidden states for `tokens` tokens, plus safetensors headers and token ids (8 B each)."""
     return tokens * (num_captured * hidden_size * dtype_bytes + 8)
@@ -204,8 +208,9 @@ def run_preflight(config: PipelineConfig, run_dir: Path, tokens: int | None = No
         failures.append(f"{config.target.model} ships its own code (config.json `auto_map`): set "
                         "target.trust_remote_code: true if you trust it")
     text = text_config(cfg)
-    num_layers = int(text.get("num_hidden_layers", 0))
-    hidden = int(text.get("hidden_size", 0))
+    # GPT-2 and OPT-era configs spell these n_layer/n_embd (and word_embed_proj_dim for OPT is not the width).
+    num_layers = int(_first(text, "num_hidden_layers", "n_layer", "num_layers"))
+    hidden = int(_first(text, "hidden_size", "n_embd", "d_model"))
     vocab = int(text.get("vocab_size", cfg.get("vocab_size", 0)))
     if not num_layers or not hidden:
         failures.append(f"{config.target.model}/config.json has no num_hidden_layers/hidden_size for the decoder")

@@ -166,5 +166,11 @@ def _stop_all_servers_at_exit():
             print(f"could not stop the server in {folder}: {err}", file=sys.stderr)
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Fast tests first (so `-x` fails in seconds, not after vLLM starts), slow ones after, each in file order
+    (a module's tests stay together, so its module-scoped server starts once)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_RESULTS_DIR, ignore_errors=True)

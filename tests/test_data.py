@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eyrie.config import DataConfig, TargetConfig
 from eyrie.data import (RowError, iter_eval_prompts, load_dataset_rows, load_shards, load_tokenizer, normalize,
@@ -200,6 +202,19 @@ def test_shard_plan_is_deterministic():
     changed[5][0] = 99
     c = plan_shards(changed, 4)
     assert [x.fingerprint == y.fingerprint for x, y in zip(a, c)] == [True, False, True]
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(0, 511), min_size=1, max_size=6), max_size=30),
+       shard_size=st.integers(1, 8))
+def test_shard_plan_tiles_the_rows(rows, shard_size):
+    shards = plan_shards(rows, shard_size)
+    assert [s.index for s in shards] == list(range(len(shards)))
+    assert [s.start for s in shards] == list(range(0, len(rows), shard_size))
+    assert all(0 < s.stop - s.start <= shard_size for s in shards)
+    assert (shards[-1].stop if shards else 0) == len(rows)  # contiguous, nothing left out
+    assert sum(s.num_tokens for s in shards) == sum(map(len, rows))
+    assert plan_shards(rows, shard_size) == shards
 
 
 def test_prepare_is_deterministic_and_keyed(tmp_path, target):

@@ -53,32 +53,23 @@ class Running:
     num_layers: int
     hidden_size: int
     future: Future
+    startup_s: float | None = None
 
     def client(self) -> ServerClient:
+        """The server's client, once it answers (they all start together when the module begins)."""
         return self.future.result(timeout=1100)
-
-    @property
-    def startup_s(self) -> float:
-        return self._startup_s
-
-
-class Servers:
-    def __init__(self, running: dict[str, Running]):
-        self.running = running
-
-    def __getitem__(self, kind: str) -> Running:
-        return self.running[kind]
 
 
 def _start(r: Running) -> ServerClient:
     t0 = time.monotonic()
     client = ExtractionServer(r.folder).ensure(r.spec, startup_timeout_s=1000, log=lambda *_: None)
-    r._startup_s = time.monotonic() - t0
+    r.startup_s = time.monotonic() - t0
     return client
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory, tiny_target):
+def servers(tmp_path_factory, tiny_target) -> dict[str, Running]:
+    """One extraction server per tiny target for the whole module, started side by side, stopped at its end."""
     root = tmp_path_factory.mktemp("servers")
     running = {}
     for kind in KINDS:
@@ -93,7 +84,7 @@ def servers(tmp_path_factory, tiny_target):
     try:
         for r in running.values():
             r.future = pool.submit(_start, r)
-        yield Servers(running)
+        yield running
     finally:
         for r in running.values():
             stop_server(r.folder)  # a start still waiting sees its server exit and gives up

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -37,6 +37,21 @@ def flow_cmd(config: Path, run: Path) -> list[str]:
     # Through extraction only: the later stages have their own tests (test_pipeline.py).
     return [sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-dir", str(run),
             "--until", "extract"]
+
+
+def run_flow(config: Path, run: Path, timeout: float) -> subprocess.CompletedProcess:
+    """One flow run to its end; on a timeout its whole session goes (Prefect's server too, not vLLM's, which has a
+    session of its own and is stopped by the fixture)."""
+    proc = subprocess.Popen(flow_cmd(config, run), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the flow run took more than {timeout:.0f} s:\n{_tail(out)}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
 def status_text(run: Path) -> str:
@@ -71,7 +86,6 @@ class Resumed:
     server_healthy_after_kill: bool
     resume: subprocess.CompletedProcess
     resume_s: float
-    timings: dict = field(default_factory=dict)
 
 
 def _tail(text: str, n: int = 60) -> str:
@@ -122,9 +136,8 @@ def resumed(tmp_path_factory, tiny_llama) -> Resumed:
         status_at_kill = status_text(run)
 
         t1 = time.monotonic()
-        resume = subprocess.run(flow_cmd(config, run), cwd=REPO, capture_output=True, text=True, timeout=1200,
-                                stdin=subprocess.DEVNULL)
-        (root / "run2.log").write_text(resume.stdout + resume.stderr)
+        resume = run_flow(config, run, timeout=1200)
+        (root / "run2.log").write_text(resume.stdout)
         yield Resumed(root, config, run, killed_after, done_at_kill, samples_at_kill, status_at_kill, server_state,
                       healthy, resume, time.monotonic() - t1)
     finally:
@@ -144,7 +157,7 @@ def _rows(run: Path) -> list[list[int]]:
 
 def test_resume_after_kill(resumed: Resumed):
     r, run = resumed, resumed.run
-    out = r.resume.stdout + r.resume.stderr
+    out = r.resume.stdout
     assert r.resume.returncode == 0, _tail(out)
     print(f"first run killed after {r.killed_after_s:.0f} s with {len(r.done_at_kill)} of {NUM_SHARDS} shards "
           f"done; the resume took {r.resume_s:.0f} s")
@@ -230,9 +243,8 @@ def test_rerun_of_finished_extraction_starts_no_vllm(resumed: Resumed):
     manifests_before = {p.name: file_ids(p) for p in (run / "extract" / "shards").iterdir()}
     log_before = (run / "extract" / "server.log").read_bytes()
     t0 = time.monotonic()
-    rerun = subprocess.run(flow_cmd(resumed.config, run), cwd=REPO, capture_output=True, text=True, timeout=900,
-                           stdin=subprocess.DEVNULL)
-    out = rerun.stdout + rerun.stderr
+    rerun = run_flow(resumed.config, run, timeout=900)
+    out = rerun.stdout
     (resumed.root / "run3.log").write_text(out)
     print(f"re-run of the finished run took {time.monotonic() - t0:.0f} s")
     assert rerun.returncode == 0, _tail(out)
@@ -278,5 +290,10 @@ def test_speculators_training_loader_reads_the_output(resumed: Resumed):
     # ...and its collate function packs them into a training batch.
     batch = CollateFn(max_len=256, hidden_size=HIDDEN)(items[:3])
     assert tuple(batch["hidden_states"].shape) == (1, 256, 3 * HIDDEN)
-    assert batch["lengths"].tolist() == [len(rows[i]) for i in range(3)]
+    lengths = [len(rows[i]) for i in range(3)]
+    assert sum(lengths) < 256
+    doc = batch["document_ids"][0]
+    assert torch.bincount(doc[doc >= 0]).tolist() == lengths  # three documents packed, the rest padding
+    first = items[0]["hidden_states"].to(batch["hidden_states"].dtype)
+    assert torch.equal(batch["hidden_states"][0, :lengths[0]], first)
     assert (run / "prepare" / "dataset" / "token_freq.pt").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from eyrie.store import STAMP, RunFolder, atomic_write_json, read_json, remove_s
 from conftest import REPO
 
 HOLDER = """
-import sys, time
+import sys
 from eyrie.store import RunFolder
 with RunFolder(sys.argv[1]).lock():
     print("locked", flush=True)
@@ -38,7 +39,7 @@ def test_lock_refuses_a_second_holder(tmp_path):
         holder.stdin.close()  # the holder exits and so releases the lock
         holder.wait(timeout=30)
     with run.lock():  # free again
-        assert f"pid {__import__('os').getpid()}" in (run.root / ".eyrie.lock").read_text()
+        assert f"pid {os.getpid()}" in (run.root / ".eyrie.lock").read_text()
 
 
 def test_lock_is_released_by_a_killed_holder(tmp_path):
