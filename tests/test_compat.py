@@ -1,4 +1,4 @@
-"""A target whose vLLM class lacks the EAGLE-3 interface (GPT-2 in the installed vLLM) goes through the whole
+"""Targets whose vLLM classes lack the EAGLE-3 interface (GPT-2 and OPT in the installed vLLM) go through the whole
 pipeline on Eyrie's compatibility layer: preflight reports the path, extraction runs through the flow and matches
 transformers, and vLLM serves the exported drafter as `eagle3` for evaluation."""
 
@@ -22,7 +22,10 @@ from conftest import REPO, build_tiny_target, register_server_folder, write_conf
 LAYER_IDS = [2, 4, 5]
 
 
-@pytest.mark.parametrize("kind, arch", [("tiny-gpt2", "GPT2LMHeadModel"), ("tiny-opt", "OPTForCausalLM")])
+ARCHS = [("tiny-gpt2", "GPT2LMHeadModel"), ("tiny-opt", "OPTForCausalLM")]
+
+
+@pytest.mark.parametrize("kind, arch", ARCHS)
 def test_preflight_reports_the_compatibility_path(kind, arch):
     cls = resolve_vllm_class(arch)
     assert not getattr(cls, "supports_eagle3", False), f"{arch} implements the interface in this vLLM now"
@@ -32,9 +35,10 @@ def test_preflight_reports_the_compatibility_path(kind, arch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_gpt2_whole_pipeline_through_the_compatibility_layer(tmp_path):
-    target = build_tiny_target("tiny-gpt2")
-    config, _ = write_config(tmp_path / "config.yaml", target, "tiny-gpt2", max_samples=64, shard_size=32,
+@pytest.mark.parametrize("kind, arch", ARCHS)
+def test_whole_pipeline_through_the_compatibility_layer(tmp_path, kind, arch):
+    target = build_tiny_target(kind)
+    config, _ = write_config(tmp_path / "config.yaml", target, kind, max_samples=32, shard_size=16,
                              layer_ids=LAYER_IDS, name="compat",
                              train={"epochs": 1, "lr": 3e-3, "max_seq_len": 512},
                              evaluate={"num_prompts": 4, "max_tokens": 16, "num_speculative_tokens": 2})
@@ -45,7 +49,8 @@ def test_gpt2_whole_pipeline_through_the_compatibility_layer(tmp_path):
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1700)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
 
-    assert read_json(run / "preflight.json")["eagle3_path"] == "compat"
+    preflight = read_json(run / "preflight.json")
+    assert preflight["eagle3_path"] == "compat" and preflight["architecture"] == arch
     # A sample extracted through the flow matches transformers' residual stream entering each aux layer.
     sample = load_file(str(run / "extract" / "hidden_states" / "hs_0.safetensors"))
     from transformers import AutoModelForCausalLM

@@ -173,3 +173,32 @@ def test_server_spec_fingerprint_and_command(monkeypatch):
     assert "s3cret-value" not in " ".join(spec.command(1)) and "s3cret-value" not in spec.fingerprint()
     monkeypatch.setenv("EYRIE_TEST_KEY", "another")
     assert spec.fingerprint() == ServerSpec(**spec.__dict__).fingerprint()  # the key's value is never part of it
+
+
+@pytest.mark.parametrize("damage", ["zeros", "flipped_byte", "nan", "truncated", "emptied"])
+def test_file_changed_after_completion_is_detected_and_regenerated(prepared, tmp_path, damage):
+    client = FakeClient(tmp_path / "staging")
+    shard, hidden, manifest, first = _run(prepared, tmp_path, client)
+    victim = sample_path(hidden, shard.start + 2)
+    ids = load_dataset_rows(prepared, shard.start + 2, shard.start + 3)[0]
+    good = victim.read_bytes()
+    if damage == "zeros":  # a whole, finite, right-shaped file: only the checksum tells
+        save_file({"hidden_states": torch.zeros_like(fake_hidden(ids)), "token_ids": torch.tensor(ids)}, str(victim))
+    elif damage == "flipped_byte":
+        data = bytearray(good)
+        data[-3] ^= 0x01
+        victim.write_bytes(bytes(data))
+    elif damage == "nan":
+        save_file({"hidden_states": torch.full_like(fake_hidden(ids), float("nan")),
+                   "token_ids": torch.tensor(ids)}, str(victim))
+    elif damage == "truncated":
+        victim.write_bytes(good[: len(good) // 2])
+    else:
+        victim.write_bytes(b"")
+    assert not shard_complete(manifest, "k1", hidden, verify_checksums=True)
+    sent_before = len(client.sent)
+    _, _, _, second = _run(prepared, tmp_path, client)
+    assert len(client.sent) == sent_before + 1  # only the damaged sample is asked for again
+    assert second["extracted_samples"] == 1 and second["reused_samples"] == 5
+    assert victim.read_bytes() == good
+    assert shard_complete(manifest, "k1", hidden, verify_checksums=True)
