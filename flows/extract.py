@@ -15,12 +15,16 @@ from eyrie.preflight import PreflightReport
 from eyrie.server import ExtractionServer
 from eyrie.store import RunFolder
 from tasks.extract import extract_shard_task, start_server_task, stop_server_task
+from tasks.preflight import preflight_task
 
 
 @flow(name="eyrie-extract", task_runner=ThreadPoolTaskRunner(max_workers=2))
-def extract_flow(config: PipelineConfig, run_dir: str, report: dict) -> dict:
+def extract_flow(config: PipelineConfig, run_dir: str, report: dict | None = None) -> dict:
+    """Extract every shard of a prepared run folder; `report` is preflight's (run here when not given)."""
     log = get_run_logger()
     run = RunFolder(run_dir)
+    if report is None:
+        report = preflight_task(config, run_dir)
     plan = ExtractionPlan(config, run, PreflightReport(**report), load_shards(run.prepare))
     if not plan.shards:
         raise ExtractionError(f"{run.prepare / 'shards.json'} lists no shards: run the prepare stage first")

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import os
+from contextlib import nullcontext
 from itertools import islice
 from typing import Literal
 
 from prefect import flow, get_run_logger
+from prefect.concurrency.sync import concurrency
 from prefect.artifacts import create_markdown_artifact
 
 from eyrie.config import PipelineConfig
@@ -32,7 +35,7 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[STAGES] =
     log = get_run_logger()
     run = RunFolder(run_dir)
     run.ensure()
-    with run.lock():
+    with run.lock(), gpu_slot():
         ensure_target(config)
         preflight_task(config, str(run.root))  # seconds, before anything expensive
         pkey = compute_prepare_key(config)
@@ -77,6 +80,13 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[STAGES] =
     create_markdown_artifact(_summary_markdown(config, outputs, summary), key="run-summary")
     log.info(f"outputs: {outputs}")
     return outputs
+
+
+def gpu_slot():
+    """On a production server (EYRIE_GPU_LIMIT names the global concurrency limit `deployments.setup` creates), hold
+    the GPU node's one slot; strict, so a missing limit is an error and never silently unlimited."""
+    limit = os.environ.get("EYRIE_GPU_LIMIT")
+    return concurrency(limit, occupy=1, strict=True) if limit else nullcontext()
 
 
 def _summary_markdown(config: PipelineConfig, outputs: dict, summary: dict) -> str:
