@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from eyrie.errors import EyrieError
-from eyrie.preflight import is_local_target
+from eyrie.preflight import is_local_model
 from eyrie.store import atomic_write_json, read_json, sha256_file
 
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
@@ -53,7 +53,7 @@ def export_drafter(checkpoint: Path, out_dir: Path, target_model: str, aux_ids: 
     if manifest and manifest.get("key") == key and (out_dir / "drafter" / "model.safetensors").exists():
         return manifest
     cfg = json.loads((checkpoint / "config.json").read_text())
-    verifier = str(Path(target_model).resolve()) if is_local_target_path(target_model) else target_model
+    verifier = str(Path(target_model).resolve()) if is_local_model(target_model) else target_model
     cfg.setdefault("speculators_config", {}).setdefault("verifier", {})["name_or_path"] = verifier
     cfg["target_hidden_size"] = target_hidden_size
     problems = check_drafter_config(cfg, aux_ids, target_hidden_size)
@@ -74,12 +74,6 @@ def export_drafter(checkpoint: Path, out_dir: Path, target_model: str, aux_ids: 
                 "norm_flags": {f: cfg.get(f) for f in NORM_FLAGS},
                 "files": {p.name: sha256_file(p) for p in drafter.iterdir()}}
     return manifest  # the caller adds the vLLM proof, then writes it
-
-
-def is_local_target_path(model: str) -> bool:
-    from eyrie.config import TargetConfig
-
-    return is_local_target(TargetConfig(model=model))
 
 
 def prove_servable(client, prompt: list[dict], max_tokens: int = 16) -> dict:

@@ -22,8 +22,13 @@ from eyrie.errors import ConfigError, PreflightError
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def is_local_model(model: str) -> bool:
+    """A folder (existing, or not shaped like a hub id `org/name`) rather than a Hugging Face hub id."""
+    return Path(model).exists() or not HUB_ID.match(model)
+
+
 def is_local_target(target: TargetConfig) -> bool:
-    return Path(target.model).exists() or not HUB_ID.match(target.model)
+    return is_local_model(target.model)
 
 
 def check_target_folder(target: TargetConfig) -> None:
