@@ -39,19 +39,29 @@ def extract_flow(config: PipelineConfig, run_dir: str, report: dict | None = Non
             log.info(f"removed {removed} orphaned staging files")
         base_url = start_server_task(plan.spec, str(run.extract), config.extraction.startup_timeout_s)
 
-    futures = []
-    for shard in plan.shards:
-        opts = {"refresh_cache": True} if shard.name in pending else {}
-        futures.append(extract_shard_task.with_options(**opts).submit(
-            shard, plan.keys[shard.name], base_url, config.extraction.api_key_env, str(run.prepare),
+    def submit(shards, url):
+        return [(shard, extract_shard_task.with_options(refresh_cache=shard.name in pending).submit(
+            shard, plan.keys[shard.name], url, config.extraction.api_key_env, str(run.prepare),
             str(run.hidden_states), str(plan.manifest_path(shard)), len(plan.captured_ids), plan.hidden_size,
-            config.extraction.concurrency, config.extraction.request_timeout_s, verify))
-    failed = []
-    for shard, fut in zip(plan.shards, futures):
-        try:
-            fut.result()
-        except Exception as err:  # each shard fails on its own; report them all
-            failed.append(f"{shard.name}: {err}")
+            config.extraction.concurrency, config.extraction.request_timeout_s, verify)) for shard in shards]
+
+    def failures(submitted) -> dict:
+        out = {}
+        for shard, fut in submitted:
+            try:
+                fut.result()
+            except Exception as err:  # each shard fails on its own; report them all
+                out[shard.name] = f"{shard.name}: {err}"
+        return out
+
+    failed = failures(submit(plan.shards, base_url))
+    if failed and pending and not server.healthy():
+        # The server died under us (killed, OOM): start it once more and redo only the unfinished shards; their
+        # valid samples on disk are kept, so only the missing ones are sent again.
+        log.warning(f"the vLLM server died ({len(failed)} shards failed); restarting it once")
+        base_url = start_server_task(plan.spec, str(run.extract), config.extraction.startup_timeout_s)
+        failed = failures(submit([s for s in plan.shards if s.name in failed], base_url))
+    failed = list(failed.values())
     # A success must never leave samples missing: re-check every manifest against the files.
     missing = [s.name for s in plan.shards if not plan.is_complete(s)]
     if failed or missing:
