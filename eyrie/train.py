@@ -46,6 +46,31 @@ def newest_checkpoint(save_path: Path) -> Path | None:
     return max(epochs, key=lambda p: int(p.name)) if epochs else None
 
 
+def draft_layer_config(config: PipelineConfig, path: Path) -> Path | None:
+    """A Llama decoder config for the drafter when the target's own config cannot seed one.
+
+    speculators copies attention fields (num_key_value_heads, head_dim...) from the verifier's config; GPT-2 and
+    OPT-era configs lack them. Then the draft layer is written out explicitly, shaped by the target's width.
+    """
+    from transformers import AutoConfig, LlamaConfig
+
+    v = AutoConfig.from_pretrained(config.target.model, revision=config.target.revision,
+                                   trust_remote_code=config.target.trust_remote_code)
+    v = getattr(v, "text_config", v)
+    if getattr(v, "num_key_value_heads", None) is not None:
+        return None
+    heads = v.num_attention_heads
+    ffn = getattr(v, "intermediate_size", None) or getattr(v, "n_inner", None) or getattr(v, "ffn_dim", None)
+    draft = LlamaConfig(hidden_size=v.hidden_size, num_attention_heads=heads, num_key_value_heads=heads,
+                        head_dim=v.hidden_size // heads, intermediate_size=ffn or 4 * v.hidden_size,
+                        vocab_size=v.vocab_size, num_hidden_layers=config.train.num_layers,
+                        max_position_embeddings=getattr(v, "max_position_embeddings", None) or
+                        getattr(v, "n_positions", None) or 2048, tie_word_embeddings=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    draft.to_json_file(str(path))
+    return path
+
+
 def training_command(config: PipelineConfig, data_dir: Path, hidden_dir: Path, d2t: Path, t2d: Path,
                      aux_ids: list[int], save_path: Path, checkpoint_freq: float, device: str,
                      warm_start: Path | None = None, dry_run: bool = False) -> list[str]:
@@ -58,8 +83,7 @@ def training_command(config: PipelineConfig, data_dir: Path, hidden_dir: Path, d
             "--verifier-name-or-path", str(config.target.model), "--data-path", str(data_dir),
             "--hidden-states-path", str(hidden_dir), "--d2t-path", str(d2t), "--t2d-path", str(t2d),
             "--draft-vocab-size", str(config.vocab.draft_vocab_size),
-            "--target-layer-ids", *map(str, aux_ids), "--num-layers", str(t.num_layers),
-            "--save-path", str(save_path), "--epochs", str(t.epochs), "--lr", str(t.lr),
+            "--target-layer-ids", *map(str, aux_ids), "--save-path", str(save_path), "--epochs", str(t.epochs), "--lr", str(t.lr),
             "--ttt-steps", str(t.ttt_steps), "--total-seq-len", str(t.max_seq_len),
             "--checkpoint-freq", str(checkpoint_freq), "--train-data-ratio", str(1 - t.val_fraction),
             "--seed", str(t.seed), "--on-missing", "raise", "--loss-implementation", "eager",
@@ -72,6 +96,9 @@ def training_command(config: PipelineConfig, data_dir: Path, hidden_dir: Path, d
         args += ["--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32", "--num-workers", "0"]
     if warm_start is not None:
         args += ["--from-pretrained", str(warm_start)]
+    else:
+        draft = draft_layer_config(config, save_path.parent / "draft_layer_config.json")
+        args += ["--draft-config", str(draft)] if draft else ["--num-layers", str(t.num_layers)]
     if dry_run:
         args.append("--dry-run")
     return launcher + args

@@ -32,7 +32,21 @@ def _run_on_cpu() -> None:
     torch.accelerator.current_accelerator = current_accelerator
 
 
+def _know_classic_weight_names() -> None:
+    """speculators finds the verifier's embeddings and final norm by Llama-style names (and a few aliases); GPT-2
+    calls them `wte`/`ln_f` and OPT `final_layer_norm`. (Their final norms are LayerNorms: speculators applies the
+    weight as an RMSNorm, so training labels approximate those targets' distributions; see README.)"""
+    from speculators.utils import loading
+
+    aliases = loading._WEIGHT_ALIASES
+    for name, extra in (("embed_tokens.weight", "wte.weight"), ("model.norm.weight", "ln_f.weight"),
+                        ("model.norm.weight", "final_layer_norm.weight")):
+        if extra not in aliases.setdefault(name, []):
+            aliases[name].append(extra)
+
+
 def main(argv: list[str]) -> None:
+    _know_classic_weight_names()
     if os.environ.get("EYRIE_TRAIN_DEVICE") == "cpu":
         _run_on_cpu()
     from speculators.train.cli import main as train
