@@ -20,9 +20,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@# One pip command, so speculators cannot swap CPU torch for a CUDA build.
 	$(PY) -m pip install -q --progress-bar off -e ".[$(EXTRA),test]" 2>&1 | grep -v "^WARNING: Location" || true
-	@$(PY) -c "import vllm, speculators, prefect, torch" || (echo "install failed: see pip output above" && exit 1)
 	@# PyPI's torchvision/torchaudio/torchcodec target CUDA torch and break transformers and vllm beside CPU torch.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	@$(PY) -c "import vllm, speculators, prefect, torch" || (echo "install failed: see pip output above" && exit 1)
 	touch $@
 
 demo: $(VENV)/.installed
