@@ -153,12 +153,15 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> t
     full = _render(tokenizer, messages, generation_prompt=False)
     mask = [0] * len(full)
     for j, turn in enumerate(messages):
-        if turn["role"] != "assistant":
+        # An opening assistant turn has no prompt to bound it: context only (as speculators does).
+        if turn["role"] != "assistant" or j == 0:
             continue
-        start = len(_render(tokenizer, messages[:j], generation_prompt=True)) if j else 0
+        prompt = _render(tokenizer, messages[:j], generation_prompt=True)
         upto = _render(tokenizer, messages[: j + 1], generation_prompt=False)
-        if full[: len(upto)] != upto or start > len(upto):
+        if full[: len(upto)] != upto:
             raise RowError("template_rewrites_history", f"assistant turn {j}")
+        # Where the prompt's last token merges with the turn's first (BPE across the boundary), start at the merge.
+        start = next((i for i, (a, b) in enumerate(zip(prompt, upto)) if a != b), min(len(prompt), len(upto)))
         for i in range(start, len(upto)):
             mask[i] = 1
     truncated = len(full) > max_length
