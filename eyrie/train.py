@@ -124,6 +124,8 @@ def run_training(config: PipelineConfig, out_dir: Path, key: str, data_dir: Path
     save_path = work / "checkpoints"
     device = resolve_device(config)
     spe = steps_per_epoch(seq_lens, config.train.max_seq_len, 1 - config.train.val_fraction)
+    if device == "cuda" and config.train.devices > 1:  # speculators deals the packed batches out across the ranks,
+        spe = math.ceil(spe / config.train.devices)    # and checkpoint_freq is a share of one rank's steps
     every = config.train.save_every_steps
     freq = 1.0 if not every or every >= spe else max(every / spe, 1 / spe)
     cmd = training_command(config, data_dir, hidden_dir, d2t, t2d, aux_ids, save_path, freq, device, warm_start)
