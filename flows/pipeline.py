@@ -14,6 +14,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from eyrie.config import PipelineConfig
 from eyrie.data import iter_eval_prompts, load_seq_lens
+from eyrie.errors import EyrieError
 from eyrie.server import ServerSpec
 from eyrie.store import RunFolder, sha256_json
 from eyrie.train import train_key
@@ -50,27 +51,34 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[STAGES] =
 
         dvs, aux = config.vocab.draft_vocab_size, report["aux_layer_ids"]
         vkey = vocab_key(prepared, dvs, report["vocab_size"])
-        unless_missing(vocab_task, run.manifest("vocab"), vkey)(str(run.prepare / "dataset" / "token_freq.pt"), dvs, report["vocab_size"], str(run.vocab), vkey)
+        token_freq = str(run.prepare / "dataset" / "token_freq.pt")
+        unless_missing(vocab_task, run.manifest("vocab"), vkey)(token_freq, dvs, report["vocab_size"],
+                                                               str(run.vocab), vkey)
         d2t, t2d = (str(p) for p in mapping_paths(run.vocab, dvs))
         data = (str(run.prepare / "dataset"), str(run.hidden_states), d2t, t2d, aux)
         tkey = train_key(config, extracted["keys"], vkey, aux)
-        trained = unless_missing(train_task, run.manifest("train"), tkey)(config, str(run.train), tkey, *data, load_seq_lens(run.prepare))
+        trained = unless_missing(train_task, run.manifest("train"), tkey)(config, str(run.train), tkey, *data,
+                                                                          load_seq_lens(run.prepare))
         untrained = untrained_drafter_task(config, str(run.train), *data)
         if until == "train":
             return {"run_dir": str(run.root), "checkpoint": trained["checkpoint"], "untrained": untrained}
 
         spec = ServerSpec.from_config(config, num_speculative_tokens=config.evaluate.num_speculative_tokens)
         prompts = list(islice(iter_eval_prompts(run.prepare), config.evaluate.num_prompts))
+        if not prompts:
+            raise EyrieError("no held-out prompts to evaluate on: set data.eval_fraction above 0")
         ekey = sha256_json([tkey, aux, spec.fingerprint()])[:16]
-        exported = unless_missing(export_task, run.manifest("export"), ekey)(trained["checkpoint"], str(run.export), config.target.model, aux,
-                               report["hidden_size"], ekey, spec, prompts[0], config.extraction.startup_timeout_s)
+        timeout = config.extraction.startup_timeout_s
+        exported = unless_missing(export_task, run.manifest("export"), ekey)(
+            trained["checkpoint"], str(run.export), config.target.model, aux, report["hidden_size"], ekey, spec,
+            prompts[0], timeout)
         results = []
         for label, drafter, server_dir in (("trained", exported["drafter"], run.export / "server-trained"),
                                            ("untrained", untrained, run.evaluate / "server-untrained")):
             key = sha256_json([label, ekey, config.evaluate.model_dump(), prompts])[:16]
-            results.append(unless_missing(evaluate_task, run.evaluate / f"{label}.json", key)(label, drafter, spec, str(server_dir), prompts,
-                                         config.evaluate.max_tokens, str(run.evaluate / f"{label}.json"), key,
-                                         config.extraction.startup_timeout_s))
+            out = run.evaluate / f"{label}.json"
+            results.append(unless_missing(evaluate_task, out, key)(
+                label, drafter, spec, str(server_dir), prompts, config.evaluate.max_tokens, str(out), key, timeout))
         summary = report_task(results, str(run.evaluate))
 
     outputs = {"run_dir": str(run.root), "drafter": exported["drafter"],
