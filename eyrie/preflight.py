@@ -35,8 +35,8 @@ def check_target_folder(target: TargetConfig) -> None:
     """A missing or unreadable local target is a config error, raised before anything else."""
     if not is_local_target(target):
         if os.environ.get("HF_HUB_OFFLINE") == "1":
-            raise ConfigError(f"target.model {target.model!r} is neither a local folder nor reachable (HF_HUB_OFFLINE=1):"
-                              " download it first, or point target.model at the folder")
+            raise ConfigError(f"target.model {target.model!r} is neither a local folder nor reachable "
+                              "(HF_HUB_OFFLINE=1): download it first, or point target.model at the folder")
         return
     path = Path(target.model)
     if not path.is_dir():

@@ -1,8 +1,9 @@
 """vLLM servers' lives: command line, start, health, reuse, stop.
 
 Two kinds: the extraction server (`extract_hidden_states` + Eyrie's connector) and, for export and evaluation, the
-target served with an EAGLE-3 drafter. One server per extraction, started detached in its own process group so that a killed flow leaves it running and
-the next run with the same settings reuses it instead of loading the target again (27 minutes on the real node).
+target served with an EAGLE-3 drafter. One server per extraction, started detached in its own process group so
+that a killed flow leaves it running and the next run with the same settings reuses it instead of loading the
+target again (27 minutes on the real node).
 Its state lives in `server.json` beside its log; settings are compared by fingerprint.
 """
 

@@ -1,8 +1,9 @@
 """`python -m eyrie.train_entry ARGS` or `torchrun ... -m eyrie.train_entry ARGS`: speculators' EAGLE-3 trainer.
 
 On GPUs this is speculators' own entry point. With EYRIE_TRAIN_DEVICE=cpu it first patches the places where
-speculators 0.9.0 assumes an accelerator (the device it moves the model and batches to and resumes onto, pinned loader memory,
-`torch.accelerator.synchronize`, and the autocast device type), so the demo and CI train the same way a GPU node does.
+speculators 0.9.0 assumes an accelerator (the device it moves the model and batches to and resumes onto, pinned
+loader memory, `torch.accelerator.synchronize`, and the autocast device type), so the demo and CI train the same
+way a GPU node does.
 """
 
 from __future__ import annotations
