@@ -6,7 +6,8 @@ method: when aux outputs are requested and the model lacks the interface, the mo
 with the class flag, `set_aux_hidden_state_layers`, the default ids (2, L//2, L-3) and a forward that also returns
 the residual stream entering each requested decoder layer (vLLM's convention; id L is the last layer's output).
 The stream is read with forward hooks on the decoder layers found under `model.layers`, `decoder.layers`, `h`, or a
-wrapper's `language_model`. Classes that implement the interface are never touched. Hooks need eager execution
+wrapper's `language_model`. For serving a drafter, the target's embeddings are also exposed where vLLM's proposer
+looks for them (`model.embed_tokens`). Classes that implement the interface are never touched. Hooks need eager execution
 (`enforce_eager`), which preflight checks.
 """
 
@@ -69,12 +70,31 @@ class _Capture:
         return [out[k] for k in self.ids]
 
 
+def expose_embeddings(model: nn.Module) -> None:
+    """vLLM's EAGLE proposer shares the target's embeddings through `target.model.embed_tokens`; GPT-2 keeps them
+    at `transformer.wte`, OPT at `model.decoder.embed_tokens`. Alias them there (plain attributes, so no module is
+    registered twice and no weight name changes)."""
+    inner = getattr(model, "model", None) or getattr(model, "transformer", None)
+    if inner is None or hasattr(inner, "embed_tokens") or hasattr(inner, "embedding"):
+        return
+    for path in ("wte", "decoder.embed_tokens", "embed_in", "word_embeddings"):
+        obj = inner
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if isinstance(obj, nn.Module):
+            object.__setattr__(inner, "embed_tokens", obj)
+            break
+    if getattr(model, "model", None) is None:
+        object.__setattr__(model, "model", inner)
+
+
 def graft_eagle3(model: nn.Module) -> None:
     """Give `model` (an instance lacking the interface) EAGLE-3 aux outputs, in place."""
     layers = decoder_layers(model)
     if layers is None:
         raise RuntimeError(f"Eyrie's EAGLE-3 compatibility layer found no decoder layers in "
                            f"{type(model).__name__} (looked for model.layers, decoder.layers, h)")
+    expose_embeddings(model)
     base = type(model)
 
     def set_aux_hidden_state_layers(self, ids) -> None:
@@ -98,13 +118,23 @@ def graft_eagle3(model: nn.Module) -> None:
 
 
 def install() -> None:
-    """Wrap the model runner's EAGLE-3 setup (idempotent: vLLM may load plugins more than once)."""
+    """Wrap the model runner's EAGLE-3 setup and the proposer's embedding sharing (which runs first, when a drafter
+    is loaded beside the target). Idempotent: vLLM may load plugins more than once."""
     from vllm.model_executor.models.interfaces import supports_eagle3
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     original = GPUModelRunner._setup_eagle3_aux_hidden_state_outputs
     if getattr(original, _INSTALLED, False):
         return
+    share = SpecDecodeBaseProposer._maybe_share_embeddings
+
+    def _maybe_share_embeddings(self, target_language_model) -> None:
+        if not supports_eagle3(target_language_model):
+            expose_embeddings(target_language_model)
+        return share(self, target_language_model)
+
+    SpecDecodeBaseProposer._maybe_share_embeddings = _maybe_share_embeddings
 
     def _setup_eagle3_aux_hidden_state_outputs(self) -> None:
         if self.use_aux_hidden_state_outputs and not supports_eagle3(self.get_model()):
