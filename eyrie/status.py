@@ -14,14 +14,16 @@ def run_status(run: RunFolder) -> dict:
     shards = load_shards(run.prepare)
     for stage in STAGES:
         if stage == "extract":
-            done = [s for s in shards if read_json(run.shard_manifests / f"{s.name}.json")]
+            done = 0
             for s in shards:
-                m = read_json(run.shard_manifests / f"{s.name}.json")
-                partial = sum(1 for i in range(s.start, s.stop) if (run.hidden_states / f"hs_{i}.safetensors").exists())
-                out["shards"][s.name] = ("done" if m else f"partial {partial}/{s.stop - s.start}" if partial
-                                         else "pending")
+                if read_json(run.shard_manifests / f"{s.name}.json"):
+                    done += 1
+                    out["shards"][s.name] = "done"
+                    continue
+                partial = sum((run.hidden_states / f"hs_{i}.safetensors").exists() for i in range(s.start, s.stop))
+                out["shards"][s.name] = f"partial {partial}/{s.stop - s.start}" if partial else "pending"
             out["stages"][stage] = ("not started" if not shards else
-                                    "done" if len(done) == len(shards) else f"{len(done)}/{len(shards)} shards")
+                                    "done" if done == len(shards) else f"{done}/{len(shards)} shards")
         else:
             out["stages"][stage] = "done" if read_json(run.manifest(stage)) else "not started"
     server = ExtractionServer(run.extract)
