@@ -16,7 +16,7 @@ from eyrie.config import PipelineConfig
 from eyrie.data import iter_eval_prompts, load_seq_lens
 from eyrie.errors import EyrieError
 from eyrie.server import ServerSpec
-from eyrie.store import RunFolder, sha256_json
+from eyrie.store import RunFolder, remove_staging, sha256_json
 from eyrie.train import train_key
 from eyrie.vocab import mapping_paths, vocab_key
 from flows.extract import extract_flow
@@ -37,6 +37,10 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[STAGES] =
     run = RunFolder(run_dir)
     run.ensure()
     with run.lock(), gpu_slot():
+        # Holding the lock, no writer is in flight here: a temporary file left by an atomic write is from a crash.
+        removed = remove_staging(run.root)
+        if removed:
+            log.info(f"removed {removed} temporary files left by an interrupted run")
         ensure_target(config)
         preflight_task(config, str(run.root))  # seconds, before anything expensive
         pkey = compute_prepare_key(config)
