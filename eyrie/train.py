@@ -179,7 +179,6 @@ def untrained_drafter(config: PipelineConfig, out_dir: Path, data_dir: Path, hid
     shutil.rmtree(staging, ignore_errors=True)
     # Initialising needs no accelerator: always on CPU, one process.
     cmd = training_command(config, data_dir, hidden_dir, d2t, t2d, aux_ids, staging, 1.0, "cpu", dry_run=True)
-    cmd = [sys.executable] + cmd[cmd.index("-m"):]
     r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, EYRIE_TRAIN_DEVICE="cpu"))
     if r.returncode != 0:
         raise EyrieError(f"could not initialise the untrained drafter:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -25,8 +26,8 @@ def export_task(checkpoint: str, out_dir: str, target_model: str, aux_ids: list[
     if manifest and manifest.get("key") == key and manifest.get("vllm_proof"):
         return manifest
     manifest = export_drafter(Path(checkpoint), out, target_model, aux_ids, hidden_size, key)
-    spec.drafter = manifest["drafter"]
-    manifest["vllm_proof"] = prove_servable(_serve(spec, out / "server-trained", startup_timeout_s), probe)
+    served = replace(spec, drafter=manifest["drafter"])
+    manifest["vllm_proof"] = prove_servable(_serve(served, out / "server-trained", startup_timeout_s), probe)
     atomic_write_json(out / "manifest.json", manifest)
     return manifest
 
@@ -34,7 +35,7 @@ def export_task(checkpoint: str, out_dir: str, target_model: str, aux_ids: list[
 @task(name="evaluate", task_run_name="evaluate-{label}", cache_policy=BY_KEY, retries=1)
 def evaluate_task(label: str, drafter: str, spec: ServerSpec, server_dir: str, prompts: list[list[dict]],
                   max_tokens: int, out_path: str, key: str, startup_timeout_s: float) -> dict:
-    spec.drafter = drafter
+    spec = replace(spec, drafter=drafter)
     server = ExtractionServer(Path(server_dir))
     try:
         result = measure(_serve(spec, Path(server_dir), startup_timeout_s), prompts, max_tokens)
