@@ -86,6 +86,16 @@ class EvaluateConfig(_Section):
     num_speculative_tokens: int = Field(3, ge=1)
     num_prompts: int = Field(32, ge=1)
     max_tokens: int = Field(64, ge=1)
+    untrained_baseline: Literal["auto", "always", "never"] = Field(
+        "auto", description="Also measure an untrained drafter of the same shape (one more target load). auto: only "
+                            "when there is no current drafter to compare with.")
+
+
+class PromotionConfig(_Section):
+    dir: str | None = Field(None, description="Stable home of the serving drafter: `<dir>/current` links to the "
+                                              "promoted version. Unset: no promotion.")
+    warm_start: bool = Field(True, description="Train from the current drafter (keeping its draft vocabulary) "
+                                               "when there is one.")
 
 
 class PipelineConfig(_Section):
@@ -96,6 +106,7 @@ class PipelineConfig(_Section):
     vocab: VocabConfig = VocabConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
+    promotion: PromotionConfig = PromotionConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "PipelineConfig":

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator
 
 from eyrie.config import DataConfig, TargetConfig
 from eyrie.errors import DataError
+from eyrie.faults import fault_point
 from eyrie.store import atomic_write_json, read_json, replace_dir, sha256_file, sha256_json
 
 ROLE_ALIASES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "bot": "assistant",
@@ -294,8 +295,9 @@ def prepare(target: TargetConfig, data: DataConfig, out_dir: Path, key: str | No
                         f"Examples: {examples}. Rows need `messages` (role/content) or `conversations` "
                         "(from/value) with at least one assistant turn.")
 
+    for stale in out_dir.parent.glob(out_dir.name + ".staging-*"):  # left by a run killed mid-stage
+        shutil.rmtree(stale, ignore_errors=True)
     staging = out_dir.with_name(out_dir.name + f".staging-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
     _save_dataset(staging / "dataset", ids, masks)
     import torch
 
@@ -307,6 +309,7 @@ def prepare(target: TargetConfig, data: DataConfig, out_dir: Path, key: str | No
     manifest = {"stage": "prepare", "key": key, "num_samples": len(ids), "num_shards": len(shards),
                 "vocab_size": len(tokenizer), "stats": stats.as_dict()}
     atomic_write_json(staging / "manifest.json", manifest)
+    fault_point("prepare.before-publish")
     replace_dir(staging, out_dir)
     return manifest
 

@@ -26,5 +26,9 @@ class ExtractionError(EyrieError):
     pass
 
 
+class DiskFullError(ExtractionError):
+    """Out of disk space: retrying cannot help until someone frees space."""
+
+
 class RunFolderError(EyrieError):
     pass

@@ -12,8 +12,10 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Callable
 
 from eyrie.errors import EyrieError
+from eyrie.faults import fault_point
 from eyrie.preflight import is_local_model
 from eyrie.store import atomic_write_json, read_json, sha256_file
 
@@ -46,6 +48,11 @@ def check_drafter_config(cfg: dict, aux_ids: list[int], target_hidden_size: int)
     return problems
 
 
+def verifier_name(target_model: str) -> str:
+    """How a drafter names its target: an absolute path for a local folder, else the hub id."""
+    return str(Path(target_model).resolve()) if is_local_model(target_model) else target_model
+
+
 def export_drafter(checkpoint: Path, out_dir: Path, target_model: str, aux_ids: list[int],
                    target_hidden_size: int, key: str) -> dict:
     """Copy the checkpoint's servable files into `out_dir/drafter`, verifier pointed at the target."""
@@ -53,7 +60,7 @@ def export_drafter(checkpoint: Path, out_dir: Path, target_model: str, aux_ids: 
     if manifest and manifest.get("key") == key and (out_dir / "drafter" / "model.safetensors").exists():
         return manifest
     cfg = json.loads((checkpoint / "config.json").read_text())
-    verifier = str(Path(target_model).resolve()) if is_local_model(target_model) else target_model
+    verifier = verifier_name(target_model)
     cfg.setdefault("speculators_config", {}).setdefault("verifier", {})["name_or_path"] = verifier
     cfg["target_hidden_size"] = target_hidden_size
     problems = check_drafter_config(cfg, aux_ids, target_hidden_size)
@@ -74,6 +81,20 @@ def export_drafter(checkpoint: Path, out_dir: Path, target_model: str, aux_ids: 
                 "norm_flags": {f: cfg.get(f) for f in NORM_FLAGS},
                 "files": {p.name: sha256_file(p) for p in drafter.iterdir()}}
     return manifest  # the caller adds the vLLM proof, then writes it
+
+
+def export_and_prove(checkpoint: Path, out_dir: Path, target_model: str, aux_ids: list[int],
+                     target_hidden_size: int, key: str, serve: Callable[[str], object], probe: list[dict]) -> dict:
+    """Export, then prove vLLM serves the drafter (`serve(drafter_dir)` returns a client); the manifest, written
+    last, records the proof. A finished export with the same key is returned as it is."""
+    manifest = read_json(out_dir / "manifest.json")
+    if manifest and manifest.get("key") == key and manifest.get("vllm_proof"):
+        return manifest
+    manifest = export_drafter(checkpoint, out_dir, target_model, aux_ids, target_hidden_size, key)
+    fault_point("export.before-proof")
+    manifest["vllm_proof"] = prove_servable(serve(manifest["drafter"]), probe)
+    atomic_write_json(out_dir / "manifest.json", manifest)
+    return manifest
 
 
 def prove_servable(client, prompt: list[dict], max_tokens: int = 16) -> dict:

@@ -243,6 +243,15 @@ def run_preflight(config: PipelineConfig, run_dir: Path, tokens: int | None = No
     except Exception as err:  # DataError and template errors both end here with their own message
         failures.append(str(err))
 
+    if config.promotion.dir and config.promotion.warm_start:
+        from eyrie.export import verifier_name
+        from eyrie.promote import check_base, current_version
+
+        current = current_version(Path(config.promotion.dir))
+        if current is not None:
+            failures += check_base(current, verifier_name(config.target.model), config.vocab.draft_vocab_size,
+                                   aux_ids)
+
     report = PreflightReport(probe.architecture, probe.vllm_class, probe.path, probe.reason, probe.language_model,
                              num_layers, hidden, vocab, aux_ids, captured_layer_ids(aux_ids, num_layers),
                              vllm.__version__)

@@ -130,6 +130,9 @@ def run_training(config: PipelineConfig, out_dir: Path, key: str, data_dir: Path
     every = config.train.save_every_steps
     freq = 1.0 if not every or every >= spe else max(every / spe, 1 / spe)
     cmd = training_command(config, data_dir, hidden_dir, d2t, t2d, aux_ids, save_path, freq, device, warm_start)
+    # speculators saves `interrupted/` on SIGTERM but never resumes from it (it resumes from the newest numbered
+    # checkpoint, as Eyrie reports); left there, it only draws a warning on every later launch.
+    shutil.rmtree(save_path / "interrupted", ignore_errors=True)
     resumed_from = newest_checkpoint(save_path)
     state = read_json(resumed_from / "training_state.json") if resumed_from else None
     log(f"training on {device} ({spe} steps/epoch, checkpoint every {freq:g} epoch)"

@@ -46,8 +46,19 @@ def _know_classic_weight_names() -> None:
             aliases[name].append(extra)
 
 
+def _train_in_float32() -> None:
+    """A warm start loads the drafter as exported (bfloat16); training keeps float32 weights, as a drafter built
+    from scratch has (autocast still computes in bfloat16 on GPUs). On CPU, bfloat16 weights meet float32
+    hidden states and the first matmul fails."""
+    from speculators.train import cli
+
+    build = cli.build_draft_model
+    cli.build_draft_model = lambda *a, **k: build(*a, **k).float()
+
+
 def main(argv: list[str]) -> None:
     _know_classic_weight_names()
+    _train_in_float32()
     if os.environ.get("EYRIE_TRAIN_DEVICE") == "cpu":
         _run_on_cpu()
     from speculators.train.cli import main as train

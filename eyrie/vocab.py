@@ -10,12 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from eyrie.errors import ConfigError
+from eyrie.faults import fault_point
 from eyrie.store import atomic_write_json, read_json, sha256_file, sha256_json
 
 
-def vocab_key(prepare_manifest: dict, draft_vocab_size: int, target_vocab_size: int) -> str:
-    return sha256_json({"prepare": prepare_manifest["key"], "draft": draft_vocab_size,
-                        "target": target_vocab_size})[:16]
+def vocab_key(prepare_manifest: dict, draft_vocab_size: int, target_vocab_size: int, base: str | None = None) -> str:
+    return sha256_json({"prepare": prepare_manifest["key"], "draft": draft_vocab_size, "target": target_vocab_size,
+                        "base": base})[:16]
 
 
 def mapping_paths(folder: Path, draft_vocab_size: int) -> tuple[Path, Path]:
@@ -23,7 +24,9 @@ def mapping_paths(folder: Path, draft_vocab_size: int) -> tuple[Path, Path]:
 
 
 def build_vocab(token_freq_path: Path, draft_vocab_size: int, target_vocab_size: int, out_dir: Path,
-                key: str) -> dict:
+                key: str, base: Path | None = None) -> dict:
+    """The mapping for this data, or, warm-starting from the drafter `base`, that drafter's own mapping (its
+    lm_head rows belong to those tokens); the coverage figures are for this data either way."""
     import numpy as np
     import torch
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
@@ -35,7 +38,13 @@ def build_vocab(token_freq_path: Path, draft_vocab_size: int, target_vocab_size:
         raise ConfigError(f"vocab.draft_vocab_size {draft_vocab_size} is larger than the target's vocabulary "
                           f"({target_vocab_size}): set it to at most {target_vocab_size}")
     freq = torch.load(token_freq_path, weights_only=True)
-    d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab_size, target_vocab_size)
+    if base is None:
+        d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab_size, target_vocab_size)
+    else:
+        from safetensors.torch import load_file
+
+        weights = load_file(str(base / "model.safetensors"))
+        d2t, t2d = weights["d2t"], weights["t2d"]
     out_dir.mkdir(parents=True, exist_ok=True)
     d2t_path, t2d_path = mapping_paths(out_dir, draft_vocab_size)
     np.save(d2t_path, d2t.numpy())
@@ -45,6 +54,8 @@ def build_vocab(token_freq_path: Path, draft_vocab_size: int, target_vocab_size:
     manifest = {"stage": "vocab", "key": key, "draft_vocab_size": draft_vocab_size,
                 "target_vocab_size": target_vocab_size, "distinct_loss_tokens": len(freq),
                 "loss_token_coverage": round(kept / total, 6) if total else None,
+                "from_drafter": str(base) if base else None,
                 "files": {p.name: sha256_file(p) for p in (d2t_path, t2d_path)}}
+    fault_point("vocab.before-manifest")
     atomic_write_json(out_dir / "manifest.json", manifest)
     return manifest

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from contextlib import nullcontext
 from itertools import islice
+from pathlib import Path
 from typing import Literal
 
 from prefect import flow, get_run_logger
@@ -18,10 +19,11 @@ from eyrie.errors import EyrieError
 from eyrie.server import ServerSpec
 from eyrie.store import RunFolder, remove_staging, sha256_json
 from eyrie.train import train_key
+from eyrie.promote import choose_base, current_version
 from eyrie.vocab import mapping_paths, vocab_key
 from flows.extract import extract_flow
 from tasks.caching import unless_missing
-from tasks.evaluate import evaluate_task, export_task, report_task
+from tasks.evaluate import evaluate_task, export_task, promote_task, report_task
 from tasks.prepare import compute_prepare_key, ensure_target, prepare_task
 from tasks.preflight import preflight_task
 from tasks.train import train_task, untrained_drafter_task, vocab_task
@@ -54,41 +56,64 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[STAGES] =
                     "hidden_states": extracted["hidden_states"], "shards": extracted["shards"]}
 
         dvs, aux = config.vocab.draft_vocab_size, report["aux_layer_ids"]
-        vkey = vocab_key(prepared, dvs, report["vocab_size"])
+        promo_dir = Path(config.promotion.dir).resolve() if config.promotion.dir else None
+        current = current_version(promo_dir) if promo_dir else None
+        base = None
+        if promo_dir and config.promotion.warm_start:
+            # The drafter that was current when this data was first trained on (none for the first drafter), so a
+            # re-run trains the same way even after its own drafter was promoted.
+            base = choose_base(run.train / "warm_start.json", sha256_json([pkey, extracted["keys"]]), current)
+        vkey = vocab_key(prepared, dvs, report["vocab_size"], base and str(base))
         token_freq = str(run.prepare / "dataset" / "token_freq.pt")
         unless_missing(vocab_task, run.manifest("vocab"), vkey)(token_freq, dvs, report["vocab_size"],
-                                                               str(run.vocab), vkey)
+                                                               str(run.vocab), vkey, base and str(base))
         d2t, t2d = (str(p) for p in mapping_paths(run.vocab, dvs))
         data = (str(run.prepare / "dataset"), str(run.hidden_states), d2t, t2d, aux)
-        tkey = train_key(config, extracted["keys"], vkey, aux)
+        tkey = train_key(config, extracted["keys"], vkey, aux, base and str(base))
+        spec = ServerSpec.from_config(config, num_speculative_tokens=config.evaluate.num_speculative_tokens)
+        ekey = sha256_json([tkey, aux, spec.fingerprint()])[:16]
+        # The drafter to beat: the current one, unless this run's own drafter already is it (a re-run).
+        rival = current if current and current.name != ekey else None
+        baseline = config.evaluate.untrained_baseline
+        with_untrained = baseline == "always" or (baseline == "auto" and rival is None)
         trained = unless_missing(train_task, run.manifest("train"), tkey)(config, str(run.train), tkey, *data,
-                                                                          load_seq_lens(run.prepare))
-        untrained = untrained_drafter_task(config, str(run.train), *data)
+                                                                          load_seq_lens(run.prepare),
+                                                                          base and str(base))
+        untrained = untrained_drafter_task(config, str(run.train), *data) if with_untrained else None
         if until == "train":
             return {"run_dir": str(run.root), "checkpoint": trained["checkpoint"], "untrained": untrained}
 
-        spec = ServerSpec.from_config(config, num_speculative_tokens=config.evaluate.num_speculative_tokens)
         prompts = list(islice(iter_eval_prompts(run.prepare), config.evaluate.num_prompts))
         if not prompts:
             raise EyrieError("no held-out prompts to evaluate on: set data.eval_fraction above 0")
-        ekey = sha256_json([tkey, aux, spec.fingerprint()])[:16]
         timeout = config.extraction.startup_timeout_s
         exported = unless_missing(export_task, run.manifest("export"), ekey)(
             trained["checkpoint"], str(run.export), config.target.model, aux, report["hidden_size"], ekey, spec,
             prompts[0], timeout)
+        drafters = [("trained", exported["drafter"], run.export / "server-trained", ekey)]
+        if rival:
+            drafters.append(("current", str(rival), run.evaluate / "server-current", rival.name))
+        if untrained:
+            drafters.append(("untrained", untrained, run.evaluate / "server-untrained", ekey))
         results = []
-        for label, drafter, server_dir in (("trained", exported["drafter"], run.export / "server-trained"),
-                                           ("untrained", untrained, run.evaluate / "server-untrained")):
-            key = sha256_json([label, ekey, config.evaluate.model_dump(), prompts])[:16]
+        for label, drafter, server_dir, identity in drafters:
+            key = sha256_json([label, identity, config.evaluate.model_dump(), prompts])[:16]
             out = run.evaluate / f"{label}.json"
             results.append(unless_missing(evaluate_task, out, key)(
                 label, drafter, spec, str(server_dir), prompts, config.evaluate.max_tokens, str(out), key, timeout))
         summary = report_task(results, str(run.evaluate))
+        promotion = None
+        if promo_dir:
+            promotion = promote_task(str(promo_dir), exported["drafter"], ekey, summary["trained"],
+                                     summary.get("current"), {"run_dir": str(run.root), "config": config.name,
+                                                              "data": pkey})
 
     outputs = {"run_dir": str(run.root), "drafter": exported["drafter"],
                "acceptance_length": summary["trained"]["acceptance_length"],
-               "untrained_acceptance_length": summary["untrained"]["acceptance_length"],
-               "hidden_states": extracted["hidden_states"], "evaluation": str(run.evaluate)}
+               **{f"{label}_acceptance_length": r["acceptance_length"] for label, r in summary.items()
+                  if label != "trained"},
+               "hidden_states": extracted["hidden_states"], "evaluation": str(run.evaluate),
+               "promotion": promotion}
     create_markdown_artifact(_summary_markdown(config, outputs, summary), key="run-summary")
     log.info(f"outputs: {outputs}")
     return outputs
@@ -102,15 +127,18 @@ def gpu_slot():
 
 
 def _summary_markdown(config: PipelineConfig, outputs: dict, summary: dict) -> str:
-    t, u = summary["trained"], summary["untrained"]
+    promotion = outputs["promotion"]
+    serving = promotion["current"] if promotion and promotion["promoted"] else outputs["drafter"]
     return "\n".join([
         f"# Eyrie run `{config.name}`", "",
         f"Target `{config.target.model}`; drafter `{outputs['drafter']}`.", "",
         "| drafter | acceptance length | per-position acceptance |", "|---|---|---|",
-        f"| trained | {t['acceptance_length']} | {t['per_position_acceptance']} |",
-        f"| untrained (same shape) | {u['acceptance_length']} | {u['per_position_acceptance']} |", "",
+        *(f"| {label} | {r['acceptance_length']} | {r['per_position_acceptance']} |" for label, r in summary.items()),
+        "",
+        *([f"Promotion: {'promoted' if promotion['promoted'] else 'not promoted'}, {promotion['reason']} "
+           f"(`{promotion['current']}`).", ""] if promotion else []),
         f"Run folder: `{outputs['run_dir']}`; hidden states `{outputs['hidden_states']}`; "
         f"evaluation `{outputs['evaluation']}`.",
         "", "Serve it: `vllm serve <target> --speculative-config "
-        f"'{{\"method\": \"eagle3\", \"model\": \"{outputs['drafter']}\", \"num_speculative_tokens\": "
+        f"'{{\"method\": \"eagle3\", \"model\": \"{serving}\", \"num_speculative_tokens\": "
         f"{config.evaluate.num_speculative_tokens}}}'`"])

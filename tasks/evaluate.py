@@ -7,7 +7,9 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
 from eyrie.evaluate import measure
-from eyrie.export import export_drafter, prove_servable
+from eyrie.export import export_and_prove
+from eyrie.faults import fault_point
+from eyrie.promote import decide_and_promote
 from eyrie.server import ExtractionServer, ServerClient, ServerSpec
 from eyrie.store import atomic_write_json, read_json
 from tasks.caching import BY_KEY
@@ -22,19 +24,19 @@ def export_task(checkpoint: str, out_dir: str, target_model: str, aux_ids: list[
                 spec: ServerSpec, probe: list[dict], startup_timeout_s: float) -> dict:
     """Write the drafter, then prove vLLM serves it as eagle3 (the server stays up for evaluation to reuse)."""
     out = Path(out_dir)
-    manifest = read_json(out / "manifest.json")
-    if manifest and manifest.get("key") == key and manifest.get("vllm_proof"):
-        return manifest
-    manifest = export_drafter(Path(checkpoint), out, target_model, aux_ids, hidden_size, key)
-    served = replace(spec, drafter=manifest["drafter"])
-    manifest["vllm_proof"] = prove_servable(_serve(served, out / "server-trained", startup_timeout_s), probe)
-    atomic_write_json(out / "manifest.json", manifest)
-    return manifest
+
+    def serve(drafter: str) -> ServerClient:
+        return _serve(replace(spec, drafter=drafter), out / "server-trained", startup_timeout_s)
+
+    return export_and_prove(Path(checkpoint), out, target_model, aux_ids, hidden_size, key, serve, probe)
 
 
 @task(name="evaluate", task_run_name="evaluate-{label}", cache_policy=BY_KEY, retries=1)
 def evaluate_task(label: str, drafter: str, spec: ServerSpec, server_dir: str, prompts: list[list[dict]],
                   max_tokens: int, out_path: str, key: str, startup_timeout_s: float) -> dict:
+    done = read_json(Path(out_path))
+    if done and done.get("key") == key:  # measured by a run that died before Prefect recorded the result
+        return done
     spec = replace(spec, drafter=drafter)
     server = ExtractionServer(Path(server_dir))
     try:
@@ -43,6 +45,7 @@ def evaluate_task(label: str, drafter: str, spec: ServerSpec, server_dir: str, p
         server.stop(log=get_run_logger().info)
     result.update(label=label, key=key, drafter=drafter, num_speculative_tokens=spec.num_speculative_tokens)
     atomic_write_json(Path(out_path), result)
+    fault_point(f"evaluate.{label}.written")
     return result
 
 
@@ -55,3 +58,14 @@ def report_task(results: list[dict], out_dir: str) -> dict:
     summary = {r["label"]: r for r in results}
     atomic_write_json(Path(out_dir) / "manifest.json", {"stage": "evaluate", "results": summary})
     return summary
+
+
+@task(name="promote")
+def promote_task(promo_dir: str, drafter: str, version: str, candidate: dict, current: dict | None,
+                 context: dict) -> dict:
+    """Point `<promo_dir>/current` at the new drafter if it is at least as good as the current one."""
+    decision = decide_and_promote(Path(promo_dir), Path(drafter), version, candidate, current, context)
+    log = get_run_logger()
+    (log.info if decision["promoted"] else log.warning)(
+        f"{'promoted' if decision['promoted'] else 'not promoted'}: {decision['reason']} ({decision['current']})")
+    return decision

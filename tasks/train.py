@@ -13,8 +13,10 @@ from tasks.caching import BY_KEY
 
 
 @task(name="vocab", cache_policy=BY_KEY, retries=1)
-def vocab_task(token_freq: str, draft_vocab_size: int, target_vocab_size: int, out_dir: str, key: str) -> dict:
-    return build_vocab(Path(token_freq), draft_vocab_size, target_vocab_size, Path(out_dir), key)
+def vocab_task(token_freq: str, draft_vocab_size: int, target_vocab_size: int, out_dir: str, key: str,
+               base: str | None = None) -> dict:
+    return build_vocab(Path(token_freq), draft_vocab_size, target_vocab_size, Path(out_dir), key,
+                       Path(base) if base else None)
 
 
 def _watch_progress(save_path: Path, total_epochs: int, stop: threading.Event) -> None:

@@ -11,25 +11,36 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 
 from eyrie.data import load_dataset_rows, load_shards
 from eyrie.extract import load_checked, sample_path
 from eyrie.store import RunFolder, read_json
 
-from conftest import REPO, register_server_folder, write_config
+from conftest import REPO, register_server_folder, stop_server, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
+SECRET = "eyrie-test-secret-5f3a9c"  # the extraction server's API key in the first test
 
 
 def flow(config: Path, run: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-dir",
                              str(run), "--until", "extract"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, EYRIE_TEST_API_KEY=SECRET))
+
+
+def files_holding(text: str, *folders: Path) -> list[str]:
+    needle = text.encode()
+    return [str(p) for folder in folders for p in folder.rglob("*") if p.is_file() and needle in p.read_bytes()]
 
 
 def test_server_killed_mid_run_is_restarted_once_and_only_missing_samples_are_redone(tmp_path, tiny_llama):
+    # The server requires an API key here (as it does off loopback); the key must survive the restart and must
+    # never be written down.
     config, _ = write_config(tmp_path / "config.yaml", tiny_llama, max_samples=48, shard_size=8, concurrency=1,
-                             layer_ids=[2, 4, 5])
+                             layer_ids=[2, 4, 5], extraction={"api_key_env": "EYRIE_TEST_API_KEY"})
     run = tmp_path / "run"
     register_server_folder(run / "extract")
     proc = flow(config, run)
@@ -40,6 +51,10 @@ def test_server_killed_mid_run_is_restarted_once_and_only_missing_samples_are_re
             break
         time.sleep(0.2)
     assert done and proc.poll() is None, "no shard finished while the flow ran"
+    server = read_json(run / "extract" / "server.json")
+    url = f"http://{server['host']}:{server['port']}/v1/models"
+    assert requests.get(url, timeout=10).status_code == 401
+    assert requests.get(url, timeout=10, headers={"Authorization": f"Bearer {SECRET}"}).status_code == 200
     kept = {p.name: p.stat().st_mtime_ns for p in (run / "extract" / "hidden_states").glob("hs_*.safetensors")}
     os.killpg(read_json(run / "extract" / "server.json")["pid"], signal.SIGKILL)  # the server and its engine
     out, _ = proc.communicate(timeout=900)
@@ -60,6 +75,9 @@ def test_server_killed_mid_run_is_restarted_once_and_only_missing_samples_are_re
     for shard in shards:
         for offset, ids in enumerate(load_dataset_rows(rf.prepare, shard.start, shard.stop)):
             load_checked(sample_path(rf.hidden_states, shard.start + offset), ids, 4, 64)
+    # The key is in no log, manifest or state file of the run, nor in Prefect's database (logs, artifacts, states).
+    assert SECRET not in out
+    assert files_holding(SECRET, run, Path(os.environ["PREFECT_HOME"])) == []
 
 
 def test_second_run_on_a_folder_in_use_is_refused(tmp_path, tiny_llama):
@@ -72,3 +90,75 @@ def test_second_run_on_a_folder_in_use_is_refused(tmp_path, tiny_llama):
     assert out.returncode != 0
     assert f"run folder {run.root} is in use by pid {os.getpid()}" in out.stdout + out.stderr
     assert not (run.root / "prepare").exists()  # it did nothing before refusing
+
+
+def _fill(folder: Path) -> Path:
+    """Take every free byte of `folder`'s filesystem, as another job on a shared node would."""
+    filler = folder / "filler.bin"
+    with open(filler, "wb", buffering=0) as f:
+        for chunk in (1 << 20, 1 << 12, 1):
+            block = b"\0" * chunk
+            try:
+                while True:
+                    f.write(block)
+            except OSError:
+                pass
+    return filler
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 48 MiB filesystem (tmpfs) at <run>/extract; needs root, as CI has."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root (CI runs as root)")
+    extract = tmp_path / "run" / "extract"
+    extract.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(extract)], check=True)
+    try:
+        yield extract
+    finally:
+        stop_server(extract)
+        subprocess.run(["umount", "-l", str(extract)], check=False)
+
+
+def test_disk_full_mid_shard_is_a_clear_error_and_loses_nothing(tmp_path, tiny_llama, small_disk):
+    config, _ = write_config(tmp_path / "config.yaml", tiny_llama, max_samples=32, shard_size=8, concurrency=1,
+                             layer_ids=[2, 4, 5], extraction={"min_free_disk_gib": 0})
+    run, extract = tmp_path / "run", small_disk
+    register_server_folder(extract)
+    proc = flow(config, run)
+    deadline, done = time.monotonic() + 900, []
+    while time.monotonic() < deadline and proc.poll() is None and not done:
+        done = sorted((extract / "shards").glob("*.json")) if (extract / "shards").exists() else []
+        time.sleep(0.2)
+    assert done and proc.poll() is None, "no shard finished while the flow ran"
+    filler = _fill(extract)
+    out, _ = proc.communicate(timeout=900)
+
+    assert proc.returncode != 0, "a run that could not write its samples ended as a success"
+    assert "is full" in out and "free space and run again" in out, out[-4000:]
+    rf = RunFolder(tmp_path / "run")
+    shards = load_shards(rf.prepare)
+    finished = {p.stem: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (extract / "shards").glob("*.json")}
+    assert 0 < len(finished) < len(shards), finished
+    # What finished before the disk filled is intact (checksums), and no partial file passes as a sample.
+    from eyrie.extract import shard_complete
+
+    keys = {p.stem: read_json(p)["key"] for p in (extract / "shards").glob("*.json")}
+    for name in finished:
+        assert shard_complete(extract / "shards" / f"{name}.json", keys[name], rf.hidden_states, True), name
+    rows = {s.start + i: ids for s in shards for i, ids in enumerate(load_dataset_rows(rf.prepare, s.start, s.stop))}
+    for p in rf.hidden_states.glob("hs_*.safetensors"):
+        idx = int(p.stem.split("_")[1])
+        load_checked(p, rows[idx], 4, 64)
+
+    filler.unlink()  # the operator frees space and runs again
+    rerun = flow(config, run)
+    out, _ = rerun.communicate(timeout=900)
+    assert rerun.returncode == 0 and "reusing vLLM server" in out, out[-4000:]
+    for name, ids in finished.items():
+        p = extract / "shards" / f"{name}.json"
+        assert (p.stat().st_ino, p.stat().st_mtime_ns) == ids, f"{name} was redone"
+    assert sorted(p.name for p in rf.hidden_states.iterdir()) == sorted(f"hs_{i}.safetensors" for i in rows)
+    for idx, ids in rows.items():
+        load_checked(sample_path(rf.hidden_states, idx), ids, 4, 64)

@@ -1,12 +1,16 @@
 """The whole pipeline on the demo's trained tiny target, run as a user runs it (`python -m flows.cli run`).
 
-One run folder serves every test (vLLM and training are the slow parts): extraction first, then a full run whose
-flow process is SIGKILLed once training has saved a step, then a resumed run, then a third run that must find
-every stage cached and start no vLLM.
+One run folder serves every test (vLLM and training are the slow parts). The flow process is SIGKILLed in every
+stage on the way: in prepare, vocab, export and evaluate by a fault point (`EYRIE_FAULTS=<point>=kill`, the process
+kills itself mid-stage, after that stage has written part of its output), in train from outside once a step is
+checkpointed (extraction's kill and resume has its own tests in test_flow.py). Each next run resumes. Then a last
+run must find every stage cached and start no vLLM.
 """
 
 from __future__ import annotations
 
+import contextlib
+import filecmp
 import json
 import os
 import signal
@@ -20,31 +24,76 @@ import pytest
 
 from eyrie.store import read_json
 
-from conftest import REPO, build_tiny_target, register_server_folder, write_config
+from conftest import DEMO_DATA, REPO, build_tiny_target, register_server_folder, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
+# What a finished stage leaves; none of it may be rewritten by a later run. (A training epoch is finished once
+# speculators links `epoch<N>_end` to its folder; mid-epoch checkpoints in that folder are progress, overwritten.)
+FINISHED = ("prepare/manifest.json", "extract/shards/*.json", "extract/hidden_states/*", "vocab/manifest.json",
+            "train/manifest.json", "train/*/checkpoints/epoch*_end/model.safetensors", "export/manifest.json",
+            "evaluate/trained.json", "evaluate/untrained.json")
 
-def run_flow(config: Path, run: Path, until: str = "evaluate", **popen) -> subprocess.Popen:
+
+def run_flow(config: Path, run: Path, until: str = "evaluate", faults: str | None = None) -> subprocess.Popen:
+    """Start a run as a user does; its output goes to a file beside the run folder (`proc.log`)."""
     cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-dir", str(run), "--until", until]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    env = dict(os.environ, EYRIE_FAULTS=faults) if faults else None
+    log = run.parent / f"flow-{time.monotonic_ns()}.log"
+    with open(log, "wb") as f:
+        # Its own session, so the Prefect server it starts can be ended with it when it is killed.
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc.log = log
+    return proc
 
 
-def finish(proc: subprocess.Popen, timeout: float = 1500) -> str:
-    out, _ = proc.communicate(timeout=timeout)
+def reap(proc: subprocess.Popen, timeout: float = 1500) -> str:
+    """Wait for a run to end, end what it left in its session (a killed run's Prefect server), return its output."""
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.log.read_text(errors="replace")
+
+
+def finish(proc: subprocess.Popen) -> str:
+    out = reap(proc)
     assert proc.returncode == 0, out[-4000:]
     return out
+
+
+def killed_at(config: Path, run: Path, point: str, until: str = "evaluate") -> str:
+    proc = run_flow(config, run, until, faults=f"{point}=kill")
+    out = reap(proc)
+    assert proc.returncode == -signal.SIGKILL, f"the run was not killed at {point}:\n{out[-4000:]}"
+    return out
+
+
+def finished_files(run: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(run)): (p.stat().st_ino, p.stat().st_mtime_ns)
+            for pattern in FINISHED for p in run.glob(pattern)}
 
 
 def vllm_starts(run: Path) -> int:
     return sum(p.read_text(errors="replace").count("eyrie: starting vLLM") for p in run.rglob("server.log"))
 
 
+SNAPSHOT_1, SNAPSHOT_2 = 200, 248  # lines of the demo chats in the first data snapshot, and in the next one
+
+
+def write_snapshot(path: Path, lines: int) -> None:
+    path.write_text("".join(DEMO_DATA.read_text().splitlines(keepends=True)[:lines]))
+
+
 @dataclass
 class Pipeline:
     run: Path
     config: Path
+    drafters: Path  # promotion.dir
     killed_at_step: int
+    half: dict  # stage -> what the kill left of it
+    finished_at_kills: dict  # FINISHED files (inode, mtime) seen after each kill
     resume_out: str
     third_out: str
     third_s: float
@@ -56,17 +105,31 @@ class Pipeline:
 def pipeline(tmp_path_factory) -> Pipeline:
     root = tmp_path_factory.mktemp("pipeline")
     target = build_tiny_target("tiny-llama-chat")
-    config, _ = write_config(root / "config.yaml", target, "tiny-llama-chat", max_samples=192, shard_size=48,
-                             layer_ids=[2, 4, 5], name="pipeline",
+    write_snapshot(root / "chats.jsonl", SNAPSHOT_1)
+    config, _ = write_config(root / "config.yaml", target, "tiny-llama-chat", source=root / "chats.jsonl",
+                             max_samples=None, shard_size=48, layer_ids=[2, 4, 5], name="pipeline",
                              train={"epochs": 3, "lr": 3e-3, "max_seq_len": 512, "save_every_steps": 4},
-                             evaluate={"num_prompts": 12, "max_tokens": 32, "num_speculative_tokens": 3})
+                             evaluate={"num_prompts": 12, "max_tokens": 32, "num_speculative_tokens": 3},
+                             promotion={"dir": str(root / "drafters")})
     run = root / "run"
-    for folder in (run / "extract", run / "export" / "server-trained", run / "evaluate" / "server-untrained"):
+    for folder in (run / "extract", run / "export" / "server-trained", run / "evaluate" / "server-untrained",
+                   run / "evaluate" / "server-current"):
         register_server_folder(folder)
-    finish(run_flow(config, run, until="extract"))
+    half, finished = {}, {}
 
-    # Full run, killed (flow process group, SIGKILL) once training has checkpointed a step mid-way.
-    proc = run_flow(config, run, start_new_session=True)
+    killed_at(config, run, "prepare.before-publish", until="prepare")
+    half["prepare"] = [p.name for p in run.glob("prepare.staging-*")]
+    assert half["prepare"] and not (run / "prepare").exists()
+    finish(run_flow(config, run, until="extract"))
+    finished["extract"] = finished_files(run)
+
+    killed_at(config, run, "vocab.before-manifest")
+    half["vocab"] = sorted(p.name for p in (run / "vocab").glob("*.npy"))
+    assert half["vocab"] and not (run / "vocab" / "manifest.json").exists()
+    finished["vocab"] = finished_files(run)
+
+    # Killed (flow process group, SIGKILL) once training has checkpointed a step mid-way.
+    proc = run_flow(config, run)
     deadline, step = time.monotonic() + 900, 0
     while time.monotonic() < deadline and proc.poll() is None:
         states = [read_json(p) or {} for p in run.glob("train/*/checkpoints/*/training_state.json")]
@@ -76,13 +139,80 @@ def pipeline(tmp_path_factory) -> Pipeline:
         time.sleep(0.5)
     assert proc.poll() is None and step, "training never checkpointed while the flow ran"
     os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
+    reap(proc)
+    finished["train"] = finished_files(run)
+
+    killed_at(config, run, "export.before-proof")
+    half["export"] = sorted(p.name for p in (run / "export" / "drafter").iterdir())
+    assert not (run / "export" / "manifest.json").exists()
+    finished["export"] = finished_files(run)
+
+    killed_at(config, run, "evaluate.trained.written")
+    half["evaluate"] = sorted(p.name for p in (run / "evaluate").glob("*.json"))
+    assert half["evaluate"] == ["trained.json"]
+    finished["evaluate"] = finished_files(run)
 
     resume_out = finish(run_flow(config, run))
     starts = vllm_starts(run)
     t0 = time.monotonic()
     third_out = finish(run_flow(config, run))
-    return Pipeline(run, config, step, resume_out, third_out, time.monotonic() - t0, starts, vllm_starts(run))
+    return Pipeline(run, config, step, half, finished, resume_out, third_out, time.monotonic() - t0, starts,
+                    vllm_starts(run))
+
+
+def test_a_kill_in_any_stage_recomputes_nothing_finished(pipeline):
+    final = finished_files(pipeline.run)
+    for stage, seen in pipeline.finished_at_kills.items():
+        changed = sorted(path for path, ids in seen.items() if final.get(path) != ids)
+        assert not changed, f"finished before the kill in {stage}, rewritten after it: {changed[:10]}"
+    # every stage's output is there, and nothing half-written or orphaned is left anywhere
+    for path in ("prepare/manifest.json", "vocab/manifest.json", "train/manifest.json", "export/manifest.json",
+                 "evaluate/untrained.json", "evaluate/manifest.json"):
+        assert (pipeline.run / path).exists(), path
+    leftovers = [str(p) for p in pipeline.run.rglob("*") if ".staging" in p.name or p.name.endswith(".tmp")]
+    assert leftovers == []
+
+
+def test_interrupted_stages_end_as_an_uninterrupted_run(pipeline, tmp_path):
+    """prepare, vocab and export are deterministic: redone from scratch without a kill, they give the same bytes."""
+    import torch
+
+    from eyrie.config import load_config
+    from eyrie.data import prepare
+    from eyrie.export import export_drafter
+    from eyrie.vocab import build_vocab
+
+    run, config = pipeline.run, load_config(pipeline.config)
+    ref = tmp_path / "prepare"
+    prepare(config.target, config.data, ref)
+    cmp = filecmp.dircmp(run / "prepare", ref)
+    assert sorted(cmp.left_list) == sorted(cmp.right_list) == sorted(["dataset", "manifest.json",
+                                                                       "eval_prompts.jsonl", "shards.json",
+                                                                       "stats.json"])
+    for name in ("eval_prompts.jsonl", "shards.json", "stats.json"):
+        assert (run / "prepare" / name).read_bytes() == (ref / name).read_bytes(), name
+    arrows = sorted(p.name for p in (ref / "dataset").glob("*.arrow"))
+    assert arrows and arrows == sorted(p.name for p in (run / "prepare" / "dataset").glob("*.arrow"))
+    for name in arrows:
+        assert (run / "prepare" / "dataset" / name).read_bytes() == (ref / "dataset" / name).read_bytes(), name
+    assert torch.load(run / "prepare" / "dataset" / "token_freq.pt") == torch.load(ref / "dataset" / "token_freq.pt")
+
+    vocab = read_json(run / "vocab" / "manifest.json")
+    ref_vocab = build_vocab(ref / "dataset" / "token_freq.pt", vocab["draft_vocab_size"],
+                            vocab["target_vocab_size"], tmp_path / "vocab", vocab["key"])
+    assert ref_vocab["files"] == vocab["files"] and sorted(vocab["files"]) == pipeline.half["vocab"]
+
+    export = read_json(run / "export" / "manifest.json")
+    ref_export = export_drafter(Path(export["checkpoint"]), tmp_path / "export", str(config.target.model),
+                                export["eagle_aux_hidden_state_layer_ids"],
+                                json.loads((Path(export["drafter"]) / "config.json").read_text())["target_hidden_size"],
+                                export["key"])
+    assert ref_export["files"] == export["files"] and sorted(export["files"]) == pipeline.half["export"]
+
+    # extraction: exactly one file per prepared sample (test_flow.py checks their contents)
+    num_samples = read_json(run / "prepare" / "manifest.json")["num_samples"]
+    assert sorted(p.name for p in (run / "extract" / "hidden_states").iterdir()) == \
+        sorted(f"hs_{i}.safetensors" for i in range(num_samples))
 
 
 def test_training_resumes_from_the_saved_step(pipeline):
@@ -128,3 +258,80 @@ def test_second_run_is_all_cached_and_starts_no_vllm(pipeline):
                 and any(f"'{s}-" in line for s in ("prepare", "vocab", "train", "export", "evaluate", "extract"))]
     assert finished and all("Cached" in line for line in finished), "\n".join(finished)
     assert "acceptance_length" in pipeline.third_out
+
+
+def test_the_first_drafter_is_promoted_and_a_rerun_changes_nothing(pipeline):
+    export = read_json(pipeline.run / "export" / "manifest.json")
+    current = pipeline.drafters / "current"
+    assert current.resolve().name == export["key"]
+    assert (current / "model.safetensors").read_bytes() == (Path(export["drafter"]) / "model.safetensors").read_bytes()
+    assert "no current drafter yet" in pipeline.resume_out
+    assert "it is already the current drafter" in pipeline.third_out
+    assert len((pipeline.drafters / "history.jsonl").read_text().splitlines()) == 1
+
+
+@dataclass
+class Retrained:
+    out: str
+    before: dict  # shard manifest name -> (inode, mtime) before the new snapshot
+    base: Path  # the drafter that was current when the retraining began
+    base_result: dict  # its evaluation in the first snapshot's run
+
+
+@pytest.fixture(scope="module")
+def retrained(pipeline) -> Retrained:
+    """The scheduled retraining: the same config and run folder, a data file that has grown since."""
+    manifests = pipeline.run / "extract" / "shards"
+    before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in manifests.glob("*.json")}
+    base = (pipeline.drafters / "current").resolve()
+    base_result = read_json(pipeline.run / "evaluate" / "trained.json")
+    write_snapshot(pipeline.config.parent / "chats.jsonl", SNAPSHOT_2)
+    return Retrained(finish(run_flow(pipeline.config, pipeline.run)), before, base, base_result)
+
+
+def test_retraining_reuses_the_extraction_of_unchanged_shards(pipeline, retrained):
+    manifests = pipeline.run / "extract" / "shards"
+    after = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in manifests.glob("*.json")}
+    kept = sorted(name for name, ids in retrained.before.items() if after.get(name) == ids)
+    redone = sorted(set(after) - set(kept))
+    # The snapshot grew at the end: the full shards before it are unchanged, the last one grew, one is new.
+    assert kept == ["shard-00000.json", "shard-00001.json", "shard-00002.json"], (kept, redone)
+    assert redone == ["shard-00003.json", "shard-00004.json"]
+    assert "5 shards, 2 to extract" in retrained.out
+    assert len(list((pipeline.run / "extract" / "hidden_states").iterdir())) == \
+        read_json(pipeline.run / "prepare" / "manifest.json")["num_samples"]
+
+
+def test_retraining_warm_starts_from_the_current_drafter(pipeline, retrained):
+    import numpy as np
+    from safetensors.torch import load_file
+
+    train = read_json(pipeline.run / "train" / "manifest.json")
+    log = Path(train["log"]).read_text(errors="replace")
+    assert f"--from-pretrained {retrained.base}" in log
+    vocab = read_json(pipeline.run / "vocab" / "manifest.json")
+    assert vocab["from_drafter"] == str(retrained.base)  # its lm_head rows belong to its draft vocabulary
+    weights = load_file(str(retrained.base / "model.safetensors"))
+    assert np.array_equal(np.load(pipeline.run / "vocab" / "d2t-256.npy"), weights["d2t"].numpy())
+
+
+def test_retraining_promotes_only_a_drafter_at_least_as_good(pipeline, retrained):
+    trained = read_json(pipeline.run / "evaluate" / "trained.json")
+    current = read_json(pipeline.run / "evaluate" / "current.json")
+    # Both measured on the same, new held-out prompts; the untrained baseline is skipped when there is a rival.
+    assert current["drafter"] == str(retrained.base) and current["prompts"] == trained["prompts"]
+    assert not (pipeline.run / "evaluate" / "untrained.json").exists() or \
+        read_json(pipeline.run / "evaluate" / "untrained.json")["key"] != trained["key"]
+    decision = json.loads((pipeline.drafters / "history.jsonl").read_text().splitlines()[-1])
+    assert decision["current_before"] == str(retrained.base)
+    assert decision["current_acceptance_length"] == current["acceptance_length"]
+    now = (pipeline.drafters / "current").resolve()
+    export = read_json(pipeline.run / "export" / "manifest.json")
+    if trained["acceptance_length"] >= current["acceptance_length"]:
+        assert decision["promoted"] and now.name == export["key"] and "promoted:" in retrained.out
+    else:
+        assert not decision["promoted"] and now == retrained.base
+        assert "not promoted: acceptance length" in retrained.out and "the current drafter stays" in retrained.out
+    print(f"retraining: new {trained['acceptance_length']} vs current {current['acceptance_length']} "
+          f"(the current one scored {retrained.base_result['acceptance_length']} on the first snapshot's prompts): "
+          f"{decision['reason']}")
