@@ -29,7 +29,9 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/eyrie run --config configs/demo.yaml --run-dir runs/demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -x -v tests
+	@# The slow tests run Prefect's server on PostgreSQL, as production does: installed here when missing.
+	bash .ci/ensure-postgres
+	$(PY) -m pytest -x -v --durations=20 tests
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -x -v -m "not slow" tests

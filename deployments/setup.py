@@ -4,20 +4,29 @@
 
 One run makes the server match this file and deployments/prefect.yaml:
 
-- work pool `eyrie-gpu` (type process, concurrency limit 1) and its queue `gpu-node-1`;
-- global concurrency limit `eyrie-gpu` (limit 1): `concurrency("eyrie-gpu", occupy=1, strict=True)` in a flow
-  fails instead of running unlimited if the limit is missing;
+- work pool `eyrie-gpu` (type process) and its queues, one per GPU node (GPU_QUEUES: `gpu-node-1`, `gpu-node-2`;
+  concurrency limit 1 each, so a node runs one flow run at a time while the nodes run side by side). The pool's
+  concurrency limit is the number of GPU queues (2): one flow run per node in all, on top of each worker's
+  `--limit 1`;
+- work pool `eyrie-control` (type process, no limit) and its queue `control`, for the fan-out's parent
+  (eyrie-extract-fanout), which holds no GPU and waits for the nodes: in the GPU pool it would take one of the
+  nodes' pool slots;
+- global concurrency limit `eyrie-gpu` with one slot per GPU queue (2): `concurrency("eyrie-gpu", occupy=1,
+  strict=True)` in a flow (flows/pipeline.py's `gpu_slot()`, with EYRIE_GPU_LIMIT set) fails instead of running
+  unlimited if the limit is missing, and lets pipeline runs on different nodes run at once;
 - automation "Crash zombie flows" (Prefect's documented one): a flow run that sent a heartbeat and then neither
   another heartbeat nor a terminal state within ZOMBIE_WITHIN is set to CRASHED, which also frees its
   deployment's concurrency slot;
 - the deployments of deployments/prefect.yaml, through `prefect deploy --all --prefect-file` (run from the
   repository root, because entrypoints are relative to it).
 
-Running it again changes nothing: the pool, queue, limit and automation are written only when they differ from
-what is wanted; the deployments are upserted by name and their schedule by slug (only their `updated` timestamps
-move), so every id and every setting stays the same. It prints what it created or changed, computed by comparing
-the server's state before and after. Authentication: PREFECT_API_AUTH_STRING (or PREFECT_API_KEY) from
-the environment, as for any Prefect client.
+Running it again changes nothing: the pools, queues, limit and automation are written only when they differ from
+what is wanted (limits and descriptions changed by hand are put back); the deployments are upserted by name and
+their schedule by slug (only their `updated` timestamps move), so every id and every setting stays the same. A
+queue in these pools that this setup does not manage (other than Prefect's `default`) is reported, not deleted.
+prefect.yaml may use only these pools and queues: the fan-out parent (CONTROL_ENTRYPOINTS) the control pool, every
+other flow the GPU pool. It prints what it created or changed, computed by comparing the server's state before and
+after. Authentication: PREFECT_API_AUTH_STRING (or PREFECT_API_KEY) from the environment, as for any Prefect client.
 """
 
 from __future__ import annotations
@@ -35,12 +44,41 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 PREFECT_FILE = REPO / "deployments" / "prefect.yaml"
 
-POOL = "eyrie-gpu"
 POOL_TYPE = "process"
-POOL_CONCURRENCY = 1
-QUEUE = "gpu-node-1"
+GPU_POOL = "eyrie-gpu"
+CONTROL_POOL = "eyrie-control"
+# The GPU nodes: one work queue each, limit 1 (and the node's worker runs `--limit 1`). A further GPU node: add its
+# queue here and to the fan-out's `queues` parameter in prefect.yaml, run this setup, and start the node's worker on
+# it. The GPU pool's limit and the global limit's slots follow from this one definition.
+GPU_QUEUES = {
+    "gpu-node-1": "The GPU node gpu-node-1; its worker runs with --limit 1.",
+    "gpu-node-2": "The GPU node gpu-node-2; its worker runs with --limit 1.",
+}
+GPU_QUEUE_LIMIT = 1  # exclusive: one flow run per node
+CONTROL_QUEUE = "control"
+# Pool -> its pool-wide concurrency limit, description and work queues (queue -> (concurrency limit, description)).
+POOLS: dict[str, dict[str, Any]] = {
+    GPU_POOL: {
+        # One flow run per GPU node in all: the nodes run side by side (a fanned-out extraction), never more.
+        "concurrency_limit": len(GPU_QUEUES),
+        "description": "Eyrie's GPU nodes, one work queue each (limit 1), picked up by `prefect worker start "
+                       f"--pool {GPU_POOL} --work-queue <node> --limit 1`. Pool limit: one run per node.",
+        "queues": {name: (GPU_QUEUE_LIMIT, desc) for name, desc in GPU_QUEUES.items()},
+    },
+    CONTROL_POOL: {
+        # No limit: its runs hold no GPU; the deployment's own limit (1, ENQUEUE) bounds them.
+        "concurrency_limit": None,
+        "description": "Parents of fanned-out extractions (eyrie-extract-fanout), which hold no GPU and wait for the "
+                       f"GPU nodes: `prefect worker start --pool {CONTROL_POOL} --work-queue {CONTROL_QUEUE}`.",
+        "queues": {CONTROL_QUEUE: (None, "Parents of fanned-out extractions (eyrie-extract-fanout): no GPU, they "
+                                         "wait for the nodes. Its worker runs on any machine with the checkout and "
+                                         "the shared run folders.")},
+    },
+}
+# The flows that hold no GPU, so run from the control pool; every other flow runs from the GPU pool.
+CONTROL_ENTRYPOINTS = {"flows/fanout.py:extract_fanout_flow"}
 GPU_LIMIT = "eyrie-gpu"
-GPU_LIMIT_SLOTS = 1
+GPU_LIMIT_SLOTS = len(GPU_QUEUES)  # one per node: each node's queue (limit 1) keeps it to one run
 ZOMBIE_AUTOMATION = "Crash zombie flows"
 # prefect.yaml sets PREFECT_FLOWS_HEARTBEAT_FREQUENCY=60 for flow runs (Prefect 3.7's default is 180 s): a run is
 # declared a zombie after about ten missed heartbeats, or three at the default frequency. Prefect's docs pair 30 s
@@ -81,8 +119,7 @@ def load_prefect_file(path: Path = PREFECT_FILE) -> list[dict[str, Any]]:
         for key in ("name", "entrypoint", "work_pool"):
             if not d.get(key):
                 raise SetupError(f"{where} lacks `{key}`")
-        if d["work_pool"].get("name") != POOL:
-            raise SetupError(f"{where} uses work pool {d['work_pool'].get('name')!r}; this setup creates {POOL!r}")
+        _check_pool_and_queues(d, where)
         entry = REPO / d["entrypoint"].split(":")[0]
         if not entry.is_file():
             raise SetupError(f"{where}: {entry} does not exist")
@@ -97,6 +134,35 @@ def load_prefect_file(path: Path = PREFECT_FILE) -> list[dict[str, Any]]:
                 except ConfigError as err:
                     raise SetupError(str(err)) from None
     return deployments
+
+
+def _check_pool_and_queues(d: dict[str, Any], where: str) -> None:
+    """Only the pools and queues this setup creates: the server would create any other queue on first use, without
+    its limit, and a GPU flow in the control pool would run outside the GPU pool's limit."""
+    pool, queue = d["work_pool"].get("name"), d["work_pool"].get("work_queue_name")
+    created = ", ".join(f"{p!r} (queues {sorted(spec['queues'])})" for p, spec in POOLS.items())
+    if pool not in POOLS:
+        raise SetupError(f"{where} uses work pool {pool!r}; this setup creates only {created} "
+                         "(deployments/setup.py POOLS)")
+    if not queue:
+        raise SetupError(f"{where} lacks `work_pool.work_queue_name` (Prefect would use the pool's `default` queue, "
+                         f"which has no limit); pool {pool!r} has {sorted(POOLS[pool]['queues'])}")
+    if queue not in POOLS[pool]["queues"]:
+        other = [p for p, spec in POOLS.items() if queue in spec["queues"]]
+        hint = f"; {queue!r} is a queue of pool {other[0]!r}" if other else ""
+        raise SetupError(f"{where} names work queue {queue!r} in pool {pool!r}, which has only "
+                         f"{sorted(POOLS[pool]['queues'])}{hint} (deployments/setup.py POOLS)")
+    wanted = CONTROL_POOL if d["entrypoint"] in CONTROL_ENTRYPOINTS else GPU_POOL
+    if pool != wanted:
+        why = ("it holds no GPU and waits for the nodes: in the GPU pool it would take a node's pool slot"
+               if wanted == CONTROL_POOL else "it uses a GPU: only the GPU pool's limits keep one run per node")
+        raise SetupError(f"{where} uses work pool {pool!r}; it must use {wanted!r}: {why} "
+                         "(deployments/setup.py CONTROL_ENTRYPOINTS)")
+    # The fan-out's node queues: its `eyrie-extract/node` runs go to the GPU nodes' queues.
+    for q in (d.get("parameters") or {}).get("queues") or []:
+        if q not in GPU_QUEUES:
+            raise SetupError(f"{where} names {q!r} in its `queues` parameter; the GPU node queues this setup creates "
+                             f"in pool {GPU_POOL!r} are {sorted(GPU_QUEUES)} (deployments/setup.py GPU_QUEUES)")
 
 
 def deployment_full_names(deployments: list[dict[str, Any]]) -> list[str]:
@@ -148,43 +214,61 @@ def zombie_automation():
     )
 
 
-async def ensure_work_pool(client, log) -> None:
+async def ensure_work_pools(client, log) -> None:
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectNotFound
     from prefect.workers.process import ProcessWorker
 
-    try:
-        pool = await client.read_work_pool(POOL)
-    except ObjectNotFound:
-        await client.create_work_pool(WorkPoolCreate(
-            name=POOL, type=POOL_TYPE, concurrency_limit=POOL_CONCURRENCY,
-            base_job_template=ProcessWorker.get_default_base_job_template(),
-            description="Eyrie's GPU node(s): one flow run at a time, picked up by `prefect worker start --pool "
-                        f"{POOL} --work-queue <node> --limit 1`."))
-        log(f"created work pool {POOL!r} (type {POOL_TYPE}, concurrency limit {POOL_CONCURRENCY})")
-        return
-    if pool.type != POOL_TYPE:
-        raise SetupError(f"work pool {POOL!r} exists with type {pool.type!r}, not {POOL_TYPE!r}: a pool's type cannot "
-                         f"change; delete it (`prefect work-pool delete {POOL}`) and run this again")
-    update = {}
-    if pool.concurrency_limit != POOL_CONCURRENCY:
-        update["concurrency_limit"] = POOL_CONCURRENCY
-    if not pool.base_job_template:
-        update["base_job_template"] = ProcessWorker.get_default_base_job_template()
-    if update:
-        await client.update_work_pool(POOL, WorkPoolUpdate(**update))
-        log(f"updated work pool {POOL!r}: {sorted(update)}")
+    for name, spec in POOLS.items():
+        limit, description = spec["concurrency_limit"], spec["description"]
+        try:
+            pool = await client.read_work_pool(name)
+        except ObjectNotFound:
+            await client.create_work_pool(WorkPoolCreate(
+                name=name, type=POOL_TYPE, concurrency_limit=limit, description=description,
+                base_job_template=ProcessWorker.get_default_base_job_template()))
+            log(f"created work pool {name!r} (type {POOL_TYPE}, concurrency limit {limit})")
+            continue
+        if pool.type != POOL_TYPE:
+            raise SetupError(f"work pool {name!r} exists with type {pool.type!r}, not {POOL_TYPE!r}: a pool's type "
+                             f"cannot change; delete it (`prefect work-pool delete {name}`) and run this again")
+        update = {}
+        if pool.concurrency_limit != limit:
+            update["concurrency_limit"] = limit
+        if pool.description != description:
+            update["description"] = description
+        if not pool.base_job_template:
+            update["base_job_template"] = ProcessWorker.get_default_base_job_template()
+        if update:
+            await client.update_work_pool(name, WorkPoolUpdate(**update))
+            log(f"updated work pool {name!r}: {sorted(update)}")
 
 
-async def ensure_work_queue(client, log) -> None:
+async def ensure_work_queues(client, log) -> None:
     from prefect.exceptions import ObjectNotFound
 
-    try:
-        await client.read_work_queue_by_name(QUEUE, work_pool_name=POOL)
-    except ObjectNotFound:
-        await client.create_work_queue(QUEUE, work_pool_name=POOL,
-                                       description=f"The GPU node {QUEUE}; its worker runs with --limit 1.")
-        log(f"created work queue {QUEUE!r} in pool {POOL!r}")
+    for pool, spec in POOLS.items():
+        for name, (limit, description) in spec["queues"].items():
+            try:
+                queue = await client.read_work_queue_by_name(name, work_pool_name=pool)
+            except ObjectNotFound:
+                await client.create_work_queue(name, work_pool_name=pool, concurrency_limit=limit,
+                                               description=description)
+                log(f"created work queue {name!r} in pool {pool!r} (concurrency limit {limit})")
+                continue
+            if queue.concurrency_limit != limit:
+                await client.update_work_queue(queue.id, concurrency_limit=limit)
+                log(f"updated work queue {name!r} in pool {pool!r}: concurrency limit {queue.concurrency_limit} "
+                    f"-> {limit}")
+            if queue.description != description:
+                await client.update_work_queue(queue.id, description=description)
+                log(f"updated work queue {name!r} in pool {pool!r}: description")
+        # Not deleted: runs may still wait in it. Prefect creates `default` in every pool; nothing sends runs there.
+        for queue in await client.read_work_queues(work_pool_name=pool):
+            if queue.name not in spec["queues"] and queue.name != "default":
+                log(f"warning: work queue {queue.name!r} in pool {pool!r} is not managed by deployments/setup.py "
+                    f"(it manages {sorted(spec['queues'])}); once nothing uses it: "
+                    f"`prefect work-queue delete {queue.name} --pool {pool}`")
 
 
 async def ensure_global_limit(client, log) -> None:
@@ -252,16 +336,23 @@ async def snapshot(client, full_names: list[str]) -> dict[str, Any]:
     """Everything this setup manages, plus object counts, keyed by name so a diff reads well."""
     from prefect.exceptions import ObjectNotFound
 
-    state: dict[str, Any] = {}
-    try:
-        pool = await client.read_work_pool(POOL)
-        state["work_pool"] = {"id": str(pool.id), "type": pool.type, "concurrency_limit": pool.concurrency_limit,
-                              "is_paused": pool.is_paused, "base_job_template": pool.base_job_template}
-        queues = await client.read_work_queues(work_pool_name=POOL)
-    except ObjectNotFound:
-        state["work_pool"], queues = None, []
-    state["work_queues"] = {q.name: {"id": str(q.id), "concurrency_limit": q.concurrency_limit,
-                                     "is_paused": q.is_paused} for q in queues}
+    state: dict[str, Any] = {"work_pools": {}, "work_queues": {}}
+    n_queues = 0
+    for name in POOLS:
+        try:
+            pool = await client.read_work_pool(name)
+            queues = await client.read_work_queues(work_pool_name=name)
+        except ObjectNotFound:
+            state["work_pools"][name], queues = None, []
+        else:
+            state["work_pools"][name] = {
+                "id": str(pool.id), "type": pool.type, "concurrency_limit": pool.concurrency_limit,
+                "description": pool.description, "is_paused": pool.is_paused,
+                "base_job_template": pool.base_job_template}
+        state["work_queues"][name] = {q.name: {"id": str(q.id), "concurrency_limit": q.concurrency_limit,
+                                               "description": q.description, "is_paused": q.is_paused}
+                                      for q in queues}
+        n_queues += len(queues)
     # Deployment concurrency limits are global limits named `deployment:<id>`, so they show up here too.
     limits = await _all_global_limits(client)
     state["global_concurrency_limits"] = {g.name: {"id": str(g.id), "limit": g.limit, "active": g.active}
@@ -296,7 +387,7 @@ async def snapshot(client, full_names: list[str]) -> dict[str, Any]:
                                                 "parameters": s.parameters}
                           for s in d.schedules},
         }
-    state["counts"] = {"work_pools": len(await client.read_work_pools()), "work_queues": len(queues),
+    state["counts"] = {"work_pools": len(await client.read_work_pools()), "work_queues": n_queues,
                        "global_concurrency_limits": len(limits), "automations": len(automations),
                        "deployments": len(await client.read_deployments()), "flows": len(await client.read_flows())}
     return state
@@ -346,8 +437,8 @@ async def setup(prefect_file: Path = PREFECT_FILE, deploy: bool = True, log=prin
         if (err := await client.api_healthcheck()) is not None:
             raise SetupError(f"cannot reach the Prefect API at {client.api_url}: {err}")
         before = await snapshot(client, full_names)
-        await ensure_work_pool(client, log)
-        await ensure_work_queue(client, log)
+        await ensure_work_pools(client, log)
+        await ensure_work_queues(client, log)
         await ensure_global_limit(client, log)
         await ensure_zombie_automation(client, log)
     if deploy:
@@ -364,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m deployments.setup", description=__doc__.split("\n\n")[0])
     p.add_argument("--api-url", help="Prefect API URL, e.g. http://host:4200/api (default: $PREFECT_API_URL)")
     p.add_argument("--prefect-file", type=Path, default=PREFECT_FILE)
-    p.add_argument("--no-deploy", action="store_true", help="only the pool, queue, limit and automation")
+    p.add_argument("--no-deploy", action="store_true", help="only the pools, queues, limit and automation")
     p.add_argument("--json", action="store_true", help="print the before/after state and the changes as JSON")
     args = p.parse_args(argv)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +21,8 @@ from safetensors.torch import load_file
 
 from eyrie import FORMAT_VERSION
 from eyrie.data import Shard, load_dataset_rows
-from eyrie.errors import ExtractionError
+from eyrie.errors import DiskFullError, ExtractionError
+from eyrie.faults import fault_point
 from eyrie.store import atomic_write_json, read_json, sha256_file, sha256_json
 
 
@@ -92,6 +94,7 @@ def extract_shard(client, prepare_dir: Path, shard: Shard, key: str, hidden_dir:
     """
     if shard_complete(manifest_path, key, hidden_dir, verify_checksums):
         return read_json(manifest_path)
+    fault_point(f"extract.{shard.name}")
     old = read_json(manifest_path) or {}
     recorded = old.get("files", {}) if old.get("key") == key else {}
     manifest_path.unlink(missing_ok=True)  # a stale manifest must not vouch for files about to change
@@ -119,15 +122,28 @@ def extract_shard(client, prepare_dir: Path, shard: Shard, key: str, hidden_dir:
         progress(done[0], len(rows))
     t0 = time.perf_counter()
 
+    def disk_full(idx: int, ids: list[int]) -> DiskFullError | None:
+        need = len(ids) * num_layers * hidden_size * 4 + (1 << 16)  # float32 at most, plus header room
+        free = shutil.disk_usage(hidden_dir).free
+        if free >= need:
+            return None
+        return DiskFullError(f"{shard.name}: the disk holding {hidden_dir} is full ({free} bytes free, sample {idx} "
+                             f"needs about {need}); {done[0]} of {len(rows)} samples of this shard are saved, the "
+                             "shard is not marked done and earlier shards are intact: free space and run again")
+
     def one(item: tuple[int, list[int]]) -> None:
         idx, ids = item
+        if err := disk_full(idx, ids):  # before the server spends a forward pass on a file it cannot write
+            raise err
         src = client.extract(ids, timeout_s)
         _wait_and_release(src)
         try:
             load_checked(Path(src), ids, num_layers, hidden_size)
         except ValueError as err:
             Path(src).unlink(missing_ok=True)
-            raise ExtractionError(f"{shard.name}: sample {idx}: the server wrote a bad file ({err})") from None
+            # The server's writer fails silently (it only logs); a full disk is the usual reason for a bad file.
+            raise disk_full(idx, ids) or ExtractionError(
+                f"{shard.name}: sample {idx}: the server wrote a bad file ({err})") from None
         try:
             os.replace(src, sample_path(hidden_dir, idx))  # same filesystem: the connector writes under the run
         except OSError as err:
@@ -144,8 +160,8 @@ def extract_shard(client, prepare_dir: Path, shard: Shard, key: str, hidden_dir:
             list(pool.map(one, todo))
     except OSError as err:
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise ExtractionError(f"{shard.name}: the disk is full ({err}); {done[0]} of {len(rows)} samples are "
-                                  "saved and the shard is not marked done: free space and run again") from None
+            raise DiskFullError(f"{shard.name}: the disk is full ({err}); {done[0]} of {len(rows)} samples are "
+                                "saved and the shard is not marked done: free space and run again") from None
         raise
     files = {}
     for offset, ids in enumerate(rows):
@@ -190,11 +206,15 @@ def target_identity(target) -> str:
 
 
 class ExtractionPlan:
-    def __init__(self, config, run, report, shards: list[Shard]):
-        from eyrie.server import ServerSpec
+    """`node`: this node's name when several nodes share the run folder (its server lives in `extract/nodes/<node>/`);
+    None on a single node (`extract/`)."""
+
+    def __init__(self, config, run, report, shards: list[Shard], node: str | None = None):
+        from eyrie.server import ServerSpec, server_folder
 
         self.run = run
         self.shards = shards
+        self.server_dir = server_folder(run.extract, node)
         self.captured_ids = report.captured_layer_ids
         self.hidden_size = report.hidden_size
         tid = target_identity(config.target)
@@ -203,7 +223,15 @@ class ExtractionPlan:
 
     @property
     def staging(self) -> Path:
-        return self.run.extract / "staging"
+        # Inside the run folder: files are renamed from here into hidden_states, which needs one filesystem.
+        return self.server_dir / "staging"
+
+    def select(self, names: list[str]) -> None:
+        """Narrow the plan to these shards (a node's share of a fanned-out extraction)."""
+        unknown = sorted(set(names) - set(self.keys))
+        if unknown:
+            raise ExtractionError(f"shards {unknown} are not in {self.run.prepare / 'shards.json'}")
+        self.shards = [s for s in self.shards if s.name in set(names)]
 
     def manifest_path(self, shard: Shard) -> Path:
         return self.run.shard_manifests / f"{shard.name}.json"

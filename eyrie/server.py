@@ -4,13 +4,16 @@ Two kinds: the extraction server (`extract_hidden_states` + Eyrie's connector) a
 target served with an EAGLE-3 drafter. One server per extraction, started detached in its own process group so
 that a killed flow leaves it running and the next run with the same settings reuses it instead of loading the
 target again (27 minutes on the real node).
-Its state lives in `server.json` beside its log; settings are compared by fingerprint.
+Its state lives in `server.json` beside its log; settings are compared by fingerprint. When several nodes share one
+run folder, each node has its own server folder (`extract/nodes/<node>/`, see `server_folder`), so that no two
+servers share a `server.json`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,6 +29,28 @@ from eyrie.store import atomic_write_json, read_json, sha256_json
 from eyrie.vllm_plugin import CONNECTOR_NAME
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+NODE_ENV = "EYRIE_NODE_NAME"
+
+
+def node_name(default: str | None = None) -> str | None:
+    """This node's name in a run folder shared by several nodes: $EYRIE_NODE_NAME, else `default`."""
+    name = os.environ.get(NODE_ENV) or default
+    if name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", name):
+        raise ExtractionError(f"node name {name!r} (${NODE_ENV} or the host name) must be letters, digits, '.', '_' "
+                              "or '-': it names the node's folder in the run folder")
+    return name
+
+
+def server_folder(extract_dir: Path, node: str | None) -> Path:
+    """Where a node keeps its extraction server's state, log and staging: the stage folder itself on a single node,
+    `nodes/<node>/` inside it when nodes share the run folder."""
+    return Path(extract_dir) if node is None else Path(extract_dir) / "nodes" / node
+
+
+def server_folders(extract_dir: Path) -> list[Path]:
+    """Every server folder a run may have: the single-node one, then each node's."""
+    nodes = Path(extract_dir) / "nodes"
+    return [Path(extract_dir)] + (sorted(p for p in nodes.iterdir() if p.is_dir()) if nodes.is_dir() else [])
 
 
 @dataclass
@@ -136,9 +161,15 @@ class ExtractionServer:
         host = "127.0.0.1" if host in ("0.0.0.0", "localhost") else host
         return f"http://[{host}]:{state['port']}" if ":" in host else f"http://{host}:{state['port']}"
 
+    @staticmethod
+    def local(state: dict) -> bool:
+        """Whether the recorded server runs on this host (a shared run folder is seen from several hosts; a pid
+        means nothing on another one). States written before hosts were recorded are local."""
+        return state.get("hostname", socket.gethostname()) == socket.gethostname()
+
     def healthy(self, state: dict | None = None, headers: dict | None = None) -> bool:
         state = state or self.state
-        if not state or not _alive(state["pid"]):
+        if not state or not self.local(state) or not _alive(state["pid"]):
             return False
         try:
             return requests.get(self.url(state) + "/health", timeout=5, headers=headers).status_code == 200
@@ -168,7 +199,8 @@ class ExtractionServer:
             proc = subprocess.Popen(spec.command(port), stdout=logf, stderr=subprocess.STDOUT, env=env,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         state = {"pid": proc.pid, "host": spec.host, "port": port, "fingerprint": spec.fingerprint(),
-                 "model": spec.model, "layer_ids": spec.layer_ids, "started_at": time.time()}
+                 "model": spec.model, "layer_ids": spec.layer_ids, "started_at": time.time(),
+                 "hostname": socket.gethostname()}
         atomic_write_json(self.state_path, state)
         log(f"started vLLM server pid {proc.pid} on {self.url(state)}; log: {self.log_path}")
         deadline = time.monotonic() + startup_timeout_s
@@ -194,6 +226,10 @@ class ExtractionServer:
         """Stop the recorded server's whole process group (engine core, TP workers); True if one was running."""
         state = self.state
         if not state:
+            return False
+        if not self.local(state):
+            # Never signal a pid recorded on another host: here it is some unrelated process, or none.
+            log(f"{self.state_path} records a server on host {state['hostname']}, not this one: left alone")
             return False
         pid = state["pid"]
         was_alive = _alive(pid)
@@ -221,9 +257,11 @@ class ExtractionServer:
 class ServerClient:
     """Talks to a server Eyrie started: hidden states for a prompt, chat completions, Prometheus metrics."""
 
-    def __init__(self, base_url: str, api_key: str | None = None):
+    def __init__(self, base_url: str, api_key: str | None = None, connections: int = 10):
         self.base_url = base_url
         self.session = requests.Session()
+        # One pooled connection per request in flight: past the pool's size urllib3 opens and drops extra ones.
+        self.session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=connections))
         if api_key:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
 

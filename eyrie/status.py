@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from eyrie.data import load_shards
-from eyrie.server import ExtractionServer
+from eyrie.server import ExtractionServer, server_folders
 from eyrie.store import RunFolder, read_json
 
 STAGES = ("prepare", "extract", "vocab", "train", "export", "evaluate")
@@ -26,11 +26,17 @@ def run_status(run: RunFolder) -> dict:
                                     "done" if done == len(shards) else f"{done}/{len(shards)} shards")
         else:
             out["stages"][stage] = "done" if read_json(run.manifest(stage)) else "not started"
-    server = ExtractionServer(run.extract)
-    state = server.state
-    out["server"] = (f"running pid {state['pid']} at {server.url(state)}" if state and server.healthy(state)
-                     else "not running")
+    out["server"] = _server_status(ExtractionServer(run.extract))
+    # Nodes sharing the run folder (fanned-out extraction) each have their own server.
+    out["node_servers"] = {f.name: _server_status(ExtractionServer(f)) for f in server_folders(run.extract)[1:]}
     return out
+
+
+def _server_status(server: ExtractionServer) -> str:
+    state = server.state
+    if state and not server.local(state):
+        return f"recorded on host {state['hostname']} (pid {state['pid']}): ask `eyrie status` there"
+    return f"running pid {state['pid']} at {server.url(state)}" if state and server.healthy(state) else "not running"
 
 
 def format_status(status: dict) -> str:
@@ -40,4 +46,5 @@ def format_status(status: dict) -> str:
         lines.append("shards:")
         lines += [f"  {name}  {state}" for name, state in status["shards"].items()]
     lines.append(f"extraction server: {status['server']}")
+    lines += [f"extraction server of node {node}: {state}" for node, state in status.get("node_servers", {}).items()]
     return "\n".join(lines)

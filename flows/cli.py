@@ -50,11 +50,12 @@ def _status(args) -> int:
 
 
 def _stop_server(args) -> int:
-    from eyrie.server import ExtractionServer
+    from eyrie.server import ExtractionServer, server_folders
     from eyrie.store import RunFolder
 
-    stopped = ExtractionServer(RunFolder(args.run_dir).extract).stop()
-    print("stopped the extraction server" if stopped else "no extraction server was running")
+    # The run's server, and each node's when nodes share the folder; servers of other hosts are left to them.
+    stopped = sum(ExtractionServer(f).stop() for f in server_folders(RunFolder(args.run_dir).extract))
+    print(f"stopped {stopped} extraction server(s)" if stopped else "no extraction server was running")
     return 0
 
 

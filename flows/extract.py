@@ -1,8 +1,14 @@
-"""The extraction flow: start vLLM only if some shard lacks a complete manifest, one task per shard."""
+"""The extraction flow: start vLLM only if some shard lacks a complete manifest, one task per shard.
+
+Run alone or as the pipeline's subflow it extracts every shard, with its server in `<run>/extract/`. Run by the
+fan-out (flows/fanout.py) on one of several nodes it extracts the `shards` it is given, with this node's own server in
+`<run>/extract/nodes/<node>/` ($EYRIE_NODE_NAME, else the host name): servers of different nodes never share a
+folder, and each node loads its target once for all of its shards.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+import socket
 
 from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -12,38 +18,45 @@ from eyrie.data import load_shards
 from eyrie.errors import ExtractionError
 from eyrie.extract import ExtractionPlan, clean_staging
 from eyrie.preflight import PreflightReport
-from eyrie.server import ExtractionServer
+from eyrie.server import ExtractionServer, node_name
 from eyrie.store import RunFolder
 from tasks.extract import extract_shard_task, start_server_task, stop_server_task
 from tasks.preflight import preflight_task
 
 
 @flow(name="eyrie-extract", task_runner=ThreadPoolTaskRunner(max_workers=2))
-def extract_flow(config: PipelineConfig, run_dir: str, report: dict | None = None) -> dict:
-    """Extract every shard of a prepared run folder; `report` is preflight's (run here when not given)."""
+def extract_flow(config: PipelineConfig, run_dir: str, report: dict | None = None,
+                 shards: list[str] | None = None) -> dict:
+    """Extract the shards of a prepared run folder: all of them, or only those named in `shards` (one node's share);
+    `report` is preflight's (run here when not given)."""
     log = get_run_logger()
     run = RunFolder(run_dir)
     if report is None:
         report = preflight_task(config, run_dir)
-    plan = ExtractionPlan(config, run, PreflightReport(**report), load_shards(run.prepare))
+    # A node given a share may have neighbours on the same run folder: then its server needs a folder of its own.
+    node = node_name(default=socket.gethostname() if shards is not None else None)
+    plan = ExtractionPlan(config, run, PreflightReport(**report), load_shards(run.prepare), node=node)
     if not plan.shards:
         raise ExtractionError(f"{run.prepare / 'shards.json'} lists no shards: run the prepare stage first")
+    if shards is not None:
+        plan.select(shards)
     verify = config.extraction.verify_checksums
     pending = {s.name for s in plan.pending(verify)}
-    log.info(f"{len(plan.shards)} shards, {len(pending)} to extract")
-    server = ExtractionServer(run.extract)
+    log.info(f"{len(plan.shards)} shards, {len(pending)} to extract"
+             + (f" on node {node} (server folder {plan.server_dir})" if node else ""))
+    server = ExtractionServer(plan.server_dir)
     base_url = None
     if pending:
         removed = clean_staging(plan.staging) if not server.healthy() else 0
         if removed:
             log.info(f"removed {removed} orphaned staging files")
-        base_url = start_server_task(plan.spec, str(run.extract), config.extraction.startup_timeout_s)
+        base_url = start_server_task(plan.spec, str(plan.server_dir), config.extraction.startup_timeout_s)
 
-    def submit(shards, url):
+    def submit(todo, url):
         return [(shard, extract_shard_task.with_options(refresh_cache=shard.name in pending).submit(
             shard, plan.keys[shard.name], url, config.extraction.api_key_env, str(run.prepare),
             str(run.hidden_states), str(plan.manifest_path(shard)), len(plan.captured_ids), plan.hidden_size,
-            config.extraction.concurrency, config.extraction.request_timeout_s, verify)) for shard in shards]
+            config.extraction.concurrency, config.extraction.request_timeout_s, verify)) for shard in todo]
 
     def failures(submitted) -> dict:
         out = {}
@@ -59,23 +72,23 @@ def extract_flow(config: PipelineConfig, run_dir: str, report: dict | None = Non
         # The server died under us (killed, OOM): start it once more and redo only the unfinished shards; their
         # valid samples on disk are kept, so only the missing ones are sent again.
         log.warning(f"the vLLM server died ({len(failed)} shards failed); restarting it once")
-        base_url = start_server_task(plan.spec, str(run.extract), config.extraction.startup_timeout_s)
+        base_url = start_server_task(plan.spec, str(plan.server_dir), config.extraction.startup_timeout_s)
         failed = failures(submit([s for s in plan.shards if s.name in failed], base_url))
     failed = list(failed.values())
     # A success must never leave samples missing: re-check every manifest against the files.
     missing = [s.name for s in plan.shards if not plan.is_complete(s)]
     if failed or missing:
         if pending and not config.extraction.keep_server_after_failure:
-            stop_server_task(str(run.extract))
+            stop_server_task(str(plan.server_dir))
         raise ExtractionError(f"extraction incomplete: {len(set(missing))} of {len(plan.shards)} shards lack a "
                               f"complete manifest ({', '.join(missing[:10])}); failures: {'; '.join(failed[:5])}. "
                               "Run again (or retry the flow run): finished shards are kept.")
     if pending:
-        stop_server_task(str(run.extract))
+        stop_server_task(str(plan.server_dir))
         # Every request of this run has been answered and moved out of staging, and the server is down: what is
         # left there was written for a client that died (a killed earlier run whose server this run reused).
         removed = clean_staging(plan.staging)
         if removed:
             log.info(f"removed {removed} orphaned staging files")
     return {"shards": len(plan.shards), "extracted": sorted(pending), "hidden_states": str(run.hidden_states),
-            "keys": [plan.keys[s.name] for s in plan.shards]}
+            "keys": [plan.keys[s.name] for s in plan.shards], "node": node}

@@ -7,6 +7,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from eyrie.data import Shard
+from eyrie.errors import DiskFullError
 from eyrie.extract import extract_shard
 from eyrie.server import ExtractionServer, ServerClient, ServerSpec
 from tasks.caching import BY_KEY
@@ -24,14 +25,19 @@ def stop_server_task(folder: str) -> bool:
     return ExtractionServer(Path(folder)).stop(log=get_run_logger().info)
 
 
-@task(name="extract", task_run_name="extract-{shard.name}", cache_policy=BY_KEY, retries=2, retry_delay_seconds=5)
+def _worth_retrying(task, task_run, state) -> bool:
+    return not isinstance(state.data, DiskFullError)  # nothing changes in 5 s until someone frees space
+
+
+@task(name="extract", task_run_name="extract-{shard.name}", cache_policy=BY_KEY, retries=2, retry_delay_seconds=5,
+      retry_condition_fn=_worth_retrying)
 def extract_shard_task(shard: Shard, key: str, base_url: str | None, api_key_env: str | None, prepare_dir: str,
                        hidden_dir: str, manifest_path: str, num_layers: int, hidden_size: int, concurrency: int,
                        timeout_s: float, verify_checksums: bool = True) -> dict:
     log = get_run_logger()
     if base_url is None:
         raise RuntimeError(f"{shard.name} has no complete manifest but no server was started for it")
-    client = ServerClient(base_url, os.environ.get(api_key_env) if api_key_env else None)
+    client = ServerClient(base_url, os.environ.get(api_key_env) if api_key_env else None, max(10, concurrency))
     artifact = create_progress_artifact(0.0, description=f"extract {shard.name}")
     shown = [0.0]
 

@@ -60,6 +60,9 @@ def _builder_hash() -> str:
 
 
 TARGETS_DIR = CACHE / "test-targets" / _builder_hash()
+for _old in (CACHE / "test-targets").glob("*"):  # targets of earlier builder versions are never used again
+    if _old != TARGETS_DIR:
+        shutil.rmtree(_old, ignore_errors=True)
 
 
 def build_tiny_target(kind: str) -> Path:
@@ -174,3 +177,20 @@ def pytest_collection_modifyitems(session, config, items):
 
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_RESULTS_DIR, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PostgreSQL for the tests that run a Prefect server as production does (tests/prefect_server.py): started on first
+# use, once per session, and stopped at its end; each such test module starts its own Prefect server on a fresh
+# database of it.
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    from prefect_server import Postgres
+
+    pg = Postgres()
+    try:
+        yield pg.start()
+    finally:
+        pg.stop()

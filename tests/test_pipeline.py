@@ -156,8 +156,8 @@ def pipeline(tmp_path_factory) -> Pipeline:
     starts = vllm_starts(run)
     t0 = time.monotonic()
     third_out = finish(run_flow(config, run))
-    return Pipeline(run, config, step, half, finished, resume_out, third_out, time.monotonic() - t0, starts,
-                    vllm_starts(run))
+    return Pipeline(run, config, root / "drafters", step, half, finished, resume_out, third_out,
+                    time.monotonic() - t0, starts, vllm_starts(run))
 
 
 def test_a_kill_in_any_stage_recomputes_nothing_finished(pipeline):

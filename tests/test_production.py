@@ -1,0 +1,339 @@
+"""Eyrie on a production-like Prefect: PostgreSQL, `prefect server start` with authentication, `python -m
+deployments.setup`, real process workers on the GPU nodes' queues, and flow runs of the deployments (tiny-llama on
+vLLM's CPU build).
+
+- A pipeline run (until extract) fails on one shard by injected fault. After the operator's fix, the same flow run
+  is retried as the UI's Retry button does it: only the failed shard runs again, the others come back Cached, nothing
+  finished is rewritten, and neither the database password nor the Prefect credential is in any log, artifact or
+  file of the run.
+- Two GPU nodes (two workers, two queues of the pool `eyrie-gpu`, whose limit of 2 lets them run side by side, one
+  shared run folder): the fan-out parent, from the pool `eyrie-control`, splits the shards over them; each node
+  loads its vLLM server once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eyrie.data import load_dataset_rows, load_shards
+from eyrie.extract import load_checked, sample_path
+from eyrie.store import RunFolder
+
+from conftest import REPO, register_server_folder, stop_server, write_config
+from prefect_server import running_prefect_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+PIPELINE = "eyrie-pipeline/production"
+FANOUT = "eyrie-extract-fanout/production"
+NODE = "eyrie-extract/node"
+CONTROL_POOL = "eyrie-control"  # the fan-out parent's pool; the GPU nodes' queues are in `eyrie-gpu`
+FAULTY = "shard-00001"
+LAYERS, NUM_LAYERS, HIDDEN = [2, 4, 5], 4, 64  # 3 aux layers + the last layer's output
+START = "eyrie: starting vLLM"  # one line in a server log per vLLM start
+
+
+class Production:
+    """The server, setup done, and the workers started so far (one per queue)."""
+
+    def __init__(self, server, postgres, root: Path):
+        self.server, self.postgres, self.root = server, postgres, root
+        self.workers: dict[str, subprocess.Popen] = {}
+        self.server_folders: list[Path] = []
+
+    def worker(self, queue: str, node: str | None, **env: str) -> subprocess.Popen:
+        """A process worker on `queue` as infra/eyrie-worker.service runs it (EYRIE_NODE_NAME=`node`); the one
+        already running on that queue, if any, whatever its `env`. `control` is in the pool `eyrie-control`, the
+        GPU nodes' queues in `eyrie-gpu`."""
+        if queue in self.workers:
+            return self.workers[queue]
+        extra = {"EYRIE_HOME": str(REPO), "PREFECT_WORKER_QUERY_SECONDS": "2", **env}
+        if node:
+            extra["EYRIE_NODE_NAME"] = node
+        home = self.root / f"worker-{queue}"
+        home.mkdir()
+        log = open(self.root / f"worker-{queue}.log", "wb")
+        # Started elsewhere than the checkout: the deployment's pull step must change into $EYRIE_HOME. Its own
+        # session, so that stopping it also stops its flow-run processes (vLLM servers have sessions of their own).
+        pool = CONTROL_POOL if queue == "control" else "eyrie-gpu"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--work-queue", queue, "--limit", "1",
+             "--type", "process", "--name", queue, "--no-create-pool-if-not-found", "--install-policy", "never"],
+            cwd=home, env=self.server.client_env(home, **extra), stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        self.workers[queue] = proc
+        return proc
+
+    def wait_idle(self, queue: str, timeout_s: float = 120) -> None:
+        """Until the worker on `queue` has reaped its flow-run process. A run retried before that comes back to the
+        worker while it still holds the run's slot: Prefect 3.7.7's worker then dies ("this borrower is already
+        holding one of this CapacityLimiter's tokens"), and the Crashed state it proposes for a non-zero exit could
+        land on the retried run."""
+        import psutil
+
+        worker = psutil.Process(self.workers[queue].pid)
+        deadline = time.monotonic() + timeout_s
+        while worker.children():
+            assert time.monotonic() < deadline, f"the worker on {queue} still runs a flow run\n{self.logs()}"
+            time.sleep(0.5)
+        time.sleep(3)  # then it proposes that state (refused: the run is final) and frees the slot
+
+    def node_folder(self, run: Path, node: str) -> Path:
+        folder = run / "extract" / "nodes" / node
+        self.server_folders.append(register_server_folder(folder))
+        return folder
+
+    def logs(self) -> str:
+        return "\n".join(f"--- worker {q}:\n" + (self.root / f"worker-{q}.log").read_text(errors="replace")[-3000:]
+                         for q in self.workers)
+
+    def stop(self) -> None:
+        for proc in self.workers.values():
+            for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, None)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+                try:
+                    proc.wait(timeout=wait_s)
+                except subprocess.TimeoutExpired:
+                    pass
+        for folder in self.server_folders:
+            stop_server(folder)
+
+
+@pytest.fixture(scope="module")
+def prod(postgres, tmp_path_factory):
+    root = tmp_path_factory.mktemp("production")
+    with running_prefect_server(postgres, root / "server", "eyrie_production") as server:
+        t0 = time.monotonic()
+        setup = subprocess.run([sys.executable, "-m", "deployments.setup"], cwd=REPO, capture_output=True, text=True,
+                               env=server.client_env(root / "setup-home"), timeout=300)
+        assert setup.returncode == 0, f"deployments.setup failed:\n{setup.stdout}\n{setup.stderr}"
+        print(f"\nserver + setup ready; setup took {time.monotonic() - t0:.0f}s")
+        p = Production(server, postgres, root)
+        try:
+            yield p
+        finally:
+            p.stop()
+
+
+def _api(prod: Production, coro_fn):
+    async def go():
+        async with prod.server.client() as client:
+            return await coro_fn(client)
+
+    return asyncio.run(go())
+
+
+def create_run(prod: Production, deployment: str, parameters: dict):
+    async def go(c):
+        d = await c.read_deployment_by_name(deployment)
+        return await c.create_flow_run_from_deployment(d.id, parameters=parameters)
+
+    return _api(prod, go)
+
+
+def wait_final(prod: Production, flow_run_id, timeout_s: float = 600):
+    async def go(c):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            fr = await c.read_flow_run(flow_run_id)
+            if fr.state and fr.state.is_final():
+                return fr
+            await asyncio.sleep(2)
+        return None
+
+    fr = _api(prod, go)
+    assert fr is not None, f"flow run {flow_run_id} not final after {timeout_s:.0f}s\n{prod.logs()}"
+    return fr
+
+
+def children(prod: Production, flow_run_id) -> list:
+    """Subflow runs and deployment runs started from `flow_run_id`, oldest first."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    return _api(prod, lambda c: c.read_flow_runs(
+        flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])),
+        sort=FlowRunSort.START_TIME_ASC))
+
+
+def extract_task_states(prod: Production, flow_run_id, expected: set[str], wait_s: float = 60) -> dict[str, str]:
+    """{shard: state name} of the extract task runs of one flow run. Task-run states reach the database through
+    the server's event pipeline, so they may lag the flow run's end a little: wait until each is final."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        runs = _api(prod, lambda c: c.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))))
+        states = {t.name.removeprefix("extract-"): t.state for t in runs if t.name.startswith("extract-shard-")}
+        if (set(states) == expected and all(s and s.is_final() for s in states.values())) \
+                or time.monotonic() > deadline:
+            return {k: (s.name if s else None) for k, s in states.items()}
+        time.sleep(1)
+
+
+def file_ids(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_ino, st.st_mtime_ns
+
+
+def check_samples(run: Path) -> int:
+    """Exactly one valid file per sample; returns the number of samples."""
+    rf = RunFolder(run)
+    shards = load_shards(rf.prepare)
+    assert sorted(p.name for p in rf.hidden_states.iterdir()) == sorted(
+        f"hs_{i}.safetensors" for i in range(shards[-1].stop))
+    for shard in shards:
+        for offset, ids in enumerate(load_dataset_rows(rf.prepare, shard.start, shard.stop)):
+            load_checked(sample_path(rf.hidden_states, shard.start + offset), ids, NUM_LAYERS, HIDDEN)
+    return shards[-1].stop
+
+
+def starts(folder: Path) -> int:
+    log = folder / "server.log"
+    return log.read_text(errors="replace").count(START) if log.exists() else 0
+
+
+def test_a_failed_shard_is_retried_alone_by_retrying_the_flow_run(prod, tiny_llama, tmp_path):
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, \
+        LogFilterFlowRunId
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.responses import SetStateStatus
+    from prefect.states import State
+
+    t0 = time.monotonic()
+    armed = prod.root / "fault-armed"
+    armed.touch()
+    # The fault is in the worker's environment, so in every flow-run process it starts; the file arms it.
+    prod.worker("gpu-node-1", "node-1", EYRIE_FAULTS=f"extract.{FAULTY}=raise", EYRIE_FAULTS_WHILE=str(armed))
+    run = prod.root / "runs" / "retry"
+    node_dir = prod.node_folder(run, "node-1")
+    _, config = write_config(tmp_path / "config.yaml", tiny_llama, max_samples=32, shard_size=8, layer_ids=LAYERS,
+                             name="retry")
+    created = create_run(prod, PIPELINE, {"config": config.model_dump(mode="json"), "run_dir": str(run),
+                                          "until": "extract"})
+
+    first = wait_final(prod, created.id)
+    t_first = time.monotonic() - t0
+    assert first.state.type == StateType.FAILED, f"{first.state}\n{prod.logs()}"
+    assert f"shard-00001: fault injected at extract.{FAULTY}" in first.state.message, first.state.message
+    rf = RunFolder(run)
+    shard_names = [s.name for s in load_shards(rf.prepare)]
+    assert len(shard_names) == 4 and FAULTY in shard_names
+    done = {p.stem: file_ids(p) for p in rf.shard_manifests.glob("*.json")}
+    assert sorted(done) == [s for s in shard_names if s != FAULTY]  # every other shard finished
+    (sub1,) = children(prod, created.id)
+    states1 = extract_task_states(prod, sub1.id, set(shard_names))
+    assert states1 == {s: ("Failed" if s == FAULTY else "Completed") for s in shard_names}, states1
+    assert (node_dir / "server.json").exists()  # kept up after the failure, for the retry
+
+    prod.wait_idle("gpu-node-1")  # an operator's retry comes minutes later; this one would come within seconds
+    # The operator's fix, then the UI's Retry button: Prefect 3.7's UI (ui/ FlowRun page, `retryFlowRun`) posts
+    # /flow_runs/{id}/set_state with {"state": {"type": "SCHEDULED", "name": "AwaitingRetry", "message":
+    # "Retry from the UI"}, "force": false}. The same flow run goes back to its queue and the worker runs it again.
+    armed.unlink()
+    result = _api(prod, lambda c: c.set_flow_run_state(
+        created.id, State(type=StateType.SCHEDULED, name="AwaitingRetry", message="Retry from the UI"), force=False))
+    assert result.status == SetStateStatus.ACCEPT, result
+    t1 = time.monotonic()
+    retried = wait_final(prod, created.id)
+    t_retry = time.monotonic() - t1
+    assert retried.state.type == StateType.COMPLETED, f"{retried.state}\n{prod.logs()}"
+    assert retried.id == created.id and retried.run_count == 2
+
+    # Through the API: in the retried run's extraction, only the failed shard ran; the others came back Cached.
+    sub1_again, sub2 = children(prod, created.id)
+    assert sub1_again.id == sub1.id and sub2.state.type == StateType.COMPLETED
+    states2 = extract_task_states(prod, sub2.id, set(shard_names))
+    assert states2 == {s: ("Completed" if s == FAULTY else "Cached") for s in shard_names}, states2
+
+    # On disk: the other shards' manifests were not rewritten; every sample is there and valid; the kept server
+    # was reused (one vLLM start in all) and stopped at the end.
+    for name, ids in done.items():
+        assert file_ids(rf.shard_manifests / f"{name}.json") == ids, f"{name} was rewritten"
+    assert (rf.shard_manifests / f"{FAULTY}.json").exists()
+    n = check_samples(run)
+    assert starts(node_dir) == 1 and not (node_dir / "server.json").exists()
+
+    # Secrets: the database password and the Prefect credential (also as the Basic header's base64) are in no
+    # flow-run log, no artifact and no file of the run folder.
+    secrets = [prod.postgres.password, prod.server.auth, base64.b64encode(prod.server.auth.encode()).decode()]
+    run_ids = [created.id, sub1.id, sub2.id]
+
+    async def logs_and_artifacts(c):
+        logs, offset = [], 0
+        while batch := await c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=run_ids)), limit=200,
+                                         offset=offset):
+            logs += batch
+            offset += len(batch)
+        arts = await c.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=run_ids)))
+        return logs, arts
+
+    logs, artifacts = _api(prod, logs_and_artifacts)
+    assert len(logs) > 20 and len(artifacts) >= len(shard_names)  # read what there is: logs and progress artifacts
+    texts = [log.message for log in logs] + [a.model_dump_json() for a in artifacts]
+    files = [p for p in run.rglob("*") if p.is_file()]
+    for secret in secrets:
+        assert not [t for t in texts if secret in t], "a secret is in a flow-run log or an artifact"
+        assert not [p for p in files if secret.encode() in p.read_bytes()], "a secret is in a file of the run"
+    print(f"\nfailed run {t_first:.0f}s (incl. worker start and the one vLLM start); retry {t_retry:.0f}s; "
+          f"{n} samples; {len(logs)} logs, {len(artifacts)} artifacts, {len(files)} files scanned")
+
+
+def test_fanout_spreads_shards_over_two_nodes_each_loading_vllm_once(prod, tiny_llama, tmp_path):
+    from prefect.client.schemas.objects import StateType
+
+    t0 = time.monotonic()
+    prod.worker("gpu-node-1", "node-1")  # the previous test's, when it ran (its fault is disarmed by then)
+    prod.worker("gpu-node-2", "node-2")
+    prod.worker("control", None)
+    run = prod.root / "runs" / "fanout"
+    nodes = {"gpu-node-1": prod.node_folder(run, "node-1"), "gpu-node-2": prod.node_folder(run, "node-2")}
+    _, config = write_config(tmp_path / "config.yaml", tiny_llama, max_samples=32, shard_size=8, layer_ids=LAYERS,
+                             name="fanout")
+    parent = create_run(prod, FANOUT, {"config": config.model_dump(mode="json"), "run_dir": str(run),
+                                       "queues": list(nodes)})
+    parent = wait_final(prod, parent.id)
+    elapsed = time.monotonic() - t0
+    assert parent.state.type == StateType.COMPLETED, f"{parent.state}\n{prod.logs()}"
+    assert parent.work_pool_name == CONTROL_POOL and parent.work_queue_name == "control"
+
+    shard_names = {s.name for s in load_shards(RunFolder(run).prepare)}
+    kids = children(prod, parent.id)
+    assert sorted(k.work_queue_name for k in kids) == sorted(nodes)
+    assert {k.work_pool_name for k in kids} == {"eyrie-gpu"}
+    # The GPU pool's limit (one run per node) let the two nodes' runs overlap: the fan-out was not serialised.
+    (s1, e1), (s2, e2) = [(k.start_time, k.end_time) for k in kids]
+    assert s1 < e2 and s2 < e1, f"the node runs did not overlap: {[(str(k.start_time), str(k.end_time)) for k in kids]}"
+    shares = {}
+    for kid in kids:
+        assert kid.state.type == StateType.COMPLETED, kid.state
+        share = set(kid.parameters["shards"])
+        assert share, f"{kid.name} got no shard"
+        # The node's extract tasks ran exactly its share.
+        assert extract_task_states(prod, kid.id, share) == {s: "Completed" for s in share}
+        shares[kid.work_queue_name] = share
+    a, b = shares.values()
+    assert not a & b and a | b == shard_names, shares
+    # Each node started its own server once, in its own folder, and stopped it at the end.
+    for queue, folder in nodes.items():
+        assert starts(folder) == 1, f"{queue}: {starts(folder)} vLLM starts"
+        assert not (folder / "server.json").exists()
+    assert not (run / "extract" / "server.json").exists()  # no single-node server was involved
+    assert sorted(p.stem for p in RunFolder(run).shard_manifests.glob("*.json")) == sorted(shard_names)
+    n = check_samples(run)
+    print(f"\nfan-out over 2 nodes: {elapsed:.0f}s; shares {dict((q, sorted(s)) for q, s in shares.items())}; "
+          f"{n} samples")
