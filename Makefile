@@ -18,6 +18,8 @@ EXTRA ?= cpu
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
+	@# A venv gets the pip its Python shipped (23.0 on Debian 12), whose resolver backtracks for many minutes here.
+	$(PY) -m pip install -q --progress-bar off --upgrade "pip>=24"
 	@# One pip command, so speculators cannot swap CPU torch for a CUDA build.
 	$(PY) -m pip install -q --progress-bar off -e ".[$(EXTRA),test]" 2>&1 | grep -v "^WARNING: Location" || true
 	@# PyPI's torchvision/torchaudio/torchcodec target CUDA torch and break transformers and vllm beside CPU torch.

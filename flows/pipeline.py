@@ -1,5 +1,6 @@
 """The end-to-end DAG: target -> preflight -> prepare -> preflight (disk) -> extract -> vocab -> train -> export
--> evaluate (trained drafter and an untrained one of the same shape)."""
+-> evaluate (the trained drafter, and the current one or an untrained one of the same shape) -> promote (with
+`promotion.dir`: the trained drafter becomes `current` if it is at least as good)."""
 
 from __future__ import annotations
 
@@ -58,18 +59,19 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[STAGES] =
         dvs, aux = config.vocab.draft_vocab_size, report["aux_layer_ids"]
         promo_dir = Path(config.promotion.dir).resolve() if config.promotion.dir else None
         current = current_version(promo_dir) if promo_dir else None
-        base = None
+        warm = None  # the drafter training starts from
         if promo_dir and config.promotion.warm_start:
             # The drafter that was current when this data was first trained on (none for the first drafter), so a
             # re-run trains the same way even after its own drafter was promoted.
             base = choose_base(run.train / "warm_start.json", sha256_json([pkey, extracted["keys"]]), current)
-        vkey = vocab_key(prepared, dvs, report["vocab_size"], base and str(base))
+            warm = str(base) if base else None
+        vkey = vocab_key(prepared, dvs, report["vocab_size"], warm)
         token_freq = str(run.prepare / "dataset" / "token_freq.pt")
         unless_missing(vocab_task, run.manifest("vocab"), vkey)(token_freq, dvs, report["vocab_size"],
-                                                               str(run.vocab), vkey, base and str(base))
+                                                               str(run.vocab), vkey, warm)
         d2t, t2d = (str(p) for p in mapping_paths(run.vocab, dvs))
         data = (str(run.prepare / "dataset"), str(run.hidden_states), d2t, t2d, aux)
-        tkey = train_key(config, extracted["keys"], vkey, aux, base and str(base))
+        tkey = train_key(config, extracted["keys"], vkey, aux, warm)
         spec = ServerSpec.from_config(config, num_speculative_tokens=config.evaluate.num_speculative_tokens)
         ekey = sha256_json([tkey, aux, spec.fingerprint()])[:16]
         # The drafter to beat: the current one, unless this run's own drafter already is it (a re-run).
@@ -77,8 +79,7 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[STAGES] =
         baseline = config.evaluate.untrained_baseline
         with_untrained = baseline == "always" or (baseline == "auto" and rival is None)
         trained = unless_missing(train_task, run.manifest("train"), tkey)(config, str(run.train), tkey, *data,
-                                                                          load_seq_lens(run.prepare),
-                                                                          base and str(base))
+                                                                          load_seq_lens(run.prepare), warm)
         untrained = untrained_drafter_task(config, str(run.train), *data) if with_untrained else None
         if until == "train":
             return {"run_dir": str(run.root), "checkpoint": trained["checkpoint"], "untrained": untrained}

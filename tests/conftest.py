@@ -194,3 +194,28 @@ def postgres():
         yield pg.start()
     finally:
         pg.stop()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One Prefect server for every flow the slow tests run as a user does (`python -m flows.cli run`, a subprocess):
+# without it each run starts Prefect's temporary server (10-15 s on 2 cores; about 25 runs per session).
+
+
+@pytest.fixture(scope="session")
+def flow_api():
+    from prefect_server import PrefectServer
+
+    home = Path(os.environ["PREFECT_HOME"]) / "flow-api"  # inside PREFECT_HOME, so secret scans of it see its data
+    shutil.rmtree(home, ignore_errors=True)
+    server = PrefectServer(home, f"sqlite+aiosqlite:///{home / 'prefect.db'}", services=False).start()
+    saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")}
+    os.environ.update(PREFECT_API_URL=server.url, PREFECT_API_AUTH_STRING=server.auth)
+    try:
+        yield server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()

@@ -35,6 +35,7 @@ def test_preflight_reports_the_compatibility_path(kind, arch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
+@pytest.mark.usefixtures("flow_api")
 @pytest.mark.parametrize("kind, arch", ARCHS)
 def test_whole_pipeline_through_the_compatibility_layer(tmp_path, kind, arch):
     target = build_tiny_target(kind)

@@ -19,7 +19,7 @@ from eyrie.store import RunFolder, read_json
 
 from conftest import REPO, register_server_folder, stop_server, write_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.usefixtures("flow_api")]
 
 
 SECRET = "eyrie-test-secret-5f3a9c"  # the extraction server's API key in the first test

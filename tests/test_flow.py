@@ -27,7 +27,7 @@ from eyrie.store import RunFolder
 
 from conftest import REPO, register_server_folder, stop_server, write_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.usefixtures("flow_api")]
 
 NUM_SAMPLES, SHARD_SIZE, NUM_LAYERS, HIDDEN = 48, 8, 4, 64  # 3 aux layers + the last layer's output
 NUM_SHARDS = NUM_SAMPLES // SHARD_SIZE

@@ -26,7 +26,7 @@ from eyrie.store import read_json
 
 from conftest import DEMO_DATA, REPO, build_tiny_target, register_server_folder, write_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.usefixtures("flow_api")]
 
 # What a finished stage leaves; none of it may be rewritten by a later run. (A training epoch is finished once
 # speculators links `epoch<N>_end` to its folder; mid-epoch checkpoints in that folder are progress, overwritten.)
