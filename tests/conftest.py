@@ -30,7 +30,12 @@ TEST_ENV = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_RESULTS_LOCAL_STORAGE_PATH": _RESULTS_DIR,
     "HF_HUB_OFFLINE": "1",
+    # vLLM's engine core in its API server's process (with VLLM_SERVER_ARGS, its worker too): three Python processes
+    # importing torch and vLLM become one, about 15 s less per server start on 2 cores (some 20 starts a session).
+    # The demo and production keep vLLM's defaults.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
+VLLM_SERVER_ARGS = ["--distributed-executor-backend", "uni"]
 os.environ.update(TEST_ENV)
 # The Makefile lets a caller override these two (`?=`); so do the tests.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -118,7 +123,8 @@ def config_dict(target: Path, tiny: str | None = None, source: str | Path = DEMO
         "target": {"model": str(target), "max_model_len": max_model_len},
         "data": {"source": str(source), "max_length": max_length, "shard_size": shard_size,
                  "max_samples": max_samples, "eval_fraction": 0.05},
-        "extraction": {"concurrency": concurrency, "startup_timeout_s": 900, "request_timeout_s": 120},
+        "extraction": {"concurrency": concurrency, "startup_timeout_s": 900, "request_timeout_s": 120,
+                       "server_args": list(VLLM_SERVER_ARGS)},
         "vocab": {"draft_vocab_size": 256},
     }
     if tiny:

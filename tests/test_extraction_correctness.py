@@ -28,7 +28,7 @@ from eyrie.extract import _wait_and_release, extract_shard, load_checked, sample
 from eyrie.preflight import captured_layer_ids, default_aux_layer_ids, text_config
 from eyrie.server import ExtractionServer, ServerClient, ServerSpec
 
-from conftest import DEMO_DATA, register_server_folder, stop_server
+from conftest import DEMO_DATA, VLLM_SERVER_ARGS, register_server_folder, stop_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -78,7 +78,8 @@ def servers(tmp_path_factory, tiny_target) -> dict[str, Running]:
         n = text["num_hidden_layers"]
         folder = register_server_folder(root / kind)
         spec = ServerSpec(model=str(model), layer_ids=captured_layer_ids(default_aux_layer_ids(n), n),
-                          storage_path=str(folder / "staging"), max_model_len=MAX_MODEL_LEN)
+                          storage_path=str(folder / "staging"), max_model_len=MAX_MODEL_LEN,
+                          server_args=list(VLLM_SERVER_ARGS))
         running[kind] = Running(kind, model, folder, spec, n, text["hidden_size"], Future())
     pool = ThreadPoolExecutor(max_workers=len(KINDS), thread_name_prefix="start-vllm")
     try:
