@@ -228,10 +228,11 @@ class ExtractionPlan:
 
     def select(self, names: list[str]) -> None:
         """Narrow the plan to these shards (a node's share of a fanned-out extraction)."""
-        unknown = sorted(set(names) - set(self.keys))
+        wanted = set(names)
+        unknown = sorted(wanted - set(self.keys))
         if unknown:
             raise ExtractionError(f"shards {unknown} are not in {self.run.prepare / 'shards.json'}")
-        self.shards = [s for s in self.shards if s.name in set(names)]
+        self.shards = [s for s in self.shards if s.name in wanted]
 
     def manifest_path(self, shard: Shard) -> Path:
         return self.run.shard_manifests / f"{shard.name}.json"
