@@ -28,7 +28,9 @@ class TargetConfig(_Section):
         None, description="Build this tiny project-made target at `model` if the folder is missing (demo, tests).")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism for extraction and evaluation.")
     dtype: Literal["bfloat16", "float16", "auto"] = "bfloat16"
-    max_model_len: int | None = Field(None, ge=16, description="vLLM max_model_len; defaults to data.max_length.")
+    max_model_len: int | None = Field(
+        None, ge=16, description="vLLM max_model_len; at least data.max_length + 1 (extraction generates one token "
+                                 "after the longest sample). Defaults to data.max_length + 1.")
 
 
 class DataConfig(_Section):
@@ -77,8 +79,8 @@ class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_layers: int = Field(1, ge=1, description="Decoder layers in the drafter.")
     val_fraction: float = Field(0.1, gt=0, lt=1, description="Share of prepared samples speculators validates on.")
-    mask_token_id: int | None = Field(None, description="Passed to speculators when it cannot read the target's "
-                                                         "processor (multimodal wrappers such as Kimi-K2.5).")
+    mask_token_id: int | None = Field(None, description="The trainer's mask token id. Default: resolved from the "
+                                                         "target's tokenizer at preflight, as speculators would.")
     seed: int = 0
 
 
@@ -125,7 +127,7 @@ class PipelineConfig(_Section):
 
     @property
     def max_model_len(self) -> int:
-        return self.target.max_model_len or self.data.max_length
+        return self.target.max_model_len or self.data.max_length + 1
 
     def fingerprint(self, *sections: str) -> str:
         """A stable hash of the named sections (all when none): the identity of what they configure."""

@@ -21,6 +21,7 @@ from eyrie.config import DataConfig, TargetConfig
 from eyrie.errors import DataError
 from eyrie.faults import fault_point
 from eyrie.store import atomic_write_json, read_json, replace_dir, sha256_file, sha256_json
+from eyrie.target import load_tokenizer
 
 ROLE_ALIASES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "bot": "assistant",
                 "model": "assistant", "system": "system", "tool": "tool"}
@@ -222,25 +223,6 @@ def plan_shards(input_ids: list[list[int]], shard_size: int) -> list[Shard]:
         rows = input_ids[start:start + shard_size]
         shards.append(Shard(i, start, start + len(rows), sha256_json(rows)[:16], sum(map(len, rows))))
     return shards
-
-
-def load_tokenizer(target: TargetConfig):
-    from transformers import AutoTokenizer
-
-    from eyrie.preflight import check_target_folder
-
-    check_target_folder(target)
-    try:
-        tok = AutoTokenizer.from_pretrained(target.model, revision=target.revision,
-                                            trust_remote_code=target.trust_remote_code)
-    except Exception as err:
-        hint = (" The target ships its own tokenizer code: set target.trust_remote_code: true if you trust it."
-                if "trust_remote_code" in str(err) else "")
-        raise DataError(f"cannot load the tokenizer of {target.model}: {err}.{hint}") from None
-    if not getattr(tok, "chat_template", None):
-        raise DataError(f"the tokenizer of {target.model} has no chat template: add `chat_template` to its "
-                        "tokenizer_config.json (or a chat_template.jinja file), or use the instruct model")
-    return tok
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

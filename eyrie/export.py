@@ -16,8 +16,8 @@ from typing import Callable
 
 from eyrie.errors import EyrieError
 from eyrie.faults import fault_point
-from eyrie.preflight import is_local_model
 from eyrie.store import atomic_write_json, read_json, sha256_file
+from eyrie.target import verifier_name
 
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 KEEP = ("config.json", "model.safetensors", "config.py")
@@ -46,11 +46,6 @@ def check_drafter_config(cfg: dict, aux_ids: list[int], target_hidden_size: int)
     if hidden != target_hidden_size:
         problems.append(f"target hidden size {hidden} differs from the target's {target_hidden_size}")
     return problems
-
-
-def verifier_name(target_model: str) -> str:
-    """How a drafter names its target: an absolute path for a local folder, else the hub id."""
-    return str(Path(target_model).resolve()) if is_local_model(target_model) else target_model
 
 
 def export_drafter(checkpoint: Path, out_dir: Path, target_model: str, aux_ids: list[int],

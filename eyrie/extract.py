@@ -24,6 +24,7 @@ from eyrie.data import Shard, load_dataset_rows
 from eyrie.errors import DiskFullError, ExtractionError
 from eyrie.faults import fault_point
 from eyrie.store import atomic_write_json, read_json, sha256_file, sha256_json
+from eyrie.target import target_identity
 
 
 def sample_path(hidden_dir: Path, index: int) -> Path:
@@ -191,18 +192,6 @@ def clean_staging(storage_path: Path) -> int:
 
 # ---------------------------------------------------------------------------------------------------------------
 # The stage's plan: everything the flow needs to know before deciding whether vLLM must start at all
-
-
-def target_identity(target) -> str:
-    """Target and revision: config.json content plus weight file names and sizes (hashing weights would take hours)."""
-    from eyrie.preflight import is_local_target
-
-    ident = {"model": target.model, "revision": target.revision}
-    if is_local_target(target):
-        folder = Path(target.model)
-        ident["config"] = sha256_file(folder / "config.json")
-        ident["weights"] = sorted((p.name, p.stat().st_size) for p in folder.glob("*.safetensors"))
-    return sha256_json(ident)[:16]
 
 
 class ExtractionPlan:

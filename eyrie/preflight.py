@@ -9,61 +9,17 @@ states, and the chat template is checked. Each failure says what is wrong and ho
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from eyrie.config import PipelineConfig, TargetConfig
-from eyrie.errors import ConfigError, PreflightError
-
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def is_local_model(model: str) -> bool:
-    """A folder (existing, or not shaped like a hub id `org/name`) rather than a Hugging Face hub id."""
-    return Path(model).exists() or not HUB_ID.match(model)
-
-
-def is_local_target(target: TargetConfig) -> bool:
-    return is_local_model(target.model)
-
-
-def check_target_folder(target: TargetConfig) -> None:
-    """A missing or unreadable local target is a config error, raised before anything else."""
-    if not is_local_target(target):
-        if os.environ.get("HF_HUB_OFFLINE") == "1":
-            raise ConfigError(f"target.model {target.model!r} is neither a local folder nor reachable "
-                              "(HF_HUB_OFFLINE=1): download it first, or point target.model at the folder")
-        return
-    path = Path(target.model)
-    if not path.is_dir():
-        raise ConfigError(f"target.model {path} does not exist: point it at the folder holding the target's "
-                          "config.json and weights (or a Hugging Face hub id)")
-    if not os.access(path, os.R_OK | os.X_OK) or not (path / "config.json").is_file():
-        raise ConfigError(f"target.model {path} has no readable config.json: is it a complete model folder?")
-
-
-def read_target_config(target: TargetConfig) -> dict:
-    check_target_folder(target)
-    if is_local_target(target):
-        path = Path(target.model) / "config.json"
-    else:
-        from huggingface_hub import hf_hub_download
-
-        path = Path(hf_hub_download(target.model, "config.json", revision=target.revision))
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"cannot read {path}: {err}") from None
-
-
-def text_config(cfg: dict) -> dict:
-    """The decoder's config: a multimodal wrapper keeps it under `text_config` (or `language_config`)."""
-    return cfg.get("text_config") or cfg.get("language_config") or cfg
-
+from eyrie.config import PipelineConfig
+from eyrie.errors import PreflightError
+from eyrie.promote import check_base, current_version
+from eyrie.target import (TargetError, checkpoint_tensor_names, context_limit, load_tokenizer, mask_token_id,
+                          read_target_config, resolve_borrowed_weights, text_config, verifier_name)
+from eyrie.train import draft_layer_config
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """vLLM's default: low, middle, high (input of layers 2, L//2, L-3)."""
@@ -103,6 +59,27 @@ class ClassProbe:
     path: str = "unsupported"  # native | compat (Eyrie's compatibility layer) | unsupported
     reason: str = ""
     language_model: str | None = None
+    fix: str = ""
+
+
+def not_a_decoder_lm(cls, cfg: dict) -> str | None:
+    """Why `cls` (vLLM's class for the target) cannot carry an EAGLE-3 drafter whatever its interface, or None.
+
+    EAGLE-3 drafts for a decoder-only causal LM: it reads the decoder's residual stream and predicts its next tokens.
+    Encoder-decoder (speech, translation), embedding, reward and classification models have no such stream to
+    draft for, so they are refused here, never routed to the compatibility layer. vLLM's own model inspection says
+    what the class is; config.json's `is_encoder_decoder` catches encoder-decoder classes vLLM serves as decoders.
+    """
+    from vllm.model_executor.models.registry import _ModelInfo
+
+    info = _ModelInfo.from_model_cls(cls)
+    if info.is_pooling_model or not info.is_text_generation_model:
+        return "an embedding, reward or classification (pooling) model, not a text generator"
+    if cfg.get("is_encoder_decoder") or text_config(cfg).get("is_encoder_decoder") or info.supports_transcription_only:
+        return "an encoder-decoder model (speech or sequence-to-sequence), not a decoder-only causal LM"
+    if info.is_attention_free:
+        return "attention-free (state-space): its hidden states cannot be captured through the KV-cache connector"
+    return None
 
 
 def _has_eagle3(cls) -> bool:
@@ -139,6 +116,12 @@ def probe_eagle3(cfg: dict) -> ClassProbe:
         probe.reason = f"the installed vLLM has no model class for {archs[0]}"
         return probe
     probe.vllm_class = f"{cls.__module__}.{cls.__qualname__}"
+    kind = not_a_decoder_lm(cls, cfg)
+    if kind:
+        probe.reason = f"{archs[0]} is {kind}; EAGLE-3 drafts only for decoder-only causal language models"
+        probe.fix = ("point target.model at a decoder-only text-generation model (a *ForCausalLM, or a multimodal "
+                     "wrapper around one)")
+        return probe
     lm_arch = language_model_architecture(cfg)
     if lm_arch:
         lm_cls = resolve_vllm_class(lm_arch)
@@ -149,9 +132,9 @@ def probe_eagle3(cfg: dict) -> ClassProbe:
         return probe
     lacks = (f"vLLM's {cls.__name__} does not implement SupportsEagle3 (no `supports_eagle3` flag or "
              "`set_aux_hidden_state_layers`)")
-    if not callable(getattr(cls, "compute_logits", None)):
-        probe.reason = f"{lacks}, and it is not a text-generation model the compatibility layer can serve"
-    elif os.environ.get("EYRIE_EAGLE3_COMPAT", "1") == "0":
+    probe.fix = (f"use a vLLM version whose {cls.__name__} implements SupportsEagle3, or a target architecture "
+                 "that does")
+    if os.environ.get("EYRIE_EAGLE3_COMPAT", "1") == "0":
         probe.reason = (f"{lacks}, so vLLM would load the weights and then fail with 'Model does not support EAGLE3 "
                         "interface'; Eyrie's compatibility layer is off (EYRIE_EAGLE3_COMPAT=0)")
     else:
@@ -184,8 +167,15 @@ class PreflightReport:
     aux_layer_ids: list[int]
     captured_layer_ids: list[int]
     vllm_version: str
+    max_model_len: int
+    # What the train stage needs from the target, decided here (see `eyrie.train.training_command`):
+    # `verifier_weights`, speculators' names for the tensors the drafter borrows -> the checkpoint's, and
+    # `mask_token_id`.
+    target_facts: dict = field(default_factory=dict)
+    final_norm: str | None = None  # the target's final norm class (speculators applies it as an RMSNorm)
     estimated_bytes: int | None = None
     free_bytes: int | None = None
+    warnings: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -201,11 +191,62 @@ def hidden_state_bytes(tokens: int, num_captured: int, hidden_size: int, dtype_b
     return tokens * (num_captured * hidden_size * dtype_bytes + 8)
 
 
+def check_context(config: PipelineConfig, cfg: dict) -> list[str]:
+    """Extraction sends each prepared sample (up to data.max_length tokens) and asks for one token more."""
+    failures = []
+    need, have = config.data.max_length + 1, config.max_model_len
+    if have < need:
+        failures.append(f"target.max_model_len {have} leaves no room for a sample of data.max_length "
+                        f"{config.data.max_length} tokens plus the one token extraction generates (vLLM answers "
+                        f"'max_tokens must be at least 1'): set target.max_model_len to at least {need}, or unset it")
+    limit = context_limit(cfg)
+    if limit is not None and have > limit:
+        failures.append(f"max_model_len {have} is beyond the target's context of {limit} tokens (its config.json), "
+                        f"which vLLM refuses at start-up: set data.max_length to at most {limit - 1}")
+    return failures
+
+
+def check_parallelism(config: PipelineConfig, text: dict) -> list[str]:
+    """vLLM shards attention heads over the tensor-parallel ranks: the heads must divide evenly."""
+    tp = config.target.tensor_parallel_size
+    heads = _first(text, "num_attention_heads", "n_head")
+    kv = text.get("num_key_value_heads") or heads
+    failures = []
+    if heads and heads % tp:
+        failures.append(f"target.tensor_parallel_size {tp} does not divide the target's {heads} attention heads: "
+                        "use a divisor of the head count")
+    elif kv and kv % tp and tp % kv:
+        failures.append(f"target.tensor_parallel_size {tp} and the target's {kv} key-value heads neither divide "
+                        "the other: vLLM cannot shard or replicate them evenly")
+    return failures
+
+
+def check_drafter_inputs(config: PipelineConfig, cfg: dict, report: PreflightReport) -> list[str]:
+    """What the train and export stages need from the target, decided now: the embedding, final norm and head
+    the drafter borrows (present in the checkpoint), and the drafter's own decoder layer config."""
+    failures = []
+    try:
+        borrowed = resolve_borrowed_weights(config.target, cfg, checkpoint_tensor_names(config.target))
+        report.target_facts["verifier_weights"] = borrowed.speculators_names()
+        report.final_norm = borrowed.norm_class
+        if "rms" not in borrowed.norm_class.lower():
+            report.warnings.append(f"the target's final norm is a {borrowed.norm_class}; speculators applies it as "
+                                   "an RMSNorm when it computes training labels, so labels approximate the target's "
+                                   "distribution")
+    except TargetError as err:
+        failures.append(str(err))
+    try:
+        draft_layer_config(config.target, config.train.num_layers)
+    except Exception as err:
+        failures.append(f"the drafter's decoder layer cannot be shaped from {config.target.model}'s config "
+                        f"({type(err).__name__}: {err})")
+    return failures
+
+
 def run_preflight(config: PipelineConfig, run_dir: Path, tokens: int | None = None,
                   raise_on_failure: bool = True) -> PreflightReport:
+    """Every check that needs no weights; the report lists every failure found, not only the first."""
     import vllm
-
-    from eyrie.data import load_tokenizer
 
     cfg = read_target_config(config.target)
     failures = []
@@ -224,8 +265,7 @@ def run_preflight(config: PipelineConfig, run_dir: Path, tokens: int | None = No
 
     probe = probe_eagle3(cfg)
     if probe.path == "unsupported":
-        failures.append(f"{probe.reason}. Fix: use a vLLM version whose {probe.architecture} implements "
-                        "SupportsEagle3, or a target architecture that does")
+        failures.append(f"{probe.reason}. Fix: {probe.fix}" if probe.fix else probe.reason)
     if probe.path == "compat" and not config.extraction.enforce_eager:
         failures.append(f"{probe.architecture} takes Eyrie's compatibility layer, whose hooks need eager execution: "
                         "set extraction.enforce_eager: true")
@@ -235,6 +275,8 @@ def run_preflight(config: PipelineConfig, run_dir: Path, tokens: int | None = No
     if config.vocab.draft_vocab_size > vocab > 0:
         failures.append(f"vocab.draft_vocab_size {config.vocab.draft_vocab_size} is larger than the target's "
                         f"vocabulary ({vocab}): set it to at most {vocab}")
+    failures += check_context(config, cfg) + check_parallelism(config, text)
+    tok = None
     try:
         tok = load_tokenizer(config.target)
         probe_msgs = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
@@ -244,9 +286,6 @@ def run_preflight(config: PipelineConfig, run_dir: Path, tokens: int | None = No
         failures.append(str(err))
 
     if config.promotion.dir and config.promotion.warm_start:
-        from eyrie.export import verifier_name
-        from eyrie.promote import check_base, current_version
-
         current = current_version(Path(config.promotion.dir))
         if current is not None:
             failures += check_base(current, verifier_name(config.target.model), config.vocab.draft_vocab_size,
@@ -254,7 +293,11 @@ def run_preflight(config: PipelineConfig, run_dir: Path, tokens: int | None = No
 
     report = PreflightReport(probe.architecture, probe.vllm_class, probe.path, probe.reason, probe.language_model,
                              num_layers, hidden, vocab, aux_ids, captured_layer_ids(aux_ids, num_layers),
-                             vllm.__version__)
+                             vllm.__version__, config.max_model_len)
+    mask = config.train.mask_token_id
+    report.target_facts["mask_token_id"] = mask if mask is not None or tok is None else mask_token_id(tok, vocab)
+    if probe.path != "unsupported":  # a refused class is the one problem worth reading; its metadata may be odd
+        failures += check_drafter_inputs(config, cfg, report)
     if tokens is not None and hidden:
         report.estimated_bytes = hidden_state_bytes(tokens, len(report.captured_layer_ids), hidden)
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ the newest one, so a killed or retried training task continues from its saved st
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -15,9 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from eyrie.config import PipelineConfig
+from eyrie.config import PipelineConfig, TargetConfig
 from eyrie.errors import EyrieError
 from eyrie.store import atomic_write_json, read_json, sha256_json
+from eyrie.target import context_limit
 
 
 def resolve_device(config: PipelineConfig) -> str:
@@ -46,34 +48,38 @@ def newest_checkpoint(save_path: Path) -> Path | None:
     return max(epochs, key=lambda p: int(p.name)) if epochs else None
 
 
-def draft_layer_config(config: PipelineConfig, path: Path) -> Path | None:
-    """A Llama decoder config for the drafter when the target's own config cannot seed one.
+def draft_layer_config(target: TargetConfig, num_layers: int):
+    """The drafter's decoder: a Llama layer (what vLLM's EAGLE-3 drafter runs) shaped by the target's width.
 
-    speculators copies attention fields (num_key_value_heads, head_dim...) from the verifier's config; GPT-2 and
-    OPT-era configs lack them. Then the draft layer is written out explicitly, shaped by the target's width.
+    Eyrie always writes it out rather than leave speculators to copy Llama-only fields (num_key_value_heads,
+    rms_norm_eps, hidden_act) from the target's config: GPT-2, GPT-NeoX or MLA configs lack some, and a Gemma's
+    GELU would give a drafter vLLM's Llama layer cannot run. Preflight builds it too, so a target it cannot be
+    built for is refused before extraction. Attention shape follows speculators (the target's head_dim if set).
     """
+    from speculators.models.utils import resolve_draft_intermediate_size
     from transformers import AutoConfig, LlamaConfig
 
-    v = AutoConfig.from_pretrained(config.target.model, revision=config.target.revision,
-                                   trust_remote_code=config.target.trust_remote_code)
-    v = getattr(v, "text_config", v)
-    if getattr(v, "num_key_value_heads", None) is not None:
-        return None
-    heads = v.num_attention_heads
-    ffn = getattr(v, "intermediate_size", None) or getattr(v, "n_inner", None) or getattr(v, "ffn_dim", None)
-    draft = LlamaConfig(hidden_size=v.hidden_size, num_attention_heads=heads, num_key_value_heads=heads,
-                        head_dim=v.hidden_size // heads, intermediate_size=ffn or 4 * v.hidden_size,
-                        vocab_size=v.vocab_size, num_hidden_layers=config.train.num_layers,
-                        max_position_embeddings=getattr(v, "max_position_embeddings", None) or
-                        getattr(v, "n_positions", None) or 2048, tie_word_embeddings=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    draft.to_json_file(str(path))
-    return path
+    v = AutoConfig.from_pretrained(target.model, revision=target.revision,
+                                   trust_remote_code=target.trust_remote_code).get_text_config()
+    hidden, heads = v.hidden_size, v.num_attention_heads
+    kv = getattr(v, "num_key_value_heads", None) or heads
+    head_dim = getattr(v, "head_dim", None) or hidden // heads
+    theta = (getattr(v, "rope_parameters", None) or {}).get("rope_theta") or getattr(v, "rope_theta", None)
+    eps = next((e for e in (getattr(v, k, None) for k in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"))
+                if e), 1e-6)
+    return LlamaConfig(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv if heads % kv == 0
+                       else heads, head_dim=head_dim, intermediate_size=resolve_draft_intermediate_size(v),
+                       vocab_size=v.vocab_size, num_hidden_layers=num_layers, hidden_act="silu", rms_norm_eps=eps,
+                       max_position_embeddings=context_limit(v.to_dict()) or 2048, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": float(theta or 10000.0)})
 
 
 def training_command(config: PipelineConfig, data_dir: Path, hidden_dir: Path, d2t: Path, t2d: Path,
-                     aux_ids: list[int], save_path: Path, checkpoint_freq: float, device: str,
-                     warm_start: Path | None = None, dry_run: bool = False) -> list[str]:
+                     aux_ids: list[int], target_facts: dict, save_path: Path, checkpoint_freq: float,
+                     device: str, warm_start: Path | None = None, dry_run: bool = False) -> list[str]:
+    """The trainer's command line. `target_facts` is what preflight decided about the target
+    (`PreflightReport.target_facts`): the checkpoint names of the tensors the drafter borrows, which
+    `eyrie.train_entry` hands to speculators' loader, and the mask token id."""
     t = config.train
     if device == "cuda" and t.devices > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={t.devices}"]
@@ -88,18 +94,21 @@ def training_command(config: PipelineConfig, data_dir: Path, hidden_dir: Path, d
             "--ttt-steps", str(t.ttt_steps), "--total-seq-len", str(t.max_seq_len),
             "--checkpoint-freq", str(checkpoint_freq), "--train-data-ratio", str(1 - t.val_fraction),
             "--seed", str(t.seed), "--on-missing", "raise", "--loss-implementation", "eager",
-            "--log-dir", str(save_path.parent / "logs"), "--logger", ""]
+            "--log-dir", str(save_path.parent / "logs"), "--logger", "",
+            "--eyrie-verifier-weights", json.dumps(target_facts["verifier_weights"], sort_keys=True)]
     if config.target.trust_remote_code:
         args.append("--trust-remote-code")
-    if t.mask_token_id is not None:
-        args += ["--mask-token-id", str(t.mask_token_id)]
+    if target_facts.get("mask_token_id") is not None:
+        args += ["--mask-token-id", str(target_facts["mask_token_id"])]
     if device == "cpu":  # no Triton, no flex attention kernels, no bf16 autocast benefit on CPU
         args += ["--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32", "--num-workers", "0"]
     if warm_start is not None:
         args += ["--from-pretrained", str(warm_start)]
     else:
-        draft = draft_layer_config(config, save_path.parent / "draft_layer_config.json")
-        args += ["--draft-config", str(draft)] if draft else ["--num-layers", str(t.num_layers)]
+        draft = save_path.parent / "draft_layer_config.json"
+        draft.parent.mkdir(parents=True, exist_ok=True)
+        draft_layer_config(config.target, t.num_layers).to_json_file(str(draft))
+        args += ["--draft-config", str(draft)]
     if dry_run:
         args.append("--dry-run")
     return launcher + args
@@ -115,8 +124,8 @@ def _die_with_parent() -> None:
 
 
 def run_training(config: PipelineConfig, out_dir: Path, key: str, data_dir: Path, hidden_dir: Path, d2t: Path,
-                 t2d: Path, aux_ids: list[int], seq_lens: list[int], warm_start: Path | None = None,
-                 log=print) -> dict:
+                 t2d: Path, aux_ids: list[int], target_facts: dict, seq_lens: list[int],
+                 warm_start: Path | None = None, log=print) -> dict:
     """Train (or resume) into `out_dir/<key>`; returns the stage manifest naming the final checkpoint."""
     manifest = read_json(out_dir / "manifest.json")
     if manifest and manifest.get("key") == key and Path(manifest["checkpoint"]).exists():
@@ -129,7 +138,8 @@ def run_training(config: PipelineConfig, out_dir: Path, key: str, data_dir: Path
         spe = math.ceil(spe / config.train.devices)    # and checkpoint_freq is a share of one rank's steps
     every = config.train.save_every_steps
     freq = 1.0 if not every or every >= spe else max(every / spe, 1 / spe)
-    cmd = training_command(config, data_dir, hidden_dir, d2t, t2d, aux_ids, save_path, freq, device, warm_start)
+    cmd = training_command(config, data_dir, hidden_dir, d2t, t2d, aux_ids, target_facts, save_path, freq, device,
+                           warm_start)
     # speculators saves `interrupted/` on SIGTERM but never resumes from it (it resumes from the newest numbered
     # checkpoint, as Eyrie reports); left there, it only draws a warning on every later launch.
     shutil.rmtree(save_path / "interrupted", ignore_errors=True)
@@ -173,7 +183,7 @@ def epoch_metrics(save_path: Path) -> list[dict]:
 
 
 def untrained_drafter(config: PipelineConfig, out_dir: Path, data_dir: Path, hidden_dir: Path, d2t: Path,
-                      t2d: Path, aux_ids: list[int], log=print) -> Path:
+                      t2d: Path, aux_ids: list[int], target_facts: dict) -> Path:
     """A freshly initialised drafter of the same shape (speculators' --dry-run): the evaluation baseline."""
     path = out_dir / "untrained"
     if (path / "model.safetensors").exists():
@@ -181,7 +191,8 @@ def untrained_drafter(config: PipelineConfig, out_dir: Path, data_dir: Path, hid
     staging = out_dir / "untrained.staging"
     shutil.rmtree(staging, ignore_errors=True)
     # Initialising needs no accelerator: always on CPU, one process.
-    cmd = training_command(config, data_dir, hidden_dir, d2t, t2d, aux_ids, staging, 1.0, "cpu", dry_run=True)
+    cmd = training_command(config, data_dir, hidden_dir, d2t, t2d, aux_ids, target_facts, staging, 1.0, "cpu",
+                           dry_run=True)
     r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, EYRIE_TRAIN_DEVICE="cpu"))
     if r.returncode != 0:
         raise EyrieError(f"could not initialise the untrained drafter:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")

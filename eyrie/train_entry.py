@@ -8,6 +8,7 @@ way a GPU node does.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -33,17 +34,22 @@ def _run_on_cpu() -> None:
     torch.accelerator.current_accelerator = current_accelerator
 
 
-def _know_classic_weight_names() -> None:
-    """speculators finds the verifier's embeddings and final norm by Llama-style names (and a few aliases); GPT-2
-    calls them `wte`/`ln_f` and OPT `final_layer_norm`. (Their final norms are LayerNorms: speculators applies the
-    weight as an RMSNorm, so training labels approximate those targets' distributions; see README.)"""
+def _load_verifier_weights_by(names: dict[str, str]) -> None:
+    """speculators asks its loader for the verifier's `embed_tokens.weight`, `lm_head.weight` and
+    `model.norm.weight` and matches them by suffix and a few aliases, so a target with other names (GPT-NeoX's
+    `gpt_neox.embed_in`, GPT-2's `transformer.wte`) fails with a KeyError or, worse, gets a layer's norm. Preflight
+    resolved the checkpoint's own names; here the loader is given exactly those. A name left out (a tied head) is
+    not asked for, and speculators falls back to the embedding as it does for tied targets."""
     from speculators.utils import loading
 
-    aliases = loading._WEIGHT_ALIASES
-    for name, extra in (("embed_tokens.weight", "wte.weight"), ("model.norm.weight", "ln_f.weight"),
-                        ("model.norm.weight", "final_layer_norm.weight")):
-        if extra not in aliases.setdefault(name, []):
-            aliases[name].append(extra)
+    load = loading.load_model_layers
+
+    def load_model_layers(layer_names: list[str], model_path: str):
+        wanted = {n: names[n] for n in layer_names if n in names}
+        found = load(list(wanted.values()), model_path)
+        return {n: found[key] for n, key in wanted.items() if key in found}
+
+    loading.load_model_layers = load_model_layers
 
 
 def _train_in_float32() -> None:
@@ -56,8 +62,19 @@ def _train_in_float32() -> None:
     cli.build_draft_model = lambda *a, **k: build(*a, **k).float()
 
 
+def _pop_option(argv: list[str], name: str) -> str | None:
+    if name not in argv:
+        return None
+    i = argv.index(name)
+    value = argv[i + 1]
+    del argv[i:i + 2]
+    return value
+
+
 def main(argv: list[str]) -> None:
-    _know_classic_weight_names()
+    names = _pop_option(argv, "--eyrie-verifier-weights")
+    if names:
+        _load_verifier_weights_by(json.loads(names))
     _train_in_float32()
     if os.environ.get("EYRIE_TRAIN_DEVICE") == "cpu":
         _run_on_cpu()

@@ -70,7 +70,7 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[STAGES] =
         unless_missing(vocab_task, run.manifest("vocab"), vkey)(token_freq, dvs, report["vocab_size"],
                                                                str(run.vocab), vkey, warm)
         d2t, t2d = (str(p) for p in mapping_paths(run.vocab, dvs))
-        data = (str(run.prepare / "dataset"), str(run.hidden_states), d2t, t2d, aux)
+        data = (str(run.prepare / "dataset"), str(run.hidden_states), d2t, t2d, aux, report["target_facts"])
         tkey = train_key(config, extracted["keys"], vkey, aux, warm)
         spec = ServerSpec.from_config(config, num_speculative_tokens=config.evaluate.num_speculative_tokens)
         ekey = sha256_json([tkey, aux, spec.fingerprint()])[:16]

@@ -31,7 +31,8 @@ def _watch_progress(save_path: Path, total_epochs: int, stop: threading.Event) -
 # retries resume from the newest checkpoint: the key (and so the checkpoint folder) is unchanged.
 @task(name="train", cache_policy=BY_KEY, retries=1, retry_delay_seconds=5)
 def train_task(config: PipelineConfig, out_dir: str, key: str, data_dir: str, hidden_dir: str, d2t: str, t2d: str,
-               aux_ids: list[int], seq_lens: list[int], warm_start: str | None = None) -> dict:
+               aux_ids: list[int], target_facts: dict, seq_lens: list[int],
+               warm_start: str | None = None) -> dict:
     log = get_run_logger()
     stop = threading.Event()
     watcher = threading.Thread(target=_watch_progress, args=(Path(out_dir) / key / "checkpoints",
@@ -39,7 +40,8 @@ def train_task(config: PipelineConfig, out_dir: str, key: str, data_dir: str, hi
     watcher.start()
     try:
         manifest = run_training(config, Path(out_dir), key, Path(data_dir), Path(hidden_dir), Path(d2t), Path(t2d),
-                                aux_ids, seq_lens, Path(warm_start) if warm_start else None, log=log.info)
+                                aux_ids, target_facts, seq_lens, Path(warm_start) if warm_start else None,
+                                log=log.info)
     finally:
         stop.set()
     if manifest["history"]:
@@ -49,6 +51,6 @@ def train_task(config: PipelineConfig, out_dir: str, key: str, data_dir: str, hi
 
 @task(name="untrained-drafter")
 def untrained_drafter_task(config: PipelineConfig, out_dir: str, data_dir: str, hidden_dir: str, d2t: str, t2d: str,
-                           aux_ids: list[int]) -> str:
+                           aux_ids: list[int], target_facts: dict) -> str:
     return str(untrained_drafter(config, Path(out_dir), Path(data_dir), Path(hidden_dir), Path(d2t), Path(t2d),
-                                 aux_ids))
+                                 aux_ids, target_facts))

@@ -115,12 +115,12 @@ def tiny_kimi() -> Path:
 
 
 def config_dict(target: Path, tiny: str | None = None, source: str | Path = DEMO_DATA, *, max_samples: int = 48,
-                shard_size: int = 8, max_length: int = 256, max_model_len: int = 256, layer_ids=None,
+                shard_size: int = 8, max_length: int = 256, max_model_len: int | None = None, layer_ids=None,
                 concurrency: int = 4, name: str = "test", **sections) -> dict:
     """A demo-like config for `target` with small data; `sections` are merged into the top-level sections."""
     data = {
         "name": name,
-        "target": {"model": str(target), "max_model_len": max_model_len},
+        "target": {"model": str(target)},
         "data": {"source": str(source), "max_length": max_length, "shard_size": shard_size,
                  "max_samples": max_samples, "eval_fraction": 0.05},
         "extraction": {"concurrency": concurrency, "startup_timeout_s": 900, "request_timeout_s": 120,
@@ -129,6 +129,8 @@ def config_dict(target: Path, tiny: str | None = None, source: str | Path = DEMO
     }
     if tiny:
         data["target"]["tiny"] = tiny
+    if max_model_len is not None:
+        data["target"]["max_model_len"] = max_model_len
     if layer_ids is not None:
         data["extraction"]["layer_ids"] = list(layer_ids)
     for section, values in sections.items():

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from eyrie.config import TargetConfig
-from eyrie.preflight import probe_eagle3, read_target_config, resolve_vllm_class
+from eyrie.preflight import probe_eagle3, resolve_vllm_class
+from eyrie.target import read_target_config
 from eyrie.store import read_json
 
 from conftest import REPO, build_tiny_target, register_server_folder, write_config

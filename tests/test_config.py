@@ -20,11 +20,9 @@ def test_valid_config_round_trips(tmp_path):
     config = parse_config(config_dict(tmp_path / "target", layer_ids=[2, 4, 5]))
     assert config.data.shard_size == 8
     assert config.extraction.layer_ids == [2, 4, 5]
-    assert config.max_model_len == 256
-    # max_model_len defaults to data.max_length
-    data = config_dict(tmp_path / "target")
-    del data["target"]["max_model_len"]
-    assert parse_config(data).max_model_len == data["data"]["max_length"]
+    # max_model_len defaults to data.max_length + 1: the longest sample plus the one token extraction generates
+    assert config.max_model_len == config.data.max_length + 1 == 257
+    assert parse_config(config_dict(tmp_path / "target", max_model_len=300)).max_model_len == 300
 
 
 def test_unknown_key_is_named(tmp_path):

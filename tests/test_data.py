@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eyrie.config import DataConfig, TargetConfig
-from eyrie.data import (RowError, iter_eval_prompts, load_dataset_rows, load_shards, load_tokenizer, normalize,
+from eyrie.target import load_tokenizer
+from eyrie.data import (RowError, iter_eval_prompts, load_dataset_rows, load_shards, normalize,
                         plan_shards, prepare, prepare_key, tokenize_conversation)
 from eyrie.errors import DataError
 

@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import load_file
 
 from eyrie.extract import _wait_and_release, extract_shard, load_checked, sample_path
-from eyrie.preflight import captured_layer_ids, default_aux_layer_ids, text_config
+from eyrie.preflight import captured_layer_ids, default_aux_layer_ids
+from eyrie.target import text_config
 from eyrie.server import ExtractionServer, ServerClient, ServerSpec
 
 from conftest import DEMO_DATA, VLLM_SERVER_ARGS, register_server_folder, stop_server

@@ -24,12 +24,12 @@ from conftest import config_dict, write_config
 # the bare refusal turn it off with EYRIE_EAGLE3_COMPAT=0. BertModel (an embedding model) is refused either way.
 UNSUPPORTED = {
     "OPTForCausalLM": {"model_type": "opt", "hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 2,
-                       "ffn_dim": 128, "word_embed_proj_dim": 64, "max_position_embeddings": 256,
+                       "ffn_dim": 128, "word_embed_proj_dim": 64, "max_position_embeddings": 1024,
                        "do_layer_norm_before": True, "vocab_size": 512},
-    "GPT2LMHeadModel": {"model_type": "gpt2", "n_embd": 64, "n_layer": 8, "n_head": 2, "n_positions": 256,
+    "GPT2LMHeadModel": {"model_type": "gpt2", "n_embd": 64, "n_layer": 8, "n_head": 2, "n_positions": 1024,
                         "vocab_size": 512, "num_hidden_layers": 8, "hidden_size": 64},
     "BertModel": {"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 2,
-                  "intermediate_size": 128, "max_position_embeddings": 256, "vocab_size": 512},
+                  "intermediate_size": 128, "max_position_embeddings": 1024, "vocab_size": 512},
 }
 NO_COMPAT = "EYRIE_EAGLE3_COMPAT"
 
@@ -74,7 +74,9 @@ def test_unsupported_architectures_exist(arch, monkeypatch):
     assert cls is not None
     assert not getattr(cls, "supports_eagle3", False)
     probe = probe_eagle3({"architectures": [arch]})
-    assert probe.path == "unsupported" and "SupportsEagle3" in probe.reason
+    assert probe.path == "unsupported"
+    # An embedding model is refused for what it is, whatever its interface; the others for the missing interface.
+    assert ("pooling" if arch == "BertModel" else "SupportsEagle3") in probe.reason
 
 
 def test_unsupported_class_refused_without_loading_weights(opt_target, tmp_path, monkeypatch):
@@ -139,14 +141,34 @@ def test_preflight_refuses_missing_template_and_missing_target(tiny_llama, tmp_p
         run_preflight(parse_config(config_dict(tmp_path / "nowhere")), tmp_path / "run")
 
 
-def test_embedding_model_refused_even_with_the_compatibility_layer(tmp_path, monkeypatch):
+# Classes no EAGLE-3 path can serve: refused for what they are, with the compatibility layer on, from config alone.
+NOT_DECODER_LMS = {
+    "BertModel": ("bert", "pooling"),
+    "Qwen2ForRewardModel": ("qwen2", "pooling"),
+    "WhisperForConditionalGeneration": ("whisper", "encoder-decoder"),
+    "MambaForCausalLM": ("mamba", "attention-free"),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(NOT_DECODER_LMS))
+def test_models_that_are_not_decoder_lms_are_refused(arch, tmp_path, monkeypatch):
     monkeypatch.delenv(NO_COMPAT, raising=False)
-    target = unsupported_target(tmp_path / "tiny-bert", "BertModel")
+    from transformers import AutoConfig
+
+    model_type, why = NOT_DECODER_LMS[arch]
+    # The real config class's defaults (Whisper's is_encoder_decoder among them), shrunk to a tiny width.
+    fields = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=64, num_hidden_layers=8,
+                                  num_attention_heads=2, d_model=64, encoder_layers=2, decoder_layers=8).to_dict()
+    folder = tmp_path / arch
+    folder.mkdir()
+    build_tokenizer(folder)
+    (folder / "config.json").write_text(json.dumps({**fields, "architectures": [arch]}))
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(PreflightError) as info:
-        run_preflight(parse_config(config_dict(target)), tmp_path / "run")
+        run_preflight(parse_config(config_dict(folder)), tmp_path / "run")
     failures = info.value.failures
-    assert len(failures) == 1, failures
-    assert "vLLM's BertEmbeddingModel does not implement SupportsEagle3" in failures[0]
+    assert any(why in f and "decoder-only" in f and "Fix: point target.model" in f for f in failures), failures
+    assert not any("compatibility layer gives it" in f for f in failures)
     assert "safetensors" not in str(info.value).lower()
 
 
