@@ -89,6 +89,18 @@ def context_limit(cfg: dict) -> int | None:
     return int(min(limits) * (factor or 1))
 
 
+def load_hf_config(target: TargetConfig):
+    """The target's transformers config. A model type transformers knows is read with its own class, as vLLM does
+    (no remote code runs, and a folder holding only config.json and the weight index is enough); other types take
+    the target's own code when target.trust_remote_code allows it."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    native = read_target_config(target).get("model_type") in CONFIG_MAPPING
+    return AutoConfig.from_pretrained(target.model, revision=target.revision,
+                                      trust_remote_code=target.trust_remote_code and not native)
+
+
 def load_tokenizer(target: TargetConfig):
     from transformers import AutoTokenizer
 
@@ -185,24 +197,24 @@ def _meta_model(target: TargetConfig, cfg: dict):
     """The target's transformers model built on the meta device: module names and structure, no memory."""
     import torch
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    hf_config = AutoConfig.from_pretrained(target.model, revision=target.revision,
-                                           trust_remote_code=target.trust_remote_code)
+    hf_config = load_hf_config(target)
+    remote = not type(hf_config).__module__.startswith("transformers.")  # the target's own code was loaded
     arch = (cfg.get("architectures") or [""])[0]
     cls = getattr(transformers, arch, None)
     with torch.device("meta"):
         if cls is not None:
             return cls._from_config(hf_config)
         try:
-            return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=target.trust_remote_code)
+            return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=remote)
         except ValueError:
             # A multimodal wrapper transformers has no class for (Kimi-K2.5): its text backbone carries the
             # embedding, norm and head; the checkpoint's names for them share the backbone's dotted tails.
             text = hf_config.get_text_config()
             if text is hf_config:
                 raise
-            return AutoModelForCausalLM.from_config(text, trust_remote_code=target.trust_remote_code)
+            return AutoModelForCausalLM.from_config(text, trust_remote_code=remote)
 
 
 def _final_norm(model) -> tuple[str, object] | None:

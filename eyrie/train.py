@@ -19,7 +19,7 @@ from pathlib import Path
 from eyrie.config import PipelineConfig, TargetConfig
 from eyrie.errors import EyrieError
 from eyrie.store import atomic_write_json, read_json, sha256_json
-from eyrie.target import context_limit
+from eyrie.target import context_limit, load_hf_config
 
 
 def resolve_device(config: PipelineConfig) -> str:
@@ -57,10 +57,9 @@ def draft_layer_config(target: TargetConfig, num_layers: int):
     built for is refused before extraction. Attention shape follows speculators (the target's head_dim if set).
     """
     from speculators.models.utils import resolve_draft_intermediate_size
-    from transformers import AutoConfig, LlamaConfig
+    from transformers import LlamaConfig
 
-    v = AutoConfig.from_pretrained(target.model, revision=target.revision,
-                                   trust_remote_code=target.trust_remote_code).get_text_config()
+    v = load_hf_config(target).get_text_config()
     hidden, heads = v.hidden_size, v.num_attention_heads
     kv = getattr(v, "num_key_value_heads", None) or heads
     head_dim = getattr(v, "head_dim", None) or hidden // heads
