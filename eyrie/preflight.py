@@ -182,6 +182,23 @@ class PreflightReport:
         return asdict(self)
 
 
+def report_markdown(report: PreflightReport) -> str:
+    """The report as a user reads it in Prefect's UI: the verdict first, then every problem and what was found."""
+    verdict = (f"**FAILED**: {len(report.failures)} problem(s), no weights were loaded" if report.failures else
+               f"passed: `{report.architecture}` via the {report.eagle3_path} EAGLE-3 path")
+    weights = report.target_facts.get("verifier_weights", {})
+    rows = [("architecture", f"`{report.architecture}` (vLLM `{report.vllm_class}`)"),
+            ("EAGLE-3 path", f"{report.eagle3_path}: {report.eagle3_reason}"),
+            ("layers / hidden / vocab", f"{report.num_layers} / {report.hidden_size} / {report.vocab_size}"),
+            ("captured layer ids", str(report.captured_layer_ids)), ("max_model_len", str(report.max_model_len)),
+            ("borrowed tensors", ", ".join(f"`{v}`" for v in weights.values()) or "-"),
+            ("hidden states (estimate)", f"{report.estimated_bytes / 2**30:.1f} GiB" if report.estimated_bytes
+             else "-"), ("vLLM", report.vllm_version)]
+    return "\n".join([f"# Preflight {verdict}", "", *(f"- {f}" for f in report.failures), "",
+                      *(f"- warning: {w}" for w in report.warnings), "", "| check | found |", "|---|---|",
+                      *(f"| {k} | {v} |" for k, v in rows)])
+
+
 def _first(cfg: dict, *keys: str) -> int:
     return next((cfg[k] for k in keys if cfg.get(k)), 0)
 

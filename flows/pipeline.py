@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from itertools import islice
 from pathlib import Path
 from typing import Literal
@@ -39,7 +39,7 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[STAGES] =
     log = get_run_logger()
     run = RunFolder(run_dir)
     run.ensure()
-    with run.lock(), gpu_slot():
+    with run.lock(), ExitStack() as gpu:
         # Holding the lock, no writer is in flight here: a temporary file left by an atomic write is from a crash.
         removed = remove_staging(run.root)
         if removed:
@@ -51,6 +51,7 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[STAGES] =
         report = preflight_task(config, str(run.root), tokens=prepared["stats"]["tokens"])
         if until == "prepare":
             return {"run_dir": str(run.root), "prepared": str(run.prepare / "dataset")}
+        gpu.enter_context(gpu_slot())  # the GPU node's slot, taken only once every check has passed
         extracted = extract_flow(config, str(run.root), report)
         if until == "extract":
             return {"run_dir": str(run.root), "prepared": str(run.prepare / "dataset"),

@@ -3,9 +3,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import task
+from prefect.artifacts import create_markdown_artifact
 
 from eyrie.config import PipelineConfig
-from eyrie.preflight import run_preflight
+from eyrie.preflight import report_markdown, run_preflight
 from eyrie.store import atomic_write_json
 
 
@@ -14,6 +15,9 @@ def preflight_task(config: PipelineConfig, run_dir: str, tokens: int | None = No
     """Seconds of checks before any weights load; raises PreflightError listing every problem."""
     report = run_preflight(config, Path(run_dir), tokens=tokens, raise_on_failure=False)
     atomic_write_json(Path(run_dir) / "preflight.json", report.as_dict())
+    # The report where a user of the UI looks first: on the flow run, failed or not.
+    create_markdown_artifact(report_markdown(report), key="preflight",
+                             description="preflight: the checks made before any weights load")
     if report.failures:
         from eyrie.errors import PreflightError
 
