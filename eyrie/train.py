@@ -19,7 +19,7 @@ from pathlib import Path
 from eyrie.config import PipelineConfig, TargetConfig
 from eyrie.errors import EyrieError
 from eyrie.store import atomic_write_json, read_json, sha256_json
-from eyrie.target import context_limit, load_hf_config
+from eyrie.target import context_limit, load_hf_config, read_target_config, text_config
 
 
 def resolve_device(config: PipelineConfig) -> str:
@@ -61,6 +61,9 @@ def draft_layer_config(target: TargetConfig, num_layers: int):
 
     v = load_hf_config(target).get_text_config()
     hidden, heads = v.hidden_size, v.num_attention_heads
+    if hidden % heads and "head_dim" not in text_config(read_target_config(target)):
+        raise ValueError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} and config.json "
+                         "gives no head_dim, so no attention width fits the target's hidden size")
     kv = getattr(v, "num_key_value_heads", None) or heads
     head_dim = getattr(v, "head_dim", None) or hidden // heads
     theta = (getattr(v, "rope_parameters", None) or {}).get("rope_theta") or getattr(v, "rope_theta", None)
