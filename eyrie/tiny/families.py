@@ -104,11 +104,13 @@ def build_gpt_neox(path: Path, seed: int = 0, **overrides) -> None:
 
 
 def build_falcon(path: Path, seed: int = 0, **overrides) -> None:
-    """Falcon (7B style): one shared KV head (multi-query), attention and MLP in parallel, rotary, no biases."""
+    """Falcon (7B style): one shared KV head (multi-query), attention and MLP in parallel, rotary, no biases. The MLP
+    is 4 x hidden wide: vLLM's FalconMLP ignores `ffn_hidden_size` (128 fails the load with "start (0) + length
+    (256) exceeds dimension size (128)")."""
     from transformers import FalconConfig, FalconForCausalLM
 
     fields = dict(multi_query=True, parallel_attn=True, new_decoder_architecture=False, alibi=False, bias=False,
-                  num_kv_heads=1, ffn_hidden_size=128, layer_norm_epsilon=1e-5)
+                  num_kv_heads=1, ffn_hidden_size=None, layer_norm_epsilon=1e-5)
     _build(path, seed, FalconConfig, FalconForCausalLM, fields, overrides,
            drop=("intermediate_size", "num_key_value_heads", "head_dim"))
 

@@ -14,11 +14,14 @@ looks for them (`model.embed_tokens`). Classes that implement the interface are 
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 from torch import nn
 
 _INSTALLED = "_eyrie_eagle3_compat"
+# Under vLLM's logger, so the line lands in the server log with vLLM's own.
+logger = logging.getLogger("vllm.eyrie.compat")
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
@@ -109,6 +112,7 @@ def graft_eagle3(model: nn.Module) -> None:
         capture = self.__dict__.get("_eyrie_capture")
         return out if capture is None else (out, capture.collect())
 
+    logger.info("Eyrie's EAGLE-3 compatibility layer serves %s (%d decoder layers)", base.__name__, len(layers))
     model.__class__ = type(f"{base.__name__}WithEagle3", (base,), {
         # every member vLLM's runtime protocol check looks for (SupportsEagleBase's defaults included)
         "supports_eagle3": True, "has_own_lm_head": False, "has_own_embed_tokens": False,
