@@ -81,12 +81,20 @@ def test_production_target_passes_preflight(name, tmp_path, record_property):
     assert draft.hidden_size == hidden and draft.hidden_act == "silu" and not draft.tie_word_embeddings
 
 
-def test_kimi_preset_shape(tmp_path):
-    """What the Kimi-K2.5 TP=8 preset trains: ids [2, 30, 58] plus 61, 57,344 bytes per token of hidden states."""
-    report = run_preflight(production_config(production_target(tmp_path, "kimi-k2.5")), tmp_path / "run", tokens=1,
-                          raise_on_failure=False)
-    assert report.captured_layer_ids == [2, 30, 58, 61]
-    assert report.estimated_bytes == 4 * 7168 * 2 + 8
+def test_kimi_preset_on_kimi_metadata(tmp_path):
+    """configs/kimi-k2.5-tp8.yaml against Kimi-K2.5's metadata: ids [2, 30, 58] plus 61, 57,352 bytes per token of
+    hidden states, TP 8 over 64 heads, and nothing else to fix but the remote-code flag the fixture cannot honour."""
+    import yaml
+
+    preset = yaml.safe_load((REPO / "configs" / "kimi-k2.5-tp8.yaml").read_text())
+    folder = production_target(tmp_path, "kimi-k2.5")
+    preset["target"].update(model=str(folder), revision=None, trust_remote_code=False)
+    preset["promotion"]["dir"] = str(tmp_path / "drafters")
+    preset["extraction"]["min_free_disk_gib"] = 0
+    report = run_preflight(parse_config(preset), tmp_path / "run", tokens=1, raise_on_failure=False)
+    assert report.failures == remote_code_failures(folder)
+    assert report.captured_layer_ids == [2, 30, 58, 61] and report.max_model_len == 8192
+    assert report.estimated_bytes == 4 * 7168 * 2 + 8 == 57352
 
 
 def test_tensor_parallel_split_checked(tmp_path):
