@@ -23,8 +23,9 @@ class TargetConfig(_Section):
     revision: str | None = Field(None, description="Hub revision (commit, tag or branch) of the target.")
     trust_remote_code: bool = Field(False, description="Run the target's own Python code (tokenizer, config). "
                                                        "Off unless this target needs it.")
-    tiny: Literal["tiny-llama", "tiny-llama-chat", "tiny-deepseek-v3", "tiny-kimi-k25", "tiny-gpt2",
-                  "tiny-opt"] | None = Field(
+    tiny: Literal["tiny-llama", "tiny-llama-chat", "tiny-deepseek-v3", "tiny-kimi-k25", "tiny-gpt2", "tiny-opt",
+                  "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mistral", "tiny-gemma2", "tiny-phi3",
+                  "tiny-gpt-neox", "tiny-falcon", "tiny-stablelm"] | None = Field(
         None, description="Build this tiny project-made target at `model` if the folder is missing (demo, tests).")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism for extraction and evaluation.")
     dtype: Literal["bfloat16", "float16", "auto"] = "bfloat16"

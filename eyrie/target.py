@@ -251,6 +251,27 @@ def match_checkpoint_name(module_name: str, names: list[str]) -> str | None:
     return None
 
 
+IN_A_LAYER = re.compile(r"\.\d+\.")
+
+
+def loaded_names(model, names: list[str]) -> dict[str, str]:
+    """The name transformers loads each checkpoint tensor under -> the checkpoint's name, by transformers' own
+    renaming rules for the class (GPT-NeoX stores its head as `embed_out`, loaded as `lm_head`). Tensors inside
+    numbered layers are skipped: the borrowed ones never are, and a 1T-parameter index holds ~200,000 names."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    transforms = get_model_conversion_mapping(model)
+    loaded = {}
+    for name in names:
+        if IN_A_LAYER.search(name):
+            continue
+        key = name
+        for transform in transforms:
+            key, _ = transform.rename_source_key(key)
+        loaded.setdefault(key, name)
+    return loaded
+
+
 def resolve_borrowed_weights(target: TargetConfig, cfg: dict, names: list[str] | None = None) -> BorrowedWeights:
     """Resolve the embedding, final norm and head the drafter borrows, and check each is in the checkpoint."""
     names = checkpoint_tensor_names(target) if names is None else names
@@ -260,6 +281,7 @@ def resolve_borrowed_weights(target: TargetConfig, cfg: dict, names: list[str] |
         raise TargetError(f"transformers cannot build {target.model}'s architecture to find its embedding and head "
                           f"({type(err).__name__}: {err}); install a transformers that knows it, or set "
                           "target.trust_remote_code: true if the target ships its own code") from None
+    loaded = loaded_names(model, names)
     modules = {id(m): n for n, m in model.named_modules()}
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
@@ -272,10 +294,10 @@ def resolve_borrowed_weights(target: TargetConfig, cfg: dict, names: list[str] |
         wanted["output head"] = modules[id(head)] + ".weight"
     found, missing = {}, []
     for what, module_name in wanted.items():
-        key = match_checkpoint_name(module_name, names)
+        key = match_checkpoint_name(module_name, list(loaded))
         if key is None:
             missing.append(f"{what} `{module_name}`")
-        found[what] = key
+        found[what] = loaded.get(key) if key else None
     if missing and "output head" in wanted and missing == [f"output head `{wanted['output head']}`"] and \
             getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "tie_word_embeddings", False):
         missing, found["output head"] = [], None  # a tied head that the checkpoint does not store

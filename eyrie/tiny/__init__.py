@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eyrie.tiny.families import FAMILIES
 from eyrie.tiny.tokenizer import build_tokenizer
 
-TINY_TARGETS = ("tiny-llama", "tiny-llama-chat", "tiny-deepseek-v3", "tiny-kimi-k25", "tiny-gpt2", "tiny-opt")
+TINY_TARGETS = ("tiny-llama", "tiny-llama-chat", "tiny-deepseek-v3", "tiny-kimi-k25", "tiny-gpt2", "tiny-opt",
+                *FAMILIES)
 
 
 def build_target(kind: str, path: str | Path, seed: int = 0, **kw) -> Path:
@@ -34,6 +36,8 @@ def build_target(kind: str, path: str | Path, seed: int = 0, **kw) -> Path:
         from eyrie.tiny.classic import build_opt as build
     elif kind == "tiny-kimi-k25":
         from eyrie.tiny.kimi import build_kimi_k25 as build
+    elif kind in FAMILIES:  # the compatibility matrix's other architectures
+        build = FAMILIES[kind]
     else:
         raise ValueError(f"unknown tiny target {kind!r}; choose one of {', '.join(TINY_TARGETS)}")
     path.mkdir(parents=True, exist_ok=True)

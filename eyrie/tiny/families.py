@@ -78,10 +78,11 @@ def build_mistral(path: Path, seed: int = 0, **overrides) -> None:
 
 def build_gemma2(path: Path, seed: int = 0, **overrides) -> None:
     """Gemma-2: scaled embeddings, four norms per layer, attention and final logit soft-capping, sliding-window
-    layers alternating with global ones. Tied embeddings: vLLM's class has no lm_head."""
+    layers alternating with global ones (a 16-token window, shorter than a demo conversation, so that the sliding
+    layers really slide). Tied embeddings: vLLM's class has no lm_head."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    fields = dict(tie_word_embeddings=True, query_pre_attn_scalar=32, sliding_window=512,
+    fields = dict(tie_word_embeddings=True, query_pre_attn_scalar=32, sliding_window=16,
                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0, rms_norm_eps=1e-6,
                   hidden_activation="gelu_pytorch_tanh")
     _build(path, seed, Gemma2Config, Gemma2ForCausalLM, fields, overrides)

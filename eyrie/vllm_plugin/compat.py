@@ -50,6 +50,17 @@ def _stream(layer: nn.Module):
     return read
 
 
+def _layer_output(layer: nn.Module, out):
+    """The residual stream leaving `layer`. Layers that take the residual separately (Llama-style: forward has a
+    `residual` argument) return (hidden_states, residual), and the stream is their sum; others return the stream
+    first (StableLM's second element is its pre-MLP residual, already inside the first)."""
+    if not isinstance(out, tuple):
+        return out
+    if "residual" in inspect.signature(layer.forward).parameters and len(out) == 2 and out[1] is not None:
+        return out[0] + out[1]
+    return out[0]
+
+
 class _Capture:
     def __init__(self, layers: nn.ModuleList, ids: tuple[int, ...]):
         self.ids = ids
@@ -62,9 +73,7 @@ class _Capture:
                     lambda m, a, kw, k=k, read=read: self.out.__setitem__(k, read(a, kw)), with_kwargs=True)
             elif k == n:  # the last layer's output, before the final norm
                 layers[n - 1].register_forward_hook(
-                    lambda m, a, o: self.out.__setitem__(n, o[0] + o[1] if isinstance(o, tuple) and len(o) == 2
-                                                         and o[1] is not None else (o[0] if isinstance(o, tuple)
-                                                                                    else o)))
+                    lambda m, a, o: self.out.__setitem__(n, _layer_output(m, o)))
             else:
                 raise ValueError(f"aux hidden state layer {k} is beyond the model's {n} layers")
 
