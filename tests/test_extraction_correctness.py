@@ -1,20 +1,23 @@
-"""What the vLLM extraction server writes is what the target computes: for each tiny target (Llama, DeepseekV3 and
-the Kimi-K2.5-style multimodal wrapper) one sample goes through Eyrie's server, client and file checks, and every
+"""What the vLLM extraction server writes is what the target computes: for each tiny target of the compatibility
+matrix (Llama, DeepseekV3, the Kimi-K2.5-style multimodal wrapper and the families of eyrie/tiny/families.py, native
+and through Eyrie's compatibility layer) one sample goes through Eyrie's server, client and file checks, and every
 captured layer is compared with transformers' hidden states on the same token ids.
 
 vLLM's id k is the input of layer k, which is transformers' hidden_states[k]. Id L (the last layer's output) is taken
 before the final norm; transformers' hidden_states[-1] has the norm applied, so the reference for id L is the last
 decoder layer's output, caught with a forward hook.
 
-The three servers start together (their start-up is mostly single-threaded Python imports, so on two cores running
-them side by side takes about half the time of one after the other), once for the whole module, and are stopped at
-its end whatever happens.
+Servers start three at a time (their start-up is mostly single-threaded Python imports, so on two cores running them
+side by side takes about half the time of one after the other); each is stopped once its target is checked, which
+frees its slot for the next (the Llama server stays for the concurrency test), and all are stopped at the module's
+end whatever happens.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,7 +36,10 @@ from conftest import DEMO_DATA, VLLM_SERVER_ARGS, register_server_folder, stop_s
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
-KINDS = ["tiny-llama", "tiny-deepseek-v3", "tiny-kimi-k25"]
+KINDS = ["tiny-llama", "tiny-deepseek-v3", "tiny-kimi-k25", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe",
+         "tiny-mistral", "tiny-gemma2", "tiny-phi3", "tiny-gpt-neox", "tiny-falcon", "tiny-stablelm"]
+KEPT = "tiny-llama"  # its server also serves test_concurrent_requests_each_get_their_own_sample
+SLOTS = threading.Semaphore(3)  # servers alive at once (memory: each holds a 1 GiB KV cache)
 MAX_MODEL_LEN = 256
 REL_TOL = 0.03  # vLLM computes in bf16; the reference runs in float32 on the same bf16 weights
 MESSAGES = [
@@ -62,8 +68,13 @@ class Running:
 
 
 def _start(r: Running) -> ServerClient:
+    SLOTS.acquire()  # released when the server is stopped
     t0 = time.monotonic()
-    client = ExtractionServer(r.folder).ensure(r.spec, startup_timeout_s=1000, log=lambda *_: None)
+    try:
+        client = ExtractionServer(r.folder).ensure(r.spec, startup_timeout_s=1000, log=lambda *_: None)
+    except BaseException:
+        SLOTS.release()
+        raise
     r.startup_s = time.monotonic() - t0
     return client
 
@@ -82,7 +93,7 @@ def servers(tmp_path_factory, tiny_target) -> dict[str, Running]:
                           storage_path=str(folder / "staging"), max_model_len=MAX_MODEL_LEN,
                           server_args=list(VLLM_SERVER_ARGS))
         running[kind] = Running(kind, model, folder, spec, n, text["hidden_size"], Future())
-    pool = ThreadPoolExecutor(max_workers=len(KINDS), thread_name_prefix="start-vllm")
+    pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="start-vllm")
     try:
         for r in running.values():
             r.future = pool.submit(_start, r)
@@ -97,6 +108,12 @@ def servers(tmp_path_factory, tiny_target) -> dict[str, Running]:
             assert state is None, f"{r.kind}: server still recorded after teardown: {state}"
 
 
+def _release(r: Running) -> None:
+    """Stop a checked target's server and free its slot for the next."""
+    stop_server(r.folder)
+    SLOTS.release()
+
+
 def _hf_reference(folder: Path, token_ids: list[int]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """transformers' hidden_states (float32 compute on the bf16 checkpoint) and the last layer's pre-norm output."""
     from transformers import AutoModelForCausalLM
@@ -107,7 +124,8 @@ def _hf_reference(folder: Path, token_ids: list[int]) -> tuple[tuple[torch.Tenso
     def hook(_module, _inputs, output):
         caught["last"] = output[0] if isinstance(output, tuple) else output
 
-    handle = model.model.layers[-1].register_forward_hook(hook)
+    layers = next(m for m in model.get_decoder().children() if isinstance(m, torch.nn.ModuleList))
+    handle = layers[-1].register_forward_hook(hook)
     try:
         with torch.no_grad():
             out = model(torch.tensor([token_ids]), output_hidden_states=True)
@@ -122,13 +140,21 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_hidden_states_match_transformers(servers, kind, record_property):
+    r = servers[kind]
+    try:
+        client = r.client()
+        record_property("server_startup_s", round(r.startup_s, 1))
+        _check_one_sample(r, client, kind, record_property)
+    finally:
+        if kind != KEPT and r.future.done() and not r.future.exception():
+            _release(r)
+
+
+def _check_one_sample(r: Running, client: ServerClient, kind: str, record_property) -> None:
     from transformers import AutoTokenizer
 
     from eyrie.data import tokenize_conversation
 
-    r = servers[kind]
-    client = r.client()
-    record_property("server_startup_s", round(r.startup_s, 1))
     tok = AutoTokenizer.from_pretrained(str(r.model))
     ids, _, _ = tokenize_conversation(tok, MESSAGES, MAX_MODEL_LEN)
     assert 40 < len(ids) < MAX_MODEL_LEN
