@@ -83,6 +83,11 @@ class TrainConfig(_Section):
     mask_token_id: int | None = Field(None, description="The trainer's mask token id. Default: resolved from the "
                                                          "target's tokenizer at preflight, as speculators would.")
     seed: int = 0
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="speculators' optimizer: adamw (fused on GPUs) or muon (speculators' own default).")
+    log_every_steps: int = Field(
+        50, ge=1, description="Log (and time) a training step every N steps. Logged steps synchronise the GPU; "
+                              "the others do not.")
 
 
 class EvaluateConfig(_Section):

@@ -96,6 +96,7 @@ def training_command(config: PipelineConfig, data_dir: Path, hidden_dir: Path, d
             "--ttt-steps", str(t.ttt_steps), "--total-seq-len", str(t.max_seq_len),
             "--checkpoint-freq", str(checkpoint_freq), "--train-data-ratio", str(1 - t.val_fraction),
             "--seed", str(t.seed), "--on-missing", "raise", "--loss-implementation", "eager",
+            "--optimizer", t.optimizer, "--log-freq", str(t.log_every_steps),
             "--log-dir", str(save_path.parent / "logs"), "--logger", "",
             "--eyrie-verifier-weights", json.dumps(target_facts["verifier_weights"], sort_keys=True)]
     if config.target.trust_remote_code:

@@ -3,7 +3,9 @@
 On GPUs this is speculators' own entry point. With EYRIE_TRAIN_DEVICE=cpu it first patches the places where
 speculators 0.9.0 assumes an accelerator (the device it moves the model and batches to and resumes onto, pinned
 loader memory, `torch.accelerator.synchronize`, and the autocast device type), so the demo and CI train the same
-way a GPU node does.
+way a GPU node does. On GPUs it changes three things that cost time and nothing else: AdamW runs fused, steps that
+are not logged do not synchronise the GPU, and data-loader workers (which only read files) never initialise CUDA.
+torch.compile's cache goes beside the run's checkpoints, so a retry or resume finds its kernels compiled.
 """
 
 from __future__ import annotations
@@ -32,6 +34,72 @@ def _run_on_cpu() -> None:
         return current(check_available=True) if check_available else torch.device("cpu")
 
     torch.accelerator.current_accelerator = current_accelerator
+
+
+def _worker_init(worker_id: int) -> None:  # noqa: ARG001
+    """speculators' worker init, less `torch.accelerator.set_device_index`: that call creates a CUDA context in
+    each of the (12, spawned) workers, which costs seconds each and GPU memory, for processes that only read files
+    and collate on the CPU. Defined at module level so a spawned worker unpickles it by name."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _gpu_speedups() -> None:
+    import torch
+    from speculators.train import dataloader, trainer
+
+    dataloader._worker_init_fn = _worker_init  # looked up when the loaders are built
+
+    build = trainer.build_optimizers
+
+    def build_optimizers(model, config):
+        """speculators builds AdamW with torch's default (foreach) implementation; the fused one does the same
+        update in one kernel per group. Only for parameters that all live on a GPU (the fused kernel's need)."""
+        out = []
+        for opt in build(model, config):
+            params = [p for g in opt.param_groups for p in g["params"]]
+            if type(opt) is torch.optim.AdamW and params and all(p.is_cuda for p in params):
+                groups = [{k: v for k, v in g.items() if k not in ("foreach", "fused")} for g in opt.param_groups]
+                opt = torch.optim.AdamW(groups, fused=True)
+            out.append(opt)
+        return out
+
+    trainer.build_optimizers = build_optimizers
+
+    class _Torch(type(torch)):
+        """The trainer's view of `torch`: `torch.tensor(<python number>, device=<gpu>)` is a host-to-device copy
+        from pageable memory, which waits for the GPU; the trainer makes two per step (its error-record counters),
+        so every step synchronised whatever --log-freq said. `torch.full` writes the same scalar on the device
+        without waiting. Everything else is torch itself."""
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def tensor(data, *args, dtype=None, device=None, **kwargs):
+            if (not args and not kwargs and isinstance(data, (int, float)) and not isinstance(data, bool)
+                    and device is not None and torch.device(device).type == "cuda"):
+                return torch.full((), data, dtype=dtype or torch.get_default_dtype(), device=device)
+            return torch.tensor(data, *args, dtype=dtype, device=device, **kwargs)
+
+    trainer.torch = _Torch("torch")
+
+
+def _compile_cache_beside(save_path: str | None) -> None:
+    """torch.compile's caches (Inductor's FX graph and AOTAutograd caches, Triton kernels) default to /tmp, which a
+    fresh container or node does not have. `<run>/train/compile-cache` survives a retry or resume wherever the run
+    folder does; it is keyed by content, so drafters of other keys share it safely. An explicit
+    TORCHINDUCTOR_CACHE_DIR wins."""
+    if save_path:
+        from pathlib import Path
+
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                              str(Path(save_path).resolve().parent.parent / "compile-cache"))
+
+
+def _option(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv[:-1] else None
 
 
 def _load_verifier_weights_by(names: dict[str, str]) -> None:
@@ -72,12 +140,16 @@ def _pop_option(argv: list[str], name: str) -> str | None:
 
 
 def main(argv: list[str]) -> None:
+    if os.environ.get("EYRIE_TRAIN_DEVICE") != "cpu":
+        _compile_cache_beside(_option(argv, "--save-path"))
     names = _pop_option(argv, "--eyrie-verifier-weights")
     if names:
         _load_verifier_weights_by(json.loads(names))
     _train_in_float32()
     if os.environ.get("EYRIE_TRAIN_DEVICE") == "cpu":
         _run_on_cpu()
+    else:
+        _gpu_speedups()
     from speculators.train.cli import main as train
     from speculators.train.config import TrainConfig
 

@@ -1,0 +1,140 @@
+"""The trainer's command line: the optimizer and log frequency Eyrie passes are flags speculators accepts and
+resolves to the configured values; the GPU-only changes in `eyrie.train_entry` keep their CPU behaviour."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+
+from eyrie.config import parse_config
+from eyrie.errors import ConfigError
+from eyrie.train import training_command
+
+from conftest import config_dict
+
+FACTS = {"verifier_weights": {"embed_tokens.weight": "model.embed_tokens.weight",
+                              "lm_head.weight": "lm_head.weight", "model.norm.weight": "model.norm.weight"},
+         "mask_token_id": 7}
+
+
+def _command(tmp_path: Path, device: str = "cuda", **train) -> list[str]:
+    config = parse_config(config_dict(tmp_path / "target", train=train))
+    save = tmp_path / "run" / "train" / "k" / "checkpoints"
+    # a warm start: no draft layer config to build, so no target folder is needed
+    return training_command(config, tmp_path / "data", tmp_path / "hs", tmp_path / "d2t.npy", tmp_path / "t2d.npy",
+                            [2, 4, 5], FACTS, save, 1.0, device, warm_start=tmp_path / "drafter")
+
+
+def _value(cmd: list[str], flag: str) -> str:
+    assert cmd.count(flag) == 1, f"{flag} appears {cmd.count(flag)} times"
+    return cmd[cmd.index(flag) + 1]
+
+
+def _resolved(cmd: list[str]) -> dict:
+    """Every trainer setting as speculators itself resolves the arguments `eyrie.train_entry` hands it."""
+    from speculators.train.config import TrainConfig
+
+    argv = cmd[cmd.index("eyrie.train_entry") + 1:]
+    i = argv.index("--eyrie-verifier-weights")
+    del argv[i:i + 2]  # train_entry consumes this one itself
+    return TrainConfig.resolve(argv).flatten()
+
+
+def test_defaults_are_adamw_and_sparse_logging(tmp_path):
+    cmd = _command(tmp_path)
+    assert _value(cmd, "--optimizer") == "adamw"
+    assert _value(cmd, "--log-freq") == "50"
+    flat = _resolved(cmd)
+    assert flat["optimizer"] == "adamw" and flat["log_freq"] == 50
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_configured_optimizer_and_log_frequency_reach_speculators(tmp_path, optimizer):
+    for device in ("cuda", "cpu"):
+        cmd = _command(tmp_path, device, optimizer=optimizer, log_every_steps=7, lr=2e-4)
+        flat = _resolved(cmd)
+        assert flat["optimizer"] == optimizer
+        assert flat["log_freq"] == 7
+        assert flat["lr"] == 2e-4
+        # muon's own rate follows --lr (speculators' default), as it did before Eyrie passed --optimizer
+        assert flat["muon_lr"] == 2e-4
+
+
+def test_bad_values_are_refused_naming_the_key(tmp_path):
+    for train, key in (({"optimizer": "sgd"}, "train.optimizer"), ({"log_every_steps": 0}, "train.log_every_steps")):
+        with pytest.raises(ConfigError) as info:
+            parse_config(config_dict(tmp_path / "t", train=train), "cfg.yaml")
+        assert f"`{key}`" in str(info.value)
+
+
+def test_optimizer_and_log_frequency_are_part_of_the_train_key(tmp_path):
+    from eyrie.train import train_key
+
+    keys = {train_key(parse_config(config_dict(tmp_path / "t", train=t)), ["d"], "v", [2, 4, 5])
+            for t in ({}, {"optimizer": "muon"}, {"log_every_steps": 1})}
+    assert len(keys) == 3
+
+
+# --- eyrie.train_entry's GPU-only changes -------------------------------------------------------------------------
+
+
+def test_worker_init_is_picklable_by_name_and_touches_no_accelerator(monkeypatch):
+    import torch
+
+    from eyrie import train_entry
+
+    # a spawned DataLoader worker unpickles it by module and name
+    assert pickle.loads(pickle.dumps(train_entry._worker_init)) is train_entry._worker_init
+    called = []
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda *a: called.append(a))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: called.append(("threads", n)))
+    train_entry._worker_init(3)
+    assert called == [("threads", 1)]
+
+
+def test_gpu_speedups_leave_cpu_tensors_and_optimizers_alone(monkeypatch):
+    import torch
+    from speculators.train import dataloader, trainer
+
+    from eyrie import train_entry
+
+    for module, name in ((dataloader, "_worker_init_fn"), (trainer, "build_optimizers"), (trainer, "torch")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    train_entry._gpu_speedups()
+    assert dataloader._worker_init_fn is train_entry._worker_init
+    view = trainer.torch
+    assert view.autocast is torch.autocast and view.nn is torch.nn and view.float32 is torch.float32
+    for args, kw in (((3,), {"dtype": torch.float32, "device": "cpu"}), ((1.0,), {"dtype": torch.float32}),
+                     (([1, 2],), {}), ((2,), {})):
+        got, want = view.tensor(*args, **kw), torch.tensor(*args, **kw)
+        assert got.dtype == want.dtype and got.device == want.device and torch.equal(got, want)
+
+    class Config:
+        optimizer, lr, weight_decay = "adamw", 1e-3, 0.01
+        muon_lr, muon_momentum, muon_weight_decay, muon_ns_steps, muon_adjust_lr_fn = 1e-3, 0.95, 0.1, 5, "original"
+
+    model = torch.nn.Linear(4, 4)
+    (opt,) = trainer.build_optimizers(model, Config)
+    assert type(opt) is torch.optim.AdamW and not opt.param_groups[0]["fused"]  # CPU parameters: unchanged
+    Config.optimizer = "muon"
+    opts = trainer.build_optimizers(torch.nn.Sequential(torch.nn.Linear(4, 4)), Config)
+    assert [type(o).__name__ for o in opts] == ["Muon", "AdamW"]
+
+
+def test_compile_cache_goes_beside_the_run_unless_set(monkeypatch, tmp_path):
+    from eyrie import train_entry
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    save = tmp_path / "run" / "train" / "abc" / "checkpoints"
+    train_entry._compile_cache_beside(str(save))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "run" / "train" / "compile-cache").resolve())
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere")
+    train_entry._compile_cache_beside(str(save))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere"
+    assert train_entry._option(["--save-path", "x", "--seed", "0"], "--save-path") == "x"
+    assert train_entry._option(["--seed"], "--save-path") is None
+    assert json.dumps(FACTS)  # the facts the command is built from are plain JSON
