@@ -241,6 +241,17 @@ def check_parallelism(config: PipelineConfig, text: dict) -> list[str]:
     return failures
 
 
+def check_serving(cfg: dict) -> list[str]:
+    """Export and evaluation serve target + drafter in vLLM: refuse what the installed build cannot decode."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and text_config(cfg).get("kv_lora_rank"):
+        return ["the target uses multi-head latent attention (MLA), and vLLM's CPU backend cannot decode it with an "
+                "EAGLE-3 drafter ('No common block size'), so export and evaluation would fail after training: run "
+                "`eyrie run --until train` here and evaluate on GPUs"]
+    return []
+
+
 def check_drafter_inputs(config: PipelineConfig, cfg: dict, report: PreflightReport) -> list[str]:
     """What the train and export stages need from the target, decided now: the embedding, final norm and head
     the drafter borrows (present in the checkpoint), and the drafter's own decoder layer config."""
@@ -264,8 +275,9 @@ def check_drafter_inputs(config: PipelineConfig, cfg: dict, report: PreflightRep
 
 
 def run_preflight(config: PipelineConfig, run_dir: Path, tokens: int | None = None,
-                  raise_on_failure: bool = True) -> PreflightReport:
-    """Every check that needs no weights; the report lists every failure found, not only the first."""
+                  raise_on_failure: bool = True, serve: bool = True) -> PreflightReport:
+    """Every check that needs no weights; the report lists every failure found, not only the first. `serve`: the
+    run goes on to export and evaluation (vLLM serves target + drafter), so check that too."""
     import vllm
 
     cfg = read_target_config(config.target)
@@ -295,13 +307,16 @@ def run_preflight(config: PipelineConfig, run_dir: Path, tokens: int | None = No
     if config.vocab.draft_vocab_size > vocab > 0:
         failures.append(f"vocab.draft_vocab_size {config.vocab.draft_vocab_size} is larger than the target's "
                         f"vocabulary ({vocab}): set it to at most {vocab}")
-    failures += check_context(config, cfg) + check_parallelism(config, text)
+    failures += check_context(config, cfg) + check_parallelism(config, text) + (check_serving(cfg) if serve else [])
     tok = None
     try:
         tok = load_tokenizer(config.target)
         probe_msgs = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
         if "pong" not in tok.apply_chat_template(probe_msgs, tokenize=False):
             failures.append("the chat template drops the assistant's content: the loss mask would be empty")
+        if len(tok) > vocab > 0:
+            failures.append(f"the tokenizer has {len(tok)} tokens but the model's vocabulary has {vocab} rows: token "
+                            "ids beyond it would fail in vLLM; use the tokenizer that belongs to this checkpoint")
     except Exception as err:  # DataError and template errors both end here with their own message
         failures.append(str(err))
 

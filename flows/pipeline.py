@@ -45,10 +45,15 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[STAGES] =
         if removed:
             log.info(f"removed {removed} temporary files left by an interrupted run")
         ensure_target(config)
-        preflight_task(config, str(run.root))  # seconds, before anything expensive
+        serve = until == "evaluate"  # export and evaluation serve target + drafter in vLLM
+        preflight_task(config, str(run.root), serve=serve)  # seconds, before anything expensive
         pkey = compute_prepare_key(config)
         prepared = unless_missing(prepare_task, run.manifest("prepare"), pkey)(config, str(run.prepare), pkey)
-        report = preflight_task(config, str(run.root), tokens=prepared["stats"]["tokens"])
+        report = preflight_task(config, str(run.root), tokens=prepared["stats"]["tokens"], serve=serve)
+        if serve and not prepared["stats"]["rows_eval"]:  # known now, not after extraction and training
+            raise EyrieError(f"no held-out conversations to evaluate on ({prepared['stats']['rows_read']} rows read, "
+                             f"data.eval_fraction {config.data.eval_fraction}): raise data.eval_fraction, or run "
+                             "with --until train")
         if until == "prepare":
             return {"run_dir": str(run.root), "prepared": str(run.prepare / "dataset")}
         gpu.enter_context(gpu_slot())  # the GPU node's slot, taken only once every check has passed
@@ -86,8 +91,6 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[STAGES] =
             return {"run_dir": str(run.root), "checkpoint": trained["checkpoint"], "untrained": untrained}
 
         prompts = list(islice(iter_eval_prompts(run.prepare), config.evaluate.num_prompts))
-        if not prompts:
-            raise EyrieError("no held-out prompts to evaluate on: set data.eval_fraction above 0")
         timeout = config.extraction.startup_timeout_s
         exported = unless_missing(export_task, run.manifest("export"), ekey)(
             trained["checkpoint"], str(run.export), config.target.model, aux, report["hidden_size"], ekey, spec,

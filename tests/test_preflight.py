@@ -108,7 +108,8 @@ def test_gpt2_target_refused_too(tmp_path, monkeypatch):
 @pytest.mark.parametrize("kind, lm", [("tiny-llama", None), ("tiny-deepseek-v3", None),
                                       ("tiny-kimi-k25", "DeepseekV3ForCausalLM")])
 def test_tiny_targets_pass(tiny_target, tmp_path, kind, lm):
-    report = run_preflight(parse_config(config_dict(tiny_target(kind))), tmp_path / "run", tokens=10_000)
+    report = run_preflight(parse_config(config_dict(tiny_target(kind))), tmp_path / "run", tokens=10_000,
+                           serve=False)  # an MLA target cannot be served with a drafter on CPU (tested below)
     assert report.failures == []
     assert report.eagle3_path == "native"
     assert (report.num_layers, report.hidden_size) == (8, 64)
@@ -117,6 +118,26 @@ def test_tiny_targets_pass(tiny_target, tmp_path, kind, lm):
     if lm:
         assert report.architecture == "KimiK25ForConditionalGeneration"
         assert report.language_model.endswith(lm)
+
+
+def test_mla_target_refused_for_serving_on_the_cpu_build(tiny_deepseek, tmp_path):
+    """Export and evaluation serve target + drafter; vLLM's CPU backend cannot decode an MLA target with a drafter,
+    so a whole run is refused up front, and a run that stops at training passes."""
+    config = parse_config(config_dict(tiny_deepseek))
+    report = run_preflight(config, tmp_path / "run", raise_on_failure=False)
+    assert len(report.failures) == 1 and "multi-head latent attention" in report.failures[0]
+    assert "--until train" in report.failures[0]
+    assert run_preflight(config, tmp_path / "run", raise_on_failure=False, serve=False).failures == []
+
+
+def test_tokenizer_larger_than_the_vocabulary_refused(tmp_path, tiny_llama):
+    folder = tmp_path / "small-vocab"
+    shutil.copytree(tiny_llama, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["vocab_size"] = 256  # the tokenizer has more tokens than the embedding has rows
+    (folder / "config.json").write_text(json.dumps(cfg))
+    report = run_preflight(parse_config(config_dict(folder)), tmp_path / "run", raise_on_failure=False)
+    assert any("but the model's vocabulary has 256 rows" in f for f in report.failures), report.failures
 
 
 def test_preflight_lists_every_problem(tiny_llama, tmp_path):

@@ -39,6 +39,8 @@ def production_target(tmp_path: Path, name: str) -> Path:
     return folder
 
 
+# Every preflight here passes serve=False: these targets are served on GPU nodes, and the CPU build's one serving
+# limit (an MLA target with a drafter) is not theirs.
 def production_config(folder: Path, tp: int = 8):
     # trust_remote_code stays off: the fixtures do not carry the models' own Python files (the Kimi node's copy does,
     # and its preset turns it on); preflight reads these model types with transformers' own classes, as vLLM does.
@@ -63,7 +65,7 @@ def test_production_target_passes_preflight(name, tmp_path, record_property):
     folder = production_target(tmp_path, name)
     config = production_config(folder)
     t0 = time.monotonic()
-    report = run_preflight(config, tmp_path / "run", tokens=TOKENS, raise_on_failure=False)
+    report = run_preflight(config, tmp_path / "run", tokens=TOKENS, raise_on_failure=False, serve=False)
     record_property("preflight_s", round(time.monotonic() - t0, 1))
     assert report.failures == remote_code_failures(folder)
     assert report.architecture == arch and report.eagle3_path == "native"
@@ -91,7 +93,7 @@ def test_kimi_preset_on_kimi_metadata(tmp_path):
     preset["target"].update(model=str(folder), revision=None, trust_remote_code=False)
     preset["promotion"]["dir"] = str(tmp_path / "drafters")
     preset["extraction"]["min_free_disk_gib"] = 0
-    report = run_preflight(parse_config(preset), tmp_path / "run", tokens=1, raise_on_failure=False)
+    report = run_preflight(parse_config(preset), tmp_path / "run", tokens=1, raise_on_failure=False, serve=False)
     assert report.failures == remote_code_failures(folder)
     assert report.captured_layer_ids == [2, 30, 58, 61] and report.max_model_len == 8192
     assert report.estimated_bytes == 4 * 7168 * 2 + 8 == 57352
@@ -99,11 +101,11 @@ def test_kimi_preset_on_kimi_metadata(tmp_path):
 
 def test_tensor_parallel_split_checked(tmp_path):
     folder = production_target(tmp_path, "llama-3.1-405b-instruct")  # 128 heads, 8 KV heads
-    report = run_preflight(production_config(folder, tp=6), tmp_path / "run", raise_on_failure=False)
+    report = run_preflight(production_config(folder, tp=6), tmp_path / "run", raise_on_failure=False, serve=False)
     assert len(report.failures) == 1 and "tensor_parallel_size 6 does not divide the target's 128 attention heads" \
         in report.failures[0]
     folder = production_target(tmp_path / "q", "qwen3-235b-a22b")  # 64 heads, 4 KV heads: replicated over TP 8
-    assert run_preflight(production_config(folder, tp=8), tmp_path / "run", raise_on_failure=False).failures == []
+    assert run_preflight(production_config(folder, tp=8), tmp_path / "run", raise_on_failure=False, serve=False).failures == []
 
 
 def test_missing_head_in_the_weight_index_is_refused(tmp_path):
@@ -114,6 +116,6 @@ def test_missing_head_in_the_weight_index_is_refused(tmp_path):
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     del index["weight_map"]["lm_head.weight"]
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    report = run_preflight(production_config(folder), tmp_path / "run", raise_on_failure=False)
+    report = run_preflight(production_config(folder), tmp_path / "run", raise_on_failure=False, serve=False)
     failures = [f for f in report.failures if f not in remote_code_failures(folder)]
     assert len(failures) == 1 and "no tensor for the output head `lm_head.weight`" in failures[0], failures

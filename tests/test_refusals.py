@@ -105,3 +105,19 @@ def test_run_refuses_before_any_server_starts(case, tmp_path):
     assert json.loads((run / "preflight.json").read_text())["failures"]
     assert not list(run.rglob("server.json")) and not (run / "extract").exists()
     assert _vllm_processes_for(run) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("flow_api")
+def test_nothing_held_out_is_refused_before_extraction(tmp_path, tiny_llama):
+    """With no held-out conversation there is nothing to evaluate on: known once prepare has run, so the run stops
+    there, not after extraction and training."""
+    config, _ = write_config(tmp_path / "config.yaml", tiny_llama, data={"eval_fraction": 0.0})
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-dir", str(run)],
+                         cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 2, (out.stdout + out.stderr)[-3000:]
+    assert "no held-out conversations to evaluate on" in out.stderr and "--until train" in out.stderr
+    assert (run / "prepare" / "manifest.json").exists()  # prepare's work is kept for the next run
+    assert not (run / "extract").exists() and _vllm_processes_for(run) == []

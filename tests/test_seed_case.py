@@ -38,7 +38,8 @@ def old_vllm(monkeypatch):
 
 def test_refused_without_the_compatibility_layer(old_vllm, tiny_kimi, tmp_path, monkeypatch):
     monkeypatch.setenv("EYRIE_EAGLE3_COMPAT", "0")
-    report = run_preflight(parse_config(config_dict(tiny_kimi)), tmp_path / "run", raise_on_failure=False)
+    report = run_preflight(parse_config(config_dict(tiny_kimi)), tmp_path / "run", raise_on_failure=False,
+                           serve=False)
     assert report.eagle3_path == "unsupported"
     assert len(report.failures) == 1 and "KimiK25ForConditionalGeneration does not implement SupportsEagle3" in \
         report.failures[0] and "Model does not support EAGLE3 interface" in report.failures[0]
@@ -50,7 +51,7 @@ def test_kimi_through_the_compatibility_layer_matches_transformers(old_vllm, tin
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     config = parse_config(config_dict(tiny_kimi, layer_ids=[1, 2, 4, 5]))
-    report = run_preflight(config, tmp_path / "run")
+    report = run_preflight(config, tmp_path / "run", serve=False)
     assert report.eagle3_path == "compat" and "compatibility layer" in report.eagle3_reason
 
     folder = register_server_folder(tmp_path / "server")
