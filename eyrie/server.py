@@ -7,6 +7,12 @@ target again (27 minutes on the real node).
 Its state lives in `server.json` beside its log; settings are compared by fingerprint. When several nodes share one
 run folder, each node has its own server folder (`extract/nodes/<node>/`, see `server_folder`), so that no two
 servers share a `server.json`.
+
+A recorded pid is trusted only with its fingerprint: `server.json` records the process's start time (field 22 of
+/proc/<pid>/stat, in clock ticks since boot) and the boot id, and a pid whose start time or boot differs is some
+other process (pid reuse, a reboot) that is never signalled. A recorded server that is alive but not yet answering
+is awaited up to its start-up timeout rather than killed, and one that answered once is declared dead only after
+several consecutive failed health probes.
 """
 
 from __future__ import annotations
@@ -48,9 +54,20 @@ def server_folder(extract_dir: Path, node: str | None) -> Path:
 
 
 def server_folders(extract_dir: Path) -> list[Path]:
-    """Every server folder a run may have: the single-node one, then each node's."""
+    """Every extraction server folder a run may have: the single-node one, then each node's."""
     nodes = Path(extract_dir) / "nodes"
     return [Path(extract_dir)] + (sorted(p for p in nodes.iterdir() if p.is_dir()) if nodes.is_dir() else [])
+
+
+def serving_server_folders(run_root: Path) -> list[Path]:
+    """The folders of the servers that serve target plus drafter, under a run folder: `<stage>/server-*` (export's
+    `export/server-trained`, evaluation's `evaluate/server-current` and `evaluate/server-untrained`)."""
+    return sorted(p for p in Path(run_root).glob("*/server-*") if p.is_dir())
+
+
+def run_server_folders(run_root: Path) -> list[Path]:
+    """Every server folder under a run folder: extraction's (and each node's), then the serving ones."""
+    return server_folders(Path(run_root) / "extract") + serving_server_folders(run_root)
 
 
 @dataclass
@@ -81,6 +98,11 @@ class ServerSpec:
                    tensor_parallel_size=t.tensor_parallel_size, dtype=t.dtype, max_model_len=config.max_model_len,
                    host=x.host, port=x.port, api_key_env=x.api_key_env, enforce_eager=x.enforce_eager,
                    gpu_memory_utilization=x.gpu_memory_utilization, server_args=list(x.server_args), **kw)
+
+    @property
+    def kind(self) -> str:
+        """`serving` (target plus an EAGLE-3 drafter) or `extraction`."""
+        return "serving" if self.drafter else "extraction"
 
     def fingerprint(self) -> str:
         """What makes two servers interchangeable: not the port, never the key's value."""
@@ -129,7 +151,52 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+# How many consecutive failed /health probes, this far apart, make a server that answered once count as dead: a
+# server busy with a long prefill, or a dropped connection, may miss one.
+HEALTH_PROBES = 3
+PROBE_INTERVAL_S = 2.0
+PROBE_TIMEOUT_S = 5.0
+STARTUP_POLL_S = 1.0  # how often a starting server is probed
+# States written before start times were recorded: the process must have started within this many seconds of the
+# recorded `started_at` (the same instant, give or take the clock's adjustments since).
+LEGACY_START_TOLERANCE_S = 30.0
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields 3 onwards of /proc/<pid>/stat (state, ppid, pgrp, session, ...; field 22 is at index 19), or None when
+    there is no such process. The command name (field 2) may hold spaces and parentheses: split after the last ')'."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError):
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot (field 22 of /proc/<pid>/stat); None if there is none."""
+    fields = _proc_stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _boot_time() -> float | None:
+    try:
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def _alive(pid: int) -> bool:
+    """Whether some process (not a zombie) has this pid; says nothing about which process it is (see `owns`)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -137,14 +204,32 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     # A zombie child still answers kill(0): check its state.
+    fields = _proc_stat(pid)
+    return fields is None or fields[0] not in ("Z", "X")
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of a process group, read from /proc."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            fields = _proc_stat(int(d.name))
+            if fields and fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+                out.append(int(d.name))
+    return out
+
+
+def _reap(pid: int) -> None:
+    """Collect the exit status if the pid is our own child (a server this process started), so it is no zombie."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return True
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
 
 
-class ExtractionServer:
-    """A handle on the server recorded in `folder/server.json` (log in `folder/server.log`)."""
+class VllmServer:
+    """A handle on the vLLM server recorded in `folder/server.json` (log in `folder/server.log`): an extraction server
+    or one serving target plus drafter (export, evaluation); the spec given to `ensure` says which."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
@@ -167,25 +252,109 @@ class ExtractionServer:
         means nothing on another one). States written before hosts were recorded are local."""
         return state.get("hostname", socket.gethostname()) == socket.gethostname()
 
-    def healthy(self, state: dict | None = None, headers: dict | None = None) -> bool:
+    @classmethod
+    def owns(cls, state: dict) -> bool:
+        """Whether the recorded pid is still the server that was recorded: on this host, alive (not a zombie), and
+        with the recorded start time and boot id. A pid reused by another process, or recorded before a reboot, is
+        not the server, is reported not running, and is never signalled."""
+        if not state or not cls.local(state) or not isinstance(state.get("pid"), int):
+            return False
+        fields = _proc_stat(state["pid"])
+        if not fields or fields[0] in ("Z", "X"):
+            return False
+        ticks = int(fields[19])
+        if "start_ticks" in state:
+            return state["start_ticks"] == ticks and state.get("boot_id") == boot_id()
+        # Written before start times were recorded: the process's own start, as wall-clock time, must be the
+        # recorded one.
+        btime, started = _boot_time(), state.get("started_at")
+        if btime is None or not isinstance(started, (int, float)):
+            return False
+        return abs(btime + ticks / os.sysconf("SC_CLK_TCK") - started) <= LEGACY_START_TOLERANCE_S
+
+    @classmethod
+    def orphans(cls, state: dict) -> list[int]:
+        """Live processes of the recorded server's process group whose leader (the recorded pid) is gone: engine
+        cores or tensor-parallel workers that outlived the API server and may still hold the accelerators. A pid
+        cannot be handed out again while a process group of that number exists, so on the same boot these are the
+        server's own; states without a boot id get none."""
+        if (not state or not cls.local(state) or not state.get("boot_id") or state["boot_id"] != boot_id()
+                or not isinstance(state.get("pid"), int) or _alive(state["pid"])):
+            return []
+        since = state.get("start_ticks") or 0
+        return [p for p in _group_members(state["pid"]) if (process_start_ticks(p) or -1) >= since]
+
+    def probe(self, state: dict | None = None, headers: dict | None = None) -> bool:
+        """One /health request to the recorded server, if it is still the recorded process."""
         state = state or self.state
-        if not state or not self.local(state) or not _alive(state["pid"]):
+        if not state or not self.owns(state):
             return False
         try:
-            return requests.get(self.url(state) + "/health", timeout=5, headers=headers).status_code == 200
+            r = requests.get(self.url(state) + "/health", timeout=PROBE_TIMEOUT_S, headers=headers)
         except requests.RequestException:
             return False
+        return r.status_code == 200
 
-    def ensure(self, spec: ServerSpec, startup_timeout_s: float = 1800, log=print) -> "ServerClient":
-        """Reuse the recorded server when it runs these settings and answers; otherwise start one and wait."""
+    def healthy(self, state: dict | None = None, headers: dict | None = None, probes: int | None = None) -> bool:
+        """Whether the recorded server answers: True at the first good probe; False at once when its process is gone
+        (or is not the recorded one), else only after `probes` (HEALTH_PROBES) consecutive failed probes."""
+        state = state or self.state
+        probes = HEALTH_PROBES if probes is None else probes
+        for i in range(max(1, probes)):
+            if i:
+                time.sleep(PROBE_INTERVAL_S)
+            if not state or not self.owns(state):
+                return False
+            if self.probe(state, headers):
+                return True
+        return False
+
+    def ensure(self, spec: ServerSpec, startup_timeout_s: float = 1800, log=print) -> ServerClient:
+        """Reuse the recorded server when it runs these settings: if it is still loading, wait for it up to its
+        start-up timeout (counted from its start); if it answered before, unless several probes in a row fail.
+        Otherwise stop it and start one, and wait."""
         key = spec.api_key()
         headers = {"Authorization": f"Bearer {key}"} if key else None
         state = self.state
-        if state and state.get("fingerprint") == spec.fingerprint() and self.healthy(state, headers):
-            log(f"reusing vLLM server pid {state['pid']} at {self.url(state)}")
-            return ServerClient(self.url(state), key)
+        if state and state.get("fingerprint") == spec.fingerprint() and self.owns(state):
+            if not state.get("ready_at"):
+                if self.probe(state, headers):
+                    log(f"reusing vLLM server pid {state['pid']} at {self.url(state)}")
+                    self._mark_ready(state)
+                    return ServerClient(self.url(state), key)
+                loading = time.time() - state.get("started_at", time.time())
+                log(f"vLLM server pid {state['pid']} with these settings is still starting ({loading:.0f} s so far): "
+                    f"waiting for it up to the start-up timeout ({startup_timeout_s:.0f} s)")
+                if self._wait_ready(state, headers, startup_timeout_s, log):
+                    log(f"reusing vLLM server pid {state['pid']} at {self.url(state)}")
+                    return ServerClient(self.url(state), key)
+                if self.owns(state):
+                    log(f"vLLM server pid {state['pid']} did not become healthy within {startup_timeout_s:.0f} s of "
+                        "its start: stopping it and starting a new one")
+                else:
+                    log(f"vLLM server pid {state['pid']} exited while starting; the end of its log "
+                        f"({self.log_path}):\n{self.log_tail()}\nstarting a new one")
+            elif self.healthy(state, headers):
+                log(f"reusing vLLM server pid {state['pid']} at {self.url(state)}")
+                return ServerClient(self.url(state), key)
+            else:
+                log(f"vLLM server pid {state['pid']} failed {HEALTH_PROBES} health probes in a row: replacing it")
         self.stop(log=log)
 
+        state, proc = self.launch(spec, log=log)
+        if self._wait_ready(state, headers, startup_timeout_s, log, proc=proc):
+            return ServerClient(self.url(state), key)
+        if proc.poll() is not None:
+            raise ExtractionError(f"the vLLM server exited with code {proc.returncode} while starting; the "
+                                  f"end of its log ({self.log_path}):\n{self.log_tail()}")
+        self.stop(log=log)
+        raise ExtractionError(f"the vLLM server did not become healthy within {startup_timeout_s:.0f} s "
+                              f"(extraction.startup_timeout_s); see {self.log_path}")
+
+    def launch(self, spec: ServerSpec, log=print) -> tuple[dict, subprocess.Popen]:
+        """Start a server for `spec` detached, in its own session and process group, and record it with its process
+        fingerprint (start time, boot id); does not wait for it to load."""
+        key = spec.api_key()
         self.folder.mkdir(parents=True, exist_ok=True)
         if spec.storage_path:
             Path(spec.storage_path).mkdir(parents=True, exist_ok=True)
@@ -198,23 +367,40 @@ class ExtractionServer:
             logf.flush()
             proc = subprocess.Popen(spec.command(port), stdout=logf, stderr=subprocess.STDOUT, env=env,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        state = {"pid": proc.pid, "host": spec.host, "port": port, "fingerprint": spec.fingerprint(),
-                 "model": spec.model, "layer_ids": spec.layer_ids, "started_at": time.time(),
-                 "hostname": socket.gethostname()}
+        state = {"pid": proc.pid, "start_ticks": process_start_ticks(proc.pid), "boot_id": boot_id(),
+                 "host": spec.host, "port": port, "fingerprint": spec.fingerprint(), "kind": spec.kind,
+                 "model": spec.model, "layer_ids": spec.layer_ids, "drafter": spec.drafter,
+                 "started_at": time.time(), "hostname": socket.gethostname()}
         atomic_write_json(self.state_path, state)
         log(f"started vLLM server pid {proc.pid} on {self.url(state)}; log: {self.log_path}")
-        deadline = time.monotonic() + startup_timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise ExtractionError(f"the vLLM server exited with code {proc.returncode} while starting; the "
-                                      f"end of its log ({self.log_path}):\n{self.log_tail()}")
-            if self.healthy(state, headers):
+        return state, proc
+
+    def _wait_ready(self, state: dict, headers: dict | None, startup_timeout_s: float, log,
+                    proc: subprocess.Popen | None = None) -> bool:
+        """Poll until the server answers (True), exits, or `startup_timeout_s` after its recorded start has passed."""
+        deadline = time.monotonic() + state.get("started_at", time.time()) + startup_timeout_s - time.time()
+        while True:
+            if proc is not None and proc.poll() is not None:
+                return False
+            if not self.owns(state):
+                return False
+            if self.probe(state, headers):
                 log(f"vLLM server ready after {time.time() - state['started_at']:.0f} s")
-                return ServerClient(self.url(state), key)
-            time.sleep(1)
-        self.stop(log=log)
-        raise ExtractionError(f"the vLLM server did not become healthy within {startup_timeout_s:.0f} s "
-                              f"(extraction.startup_timeout_s); see {self.log_path}")
+                self._mark_ready(state)
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(STARTUP_POLL_S, max(0.05, deadline - time.monotonic())))
+
+    def _mark_ready(self, state: dict) -> None:
+        """Record that the server answered once: from then on, failed probes mean trouble, not loading."""
+        if state.get("ready_at"):
+            return
+        state["ready_at"] = time.time()
+        try:
+            atomic_write_json(self.state_path, state)
+        except OSError:  # advisory (a full disk must not fail a server that runs)
+            pass
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -223,7 +409,11 @@ class ExtractionServer:
             return "(no log)"
 
     def stop(self, timeout_s: float = 30, log=print) -> bool:
-        """Stop the recorded server's whole process group (engine core, TP workers); True if one was running."""
+        """Stop the recorded server's whole process group (engine core, TP workers); True if one was running.
+
+        Only a process that is provably the recorded server is signalled (see `owns`), or, once that process is
+        gone, the live rest of its process group (see `orphans`). A record whose pid is now someone else's, or
+        is gone, is removed without a signal."""
         state = self.state
         if not state:
             return False
@@ -231,27 +421,41 @@ class ExtractionServer:
             # Never signal a pid recorded on another host: here it is some unrelated process, or none.
             log(f"{self.state_path} records a server on host {state['hostname']}, not this one: left alone")
             return False
-        pid = state["pid"]
-        was_alive = _alive(pid)
-        if was_alive:
+        pid = state.get("pid")
+        if not isinstance(pid, int):
+            self.state_path.unlink(missing_ok=True)
+            return False
+
+        def ours() -> bool:
+            return self.owns(state) or bool(self.orphans(state))
+
+        if not ours():
+            if _alive(pid):
+                log(f"{self.state_path} records pid {pid}, which is now another process (its start time or boot "
+                    "differs): not signalled; the record is removed")
+            self.state_path.unlink(missing_ok=True)
+            return False
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not ours():
+                break
             try:
-                os.killpg(pid, signal.SIGTERM)
+                os.killpg(pid, sig)
             except ProcessLookupError:
-                pass
-            deadline = time.monotonic() + timeout_s
-            while _alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.5)
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            try:  # reap it if it is our own child
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
-            log(f"stopped vLLM server pid {pid}")
+                break
+            deadline = time.monotonic() + (timeout_s if sig == signal.SIGTERM else 10)
+            while time.monotonic() < deadline:
+                _reap(pid)
+                if not ours():
+                    break
+                time.sleep(0.2)
+        _reap(pid)
+        log(f"stopped vLLM server pid {pid} ({self.folder})")
         self.state_path.unlink(missing_ok=True)
-        return was_alive
+        return True
+
+
+# The name the pipeline's callers know it by; it serves drafters as well as extraction.
+ExtractionServer = VllmServer
 
 
 class ServerClient:
