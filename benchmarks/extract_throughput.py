@@ -42,7 +42,7 @@ import torch
 from safetensors.torch import load_file
 
 from eyrie.config import load_config
-from eyrie.data import load_dataset_rows, load_shards, prepare
+from eyrie.prepare import load_dataset_rows, load_shards, prepare
 from eyrie.extract import ExtractionPlan, clean_staging, extract_shard
 from eyrie.preflight import run_preflight
 from eyrie.server import ExtractionServer

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from eyrie import FORMAT_VERSION
-from eyrie.data import Shard, load_dataset_rows
+from eyrie.prepare import Shard, load_dataset_rows
 from eyrie.errors import DiskFullError, ExtractionError
 from eyrie.faults import fault_point
 from eyrie.store import atomic_write_json, read_json, sha256_file, sha256_json

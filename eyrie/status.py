@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eyrie.data import load_shards
+from eyrie.prepare import load_shards
 from eyrie.server import ExtractionServer, server_folders
 from eyrie.store import RunFolder, read_json
 

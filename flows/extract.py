@@ -14,7 +14,7 @@ from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from eyrie.config import PipelineConfig
-from eyrie.data import load_shards
+from eyrie.prepare import load_shards
 from eyrie.errors import ExtractionError
 from eyrie.extract import ExtractionPlan, clean_staging
 from eyrie.preflight import PreflightReport

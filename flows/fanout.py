@@ -19,7 +19,7 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 
 from eyrie.config import PipelineConfig
-from eyrie.data import load_shards
+from eyrie.prepare import load_shards
 from eyrie.errors import ExtractionError
 from eyrie.extract import ExtractionPlan
 from eyrie.preflight import PreflightReport

@@ -15,7 +15,7 @@ from prefect.concurrency.sync import concurrency
 from prefect.artifacts import create_markdown_artifact
 
 from eyrie.config import PipelineConfig
-from eyrie.data import iter_eval_prompts, load_seq_lens
+from eyrie.prepare import iter_eval_prompts, load_seq_lens
 from eyrie.errors import EyrieError
 from eyrie.server import ServerSpec
 from eyrie.store import RunFolder, remove_staging, sha256_json

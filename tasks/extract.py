@@ -6,7 +6,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from eyrie.data import Shard
+from eyrie.prepare import Shard
 from eyrie.errors import DiskFullError
 from eyrie.extract import extract_shard
 from eyrie.server import ExtractionServer, ServerClient, ServerSpec

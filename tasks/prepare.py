@@ -6,7 +6,7 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from eyrie.config import PipelineConfig
-from eyrie.data import prepare, prepare_key
+from eyrie.prepare import prepare, prepare_key
 from eyrie.tiny import build_target
 from tasks.caching import BY_KEY
 

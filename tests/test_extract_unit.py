@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from eyrie.config import DataConfig, TargetConfig
-from eyrie.data import load_dataset_rows, load_shards, prepare
+from eyrie.prepare import load_dataset_rows, load_shards, prepare
 from eyrie.errors import ExtractionError
 from eyrie.extract import (check_sample, clean_staging, extract_shard, load_checked, sample_path, shard_complete,
                            shard_key)

@@ -153,7 +153,7 @@ def test_hidden_states_match_transformers(servers, kind, record_property):
 def _check_one_sample(r: Running, client: ServerClient, kind: str, record_property) -> None:
     from transformers import AutoTokenizer
 
-    from eyrie.data import tokenize_conversation
+    from eyrie.prepare import tokenize_conversation
 
     tok = AutoTokenizer.from_pretrained(str(r.model))
     ids, _, _ = tokenize_conversation(tok, MESSAGES, MAX_MODEL_LEN)
@@ -199,7 +199,7 @@ def _check_one_sample(r: Running, client: ServerClient, kind: str, record_proper
 def test_concurrent_requests_each_get_their_own_sample(servers, tmp_path, tiny_llama):
     """extract_shard against the real server, 8 requests in flight: every file holds its own prompt's states."""
     from eyrie.config import DataConfig, TargetConfig
-    from eyrie.data import load_dataset_rows, load_shards, prepare
+    from eyrie.prepare import load_dataset_rows, load_shards, prepare
 
     r = servers["tiny-llama"]
     client = r.client()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from eyrie.data import load_dataset_rows, load_shards
+from eyrie.prepare import load_dataset_rows, load_shards
 from eyrie.extract import load_checked, sample_path
 from eyrie.store import RunFolder, read_json
 

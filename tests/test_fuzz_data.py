@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eyrie.data import RowError, normalize, tokenize_conversation
+from eyrie.prepare import RowError, normalize, tokenize_conversation
 
 TEMPLATE_BITS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "assistant\n", "user", "\n", "{{", "}}", "{%"]
 text = st.one_of(st.text(max_size=40), st.sampled_from(TEMPLATE_BITS),

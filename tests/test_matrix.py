@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eyrie.config import parse_config
-from eyrie.data import load_dataset_rows, load_seq_lens, prepare
+from eyrie.prepare import load_dataset_rows, load_seq_lens, prepare
 from eyrie.export import export_drafter
 from eyrie.preflight import run_preflight
 from eyrie.train import run_training, untrained_drafter

@@ -178,7 +178,7 @@ def test_interrupted_stages_end_as_an_uninterrupted_run(pipeline, tmp_path):
     import torch
 
     from eyrie.config import load_config
-    from eyrie.data import prepare
+    from eyrie.prepare import prepare
     from eyrie.export import export_drafter
     from eyrie.vocab import build_vocab
 

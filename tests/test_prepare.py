@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from eyrie.config import DataConfig, TargetConfig
 from eyrie.target import load_tokenizer
-from eyrie.data import (RowError, iter_eval_prompts, load_dataset_rows, load_shards, normalize,
+from eyrie.prepare import (RowError, iter_eval_prompts, load_dataset_rows, load_shards, normalize,
                         plan_shards, prepare, prepare_key, tokenize_conversation)
 from eyrie.errors import DataError
 

@@ -19,7 +19,7 @@ import pytest
 from safetensors.torch import load_file
 
 from eyrie.config import parse_config
-from eyrie.data import tokenize_conversation
+from eyrie.prepare import tokenize_conversation
 from eyrie.extract import _wait_and_release, load_checked
 from eyrie.preflight import run_preflight
 from eyrie.server import ExtractionServer, ServerSpec
