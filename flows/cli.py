@@ -1,4 +1,4 @@
-"""The `eyrie` command: run the flow, run only the checks, show a run folder's state, stop a server."""
+"""The `eyrie` command: run the flow, run only the checks, show a run folder's state, stop its servers."""
 
 from __future__ import annotations
 
@@ -50,12 +50,13 @@ def _status(args) -> int:
 
 
 def _stop_server(args) -> int:
-    from eyrie.server import ExtractionServer, server_folders
+    from eyrie.server import VllmServer, run_server_folders
     from eyrie.store import RunFolder
 
-    # The run's server, and each node's when nodes share the folder; servers of other hosts are left to them.
-    stopped = sum(ExtractionServer(f).stop() for f in server_folders(RunFolder(args.run_dir).extract))
-    print(f"stopped {stopped} extraction server(s)" if stopped else "no extraction server was running")
+    # Every server recorded under the run folder: extraction's (and each node's when nodes share the folder),
+    # export's and evaluation's. Servers of other hosts, and pids that are no longer the recorded server, are left.
+    stopped = sum(VllmServer(f).stop() for f in run_server_folders(RunFolder(args.run_dir).root))
+    print(f"stopped {stopped} vLLM server(s)" if stopped else "no vLLM server was running")
     return 0
 
 
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("status", help="each stage's and shard's state from the manifests on disk")
     s.add_argument("--run-dir", required=True)
     s.set_defaults(func=_status)
-    k = sub.add_parser("stop-server", help="stop a run folder's extraction server")
+    k = sub.add_parser("stop-server", help="stop every vLLM server of a run folder (extraction, export, evaluation)")
     k.add_argument("--run-dir", required=True)
     k.set_defaults(func=_stop_server)
     args = p.parse_args(argv)
