@@ -38,6 +38,9 @@ class DataConfig(_Section):
     source: str = Field(description="Hub dataset id, or a local .jsonl/.json/.parquet file or folder of them.")
     split: str = "train"
     subset: str | None = Field(None, description="Hub dataset configuration name.")
+    revision: str | None = Field(None, description="Hub dataset revision (commit, tag or branch; default: main). "
+                                                   "A run pins it to the commit it resolves to at the start, and "
+                                                   "keys prepare on that commit.")
     max_length: int = Field(2048, ge=8, description="Samples are truncated to this many tokens.")
     max_samples: int | None = Field(None, ge=1)
     shard_size: int = Field(256, ge=1, description="Samples per extraction shard (the unit of retry and resume).")

@@ -23,7 +23,7 @@ from eyrie import FORMAT_VERSION
 from eyrie.prepare import Shard, load_dataset_rows
 from eyrie.errors import DiskFullError, ExtractionError
 from eyrie.faults import fault_point
-from eyrie.store import atomic_write_json, read_json, sha256_file, sha256_json
+from eyrie.store import atomic_write_json, fsync_path, read_json, sha256_file, sha256_json
 from eyrie.target import target_identity
 
 
@@ -164,6 +164,11 @@ def extract_shard(client, prepare_dir: Path, shard: Shard, key: str, hidden_dir:
             raise DiskFullError(f"{shard.name}: the disk is full ({err}); {done[0]} of {len(rows)} samples are "
                                 "saved and the shard is not marked done: free space and run again") from None
         raise
+    # The files on disk before the manifest that vouches for them: a power cut must not leave a manifest listing
+    # files whose data (or whose names in the folder) never reached the disk.
+    for idx, _ in todo:
+        fsync_path(sample_path(hidden_dir, idx))
+    fsync_path(hidden_dir)
     files = {}
     for offset, ids in enumerate(rows):
         p = sample_path(hidden_dir, shard.start + offset)

@@ -176,6 +176,7 @@ class PreflightReport:
     # `mask_token_id`.
     target_facts: dict = field(default_factory=dict)
     final_norm: str | None = None  # the target's final norm class (speculators applies it as an RMSNorm)
+    revisions: dict = field(default_factory=dict)  # hub revisions as this run pinned them (commits)
     estimated_bytes: int | None = None
     free_bytes: int | None = None
     warnings: list[str] = field(default_factory=list)
@@ -329,6 +330,7 @@ def run_preflight(config: PipelineConfig, run_dir: Path, tokens: int | None = No
     report = PreflightReport(probe.architecture, probe.vllm_class, probe.path, probe.reason, probe.language_model,
                              num_layers, hidden, vocab, aux_ids, captured_layer_ids(aux_ids, num_layers),
                              vllm.__version__, config.max_model_len)
+    report.revisions = {"target": config.target.revision, "data": config.data.revision}
     mask = config.train.mask_token_id
     report.target_facts["mask_token_id"] = mask if mask is not None or tok is None else mask_token_id(tok, vocab)
     if probe.path != "unsupported":  # a refused class is the one problem worth reading; its metadata may be odd

@@ -20,6 +20,7 @@ from typing import Any, Iterable, Iterator
 from eyrie.config import DataConfig, TargetConfig
 from eyrie.errors import DataError
 from eyrie.faults import fault_point
+from eyrie.hub import hub_commit
 from eyrie.store import atomic_write_json, read_json, replace_dir, sha256_file, sha256_json
 from eyrie.target import load_tokenizer
 
@@ -49,6 +50,14 @@ def _local_files(path: Path) -> list[Path]:
     return files
 
 
+def _local_source(cfg: DataConfig) -> Path:
+    path = Path(cfg.source)
+    if not path.exists():
+        raise DataError(f"data.source {path} does not exist: give a local .jsonl/.json/.parquet file or folder, "
+                        "or a Hugging Face dataset id")
+    return path
+
+
 def _is_local(source: str) -> bool:
     return os.path.exists(source) or source.endswith(LOCAL_SUFFIXES) or source.startswith((".", "/"))
 
@@ -56,10 +65,7 @@ def _is_local(source: str) -> bool:
 def iter_rows(cfg: DataConfig) -> Iterator[Any]:
     """Raw rows from local files or the hub. A jsonl line that is not JSON is yielded as a RowError (counted)."""
     if _is_local(cfg.source):
-        path = Path(cfg.source)
-        if not path.exists():
-            raise DataError(f"data.source {path} does not exist: give a local .jsonl/.json/.parquet file or folder, "
-                            "or a Hugging Face dataset id")
+        path = _local_source(cfg)
         for f in _local_files(path):
             if f.suffix == ".jsonl":
                 with open(f, encoding="utf-8", errors="replace") as fh:
@@ -83,21 +89,31 @@ def iter_rows(cfg: DataConfig) -> Iterator[Any]:
                 yield from pq.read_table(f).to_pylist()
     else:
         import datasets
+        from huggingface_hub import snapshot_download
 
         try:
-            ds = datasets.load_dataset(cfg.source, name=cfg.subset, split=cfg.split)
+            # The repo's files at exactly this revision (the run pins it to a commit), read by datasets with the
+            # hub's own subset and split resolution: the rows match the key, online or from the cache.
+            snapshot = snapshot_download(cfg.source, repo_type="dataset", revision=cfg.revision,
+                                         local_files_only=os.environ.get("HF_HUB_OFFLINE") == "1")
+            ds = datasets.load_dataset(snapshot, name=cfg.subset, split=cfg.split)
         except Exception as err:  # the hub client raises many types; all mean "cannot read this source"
-            raise DataError(f"cannot load dataset {cfg.source!r} (split {cfg.split!r}): {err}") from None
+            raise DataError(f"cannot load dataset {cfg.source!r} (split {cfg.split!r}, revision "
+                            f"{cfg.revision or 'main'!r}): {err}") from None
         yield from ds
 
 
+def is_hub_source(cfg: DataConfig) -> bool:
+    return not _is_local(cfg.source)
+
+
 def source_fingerprint(cfg: DataConfig) -> str:
-    """Content hash of local files; the id, subset and split of a hub dataset (pin a revision in the id)."""
-    if _is_local(cfg.source) and Path(cfg.source).exists():
-        path = Path(cfg.source)
+    """Content hash of local files; a hub dataset's id, subset, split and the commit its revision resolves to."""
+    if not is_hub_source(cfg):
+        path = _local_source(cfg)
         return sha256_json([(str(f.relative_to(path)) if f != path else f.name, sha256_file(f))
                             for f in _local_files(path)])
-    return sha256_json(["hub", cfg.source, cfg.subset, cfg.split])
+    return sha256_json(["hub", cfg.source, cfg.subset, cfg.split, hub_commit(cfg.source, "dataset", cfg.revision)])
 
 
 # ---------------------------------------------------------------------------------------------------------------

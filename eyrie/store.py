@@ -36,8 +36,18 @@ def sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a folder's entries (the names renamed into it), to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside `path`, fsync, then rename: readers see the old or the new, never half."""
+    """Write to a temporary file beside `path`, fsync, then rename (and fsync the folder, so the rename survives a
+    power cut): readers see the old or the new, never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -46,6 +56,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_path(path.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

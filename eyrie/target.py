@@ -21,6 +21,7 @@ from pathlib import Path
 
 from eyrie.config import TargetConfig
 from eyrie.errors import ConfigError, DataError
+from eyrie.hub import hub_commit
 from eyrie.store import sha256_file, sha256_json
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -130,13 +131,41 @@ def mask_token_id(tokenizer, vocab_size: int) -> int | None:
                  if t is not None), None)
 
 
+SAMPLES_PER_FILE = 16  # evenly spaced 64 KiB reads of each weight file's tensor data
+SAMPLE_BYTES = 1 << 16
+
+
+def weights_fingerprint(path: Path) -> str:
+    """One safetensors file's identity without reading it all: its header (every tensor's name, dtype, shape and
+    offset), its size, and 16 evenly spaced 64 KiB samples of its data (1 MiB per file, so a fine-tune of the same
+    architecture, which changes nearly every weight, gets a new identity; hashing terabytes would take hours)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        (header_len,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
+        h.update(head + f.read(header_len) + str(size).encode())
+        start = 8 + header_len
+        span = max(size - start - SAMPLE_BYTES, 0)
+        for i in range(SAMPLES_PER_FILE):
+            f.seek(start + span * i // max(SAMPLES_PER_FILE - 1, 1))
+            h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()[:16]
+
+
 def target_identity(target: TargetConfig) -> str:
-    """Target and revision: config.json content plus weight file names and sizes (hashing weights would take hours)."""
+    """What the extracted hidden states depend on. A local target: its config.json and each weight file's
+    fingerprint (header, size, sampled data). A hub target: the commit its revision resolves to now, so a moving
+    branch such as `main` gives a new identity when it moves."""
     ident: dict = {"model": target.model, "revision": target.revision}
     if is_local_target(target):
         folder = Path(target.model)
         ident["config"] = sha256_file(folder / "config.json")
-        ident["weights"] = sorted((p.name, p.stat().st_size) for p in folder.glob("*.safetensors"))
+        ident["weights"] = sorted((p.name, weights_fingerprint(p)) for p in folder.glob("*.safetensors"))
+    else:
+        ident["commit"] = hub_commit(target.model, "model", target.revision)
     return sha256_json(ident)[:16]
 
 

@@ -15,10 +15,12 @@ from prefect.concurrency.sync import concurrency
 from prefect.artifacts import create_markdown_artifact
 
 from eyrie.config import PipelineConfig
-from eyrie.prepare import iter_eval_prompts, load_seq_lens
 from eyrie.errors import EyrieError
 from eyrie.server import ServerSpec
+from eyrie.hub import pin_revisions
+from eyrie.prepare import is_hub_source, iter_eval_prompts, load_seq_lens
 from eyrie.store import RunFolder, remove_staging, sha256_json
+from eyrie.target import is_local_target
 from eyrie.train import train_key
 from eyrie.promote import choose_base, current_version
 from eyrie.vocab import mapping_paths, vocab_key
@@ -45,6 +47,11 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[STAGES] =
         if removed:
             log.info(f"removed {removed} temporary files left by an interrupted run")
         ensure_target(config)
+        # Hub revisions pinned to the commits they point at now: every stage keys on those, and a weekly run
+        # against a moved `main` retrains (the pinned config is in the run's parameters and preflight.json).
+        config = pin_revisions(config, not is_local_target(config.target), is_hub_source(config.data))
+        if config.target.revision or config.data.revision:
+            log.info(f"hub revisions pinned: target {config.target.revision}, data {config.data.revision}")
         serve = until == "evaluate"  # export and evaluation serve target + drafter in vLLM
         preflight_task(config, str(run.root), serve=serve)  # seconds, before anything expensive
         pkey = compute_prepare_key(config)
