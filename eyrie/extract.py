@@ -94,7 +94,7 @@ def extract_shard(client, prepare_dir: Path, shard: Shard, key: str, hidden_dir:
     Samples already on disk and valid (from an interrupted attempt) are kept; only missing or bad ones are sent.
     """
     if shard_complete(manifest_path, key, hidden_dir, verify_checksums):
-        return read_json(manifest_path)
+        return read_json(manifest_path) or {}
     fault_point(f"extract.{shard.name}")
     old = read_json(manifest_path) or {}
     recorded = old.get("files", {}) if old.get("key") == key else {}

@@ -35,7 +35,7 @@ def hub_commit(repo_id: str, repo_type: str, revision: str | None) -> str:
 
 def pin_revisions(config: PipelineConfig, is_hub_target: bool, is_hub_data: bool) -> PipelineConfig:
     """`config` with its hub target's and hub dataset's revisions replaced by the commits they resolve to."""
-    updates = {}
+    updates: dict[str, object] = {}
     if is_hub_target:
         updates["target"] = config.target.model_copy(
             update={"revision": hub_commit(config.target.model, "model", config.target.revision)})

@@ -290,7 +290,7 @@ def loaded_names(model, names: list[str]) -> dict[str, str]:
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     transforms = get_model_conversion_mapping(model)
-    loaded = {}
+    loaded: dict[str, str] = {}
     for name in names:
         if IN_A_LAYER.search(name):
             continue
@@ -334,5 +334,6 @@ def resolve_borrowed_weights(target: TargetConfig, cfg: dict, names: list[str] |
         raise TargetError(f"{target.model}'s checkpoint has no tensor for the {', '.join(missing)} of "
                           f"{type(model).__name__} (looked for the name and its suffixes among {len(names)} "
                           "tensors): the checkpoint does not match its config.json, or it is incomplete")
-    return BorrowedWeights(found["input embedding"], found.get("output head"), found["final norm"],
-                           type(norm[1]).__name__)
+    embed, head_name, final_norm = found["input embedding"], found.get("output head"), found["final norm"]
+    assert embed and final_norm  # both were required above
+    return BorrowedWeights(embed, head_name, final_norm, type(norm[1]).__name__)

@@ -33,7 +33,10 @@ def tok(tiny_llama):
     return AutoTokenizer.from_pretrained(str(tiny_llama))
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomize: the same 300 examples on every run, so CI is never red by the luck of a draw (a new case found by
+# exploring locally goes into the strategies or an explicit test).
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(row=row, max_length=st.integers(min_value=8, max_value=96))
 def test_rows_are_used_or_refused_with_a_reason(tok, row, max_length):
     try:
@@ -50,4 +53,7 @@ def test_rows_are_used_or_refused_with_a_reason(tok, row, max_length):
     residue = masked
     for piece in [m["content"] for m in messages if m["role"] == "assistant"] + ["<|im_end|>", "\n"]:
         residue = residue.replace(piece, "") if piece else residue
+    # A multi-byte character cut by truncation, or split across byte-level tokens at the mask's edge, decodes to
+    # U+FFFD on its own.
+    residue = residue.replace("\ufffd", "")
     assert residue.strip() == "" or residue in assistant, (masked, assistant, others)

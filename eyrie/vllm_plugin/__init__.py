@@ -35,7 +35,7 @@ def _hide_eagle3(names: set[str]) -> None:
 
     supports_eagle3._eyrie_hides = names  # type: ignore[attr-defined]
     for module in (interfaces, gpu_model_runner, eagle3_utils):
-        module.supports_eagle3 = supports_eagle3
+        module.supports_eagle3 = supports_eagle3  # type: ignore[attr-defined]
 
 
 def register() -> None:

@@ -26,8 +26,8 @@ logger = logging.getLogger("vllm.eyrie.compat")
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     """The decoder's layer list, unwrapping a multimodal wrapper's language model the way vLLM does."""
-    parent = model.get_language_model() if hasattr(model, "get_language_model") else \
-        getattr(model, "language_model", model)
+    get_language_model = getattr(model, "get_language_model", None)
+    parent = get_language_model() if callable(get_language_model) else getattr(model, "language_model", model)
     holder = getattr(parent, "model", parent)
     for path in ("layers", "decoder.layers", "h", "transformer.h", "model.layers"):
         obj = holder
@@ -147,7 +147,7 @@ def install() -> None:
             expose_embeddings(target_language_model)
         return share(self, target_language_model)
 
-    SpecDecodeBaseProposer._maybe_share_embeddings = _maybe_share_embeddings
+    SpecDecodeBaseProposer._maybe_share_embeddings = _maybe_share_embeddings  # type: ignore[method-assign]
 
     def _setup_eagle3_aux_hidden_state_outputs(self) -> None:
         if self.use_aux_hidden_state_outputs and not supports_eagle3(self.get_model()):
@@ -155,4 +155,5 @@ def install() -> None:
         return original(self)
 
     setattr(_setup_eagle3_aux_hidden_state_outputs, _INSTALLED, True)
-    GPUModelRunner._setup_eagle3_aux_hidden_state_outputs = _setup_eagle3_aux_hidden_state_outputs
+    GPUModelRunner._setup_eagle3_aux_hidden_state_outputs = (  # type: ignore[method-assign]
+        _setup_eagle3_aux_hidden_state_outputs)

@@ -8,6 +8,8 @@ writer thread pool. On an accelerator the stock path runs unchanged.
 
 from __future__ import annotations
 
+from typing import Any
+
 import fcntl
 import os
 from functools import partial
@@ -52,7 +54,7 @@ class EyrieHiddenStatesConnector(ExampleHiddenStatesConnector):
         if lock_fd is None and self.use_lock:
             lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
-        done = _Done()
+        done: Any = _Done()  # in the slot vLLM's writer keeps a CUDA event in
         future = self._executor.submit(self._write_tensors, tensors, done, pending.filename, lock_fd)
         self._req_copy_events[pending.req_id] = done
         self._req_futures[pending.req_id] = future
