@@ -7,15 +7,14 @@ import time
 
 from eyrie.prepare import load_shards
 from eyrie.server import VllmServer, server_folders, serving_server_folders
+from eyrie.stages import RUN_FOLDER_STAGES
 from eyrie.store import RunFolder, read_json
-
-STAGES = ("prepare", "extract", "vocab", "train", "export", "evaluate")
 
 
 def run_status(run: RunFolder) -> dict:
     out: dict = {"run_dir": str(run.root), "stages": {}, "shards": {}}
     shards = load_shards(run.prepare)
-    for stage in STAGES:
+    for stage in RUN_FOLDER_STAGES:
         if stage == "extract":
             done = 0
             for s in shards:

@@ -60,13 +60,15 @@ def _stop_server(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from eyrie.stages import UNTIL
+
     p = argparse.ArgumentParser(prog="eyrie", description="Raise EAGLE-3 drafters for vLLM-served targets.")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run the pipeline flow")
     r.add_argument("--config", required=True)
     r.add_argument("--run-dir")
-    r.add_argument("--until", choices=("prepare", "extract", "train", "evaluate"), default="evaluate",
+    r.add_argument("--until", choices=UNTIL, default="evaluate",
                    help="stop after this stage (default: the whole pipeline)")
     r.set_defaults(func=_run)
     c = sub.add_parser("preflight", help="run only the checks (no weights load)")
@@ -79,7 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("stop-server", help="stop every vLLM server of a run folder (extraction, export, evaluation)")
     k.add_argument("--run-dir", required=True)
     k.set_defaults(func=_stop_server)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except EyrieError as err:

@@ -19,6 +19,7 @@ from eyrie.errors import EyrieError
 from eyrie.server import ServerSpec
 from eyrie.hub import pin_revisions
 from eyrie.prepare import is_hub_source, iter_eval_prompts, load_seq_lens
+from eyrie.stages import UNTIL
 from eyrie.store import RunFolder, remove_staging, sha256_json
 from eyrie.target import is_local_target
 from eyrie.train import train_key
@@ -32,11 +33,8 @@ from tasks.preflight import preflight_task
 from tasks.train import train_task, untrained_drafter_task, vocab_task
 
 
-STAGES = ("prepare", "extract", "train", "evaluate")
-
-
 @flow(name="eyrie-pipeline")
-def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[STAGES] = "evaluate") -> dict:
+def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = "evaluate") -> dict:
     """Run every stage up to and including `until` (evaluate: the whole pipeline)."""
     log = get_run_logger()
     run = RunFolder(run_dir)
