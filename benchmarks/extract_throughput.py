@@ -42,9 +42,9 @@ import torch
 from safetensors.torch import load_file
 
 from eyrie.config import load_config
-from eyrie.prepare import load_dataset_rows, load_shards, prepare
 from eyrie.extract import ExtractionPlan, clean_staging, extract_shard
 from eyrie.preflight import run_preflight
+from eyrie.prepare import load_dataset_rows, load_shards, prepare
 from eyrie.server import ExtractionServer
 from eyrie.store import RunFolder
 from eyrie.tiny import build_target
@@ -59,20 +59,50 @@ def output_size(folder: Path) -> tuple[int, int]:
     return len(files), sum(p.stat().st_size for p in files)
 
 
-def run_eyrie(client, plan: ExtractionPlan, shards, prepare_dir: Path, out: Path, concurrency: int,
-              timeout_s: float) -> dict:
+def run_eyrie(
+    client, plan: ExtractionPlan, shards, prepare_dir: Path, out: Path, concurrency: int, timeout_s: float
+) -> dict:
     t0 = time.perf_counter()
     for s in shards:
-        extract_shard(client, prepare_dir, s, plan.keys[s.name], out, out.with_name(out.name + "_manifests") /
-                      f"{s.name}.json", len(plan.captured_ids), plan.hidden_size, concurrency, timeout_s, log=quiet)
+        extract_shard(
+            client,
+            prepare_dir,
+            s,
+            plan.keys[s.name],
+            out,
+            out.with_name(out.name + "_manifests") / f"{s.name}.json",
+            len(plan.captured_ids),
+            plan.hidden_size,
+            concurrency,
+            timeout_s,
+            log=quiet,
+        )
     return {"wall_s": time.perf_counter() - t0}
 
 
 def run_speculators(endpoint: str, dataset: Path, out: Path, n: int, concurrency: int, timeout_s: float) -> dict:
-    cmd = [sys.executable, "-m", "speculators", "generate-offline-data", "--endpoint", endpoint, "--model", "target",
-           "--preprocessed-data", str(dataset), "--output", str(out), "--max-samples", str(n),
-           "--concurrency", str(concurrency), "--request-timeout", str(timeout_s), "--validate-outputs",
-           "--fail-on-error"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "speculators",
+        "generate-offline-data",
+        "--endpoint",
+        endpoint,
+        "--model",
+        "target",
+        "--preprocessed-data",
+        str(dataset),
+        "--output",
+        str(out),
+        "--max-samples",
+        str(n),
+        "--concurrency",
+        str(concurrency),
+        "--request-timeout",
+        str(timeout_s),
+        "--validate-outputs",
+        "--fail-on-error",
+    ]
     t0 = time.perf_counter()
     # A wide console, so that its rich log handler does not wrap the "Timing:" line.
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, COLUMNS="250"))
@@ -139,8 +169,15 @@ def main() -> None:
         client = server.ensure(plan.spec, config.extraction.startup_timeout_s)
         endpoint = server.url() + "/v1"
         warm = work / "warmup"  # first requests pay one-off costs; neither client should
-        run_eyrie(client, plan, [replace(shards[0], stop=min(shards[0].stop, concurrency))], run.prepare, warm,
-                  concurrency, timeout_s)
+        run_eyrie(
+            client,
+            plan,
+            [replace(shards[0], stop=min(shards[0].stop, concurrency))],
+            run.prepare,
+            warm,
+            concurrency,
+            timeout_s,
+        )
         for r in range(args.repeats):
             for p in (eyrie_out, spec_out, work / "eyrie_hs_manifests"):
                 shutil.rmtree(p, ignore_errors=True)
@@ -163,32 +200,64 @@ def main() -> None:
     rows = {}
     for name, rs in runs.items():
         wall = statistics.median(r["wall_s"] for r in rs)
-        rows[name] = {"samples": n, "tokens": tokens, "wall_s": wall, "samples_per_s": n / wall,
-                      "tokens_per_s": tokens / wall, "bytes_written": rs[-1]["bytes"], "files": rs[-1]["files"]}
+        rows[name] = {
+            "samples": n,
+            "tokens": tokens,
+            "wall_s": wall,
+            "samples_per_s": n / wall,
+            "tokens_per_s": tokens / wall,
+            "bytes_written": rs[-1]["bytes"],
+            "files": rs[-1]["files"],
+        }
     inproc = [r["in_process_s"] for r in runs["speculators"] if r["in_process_s"] is not None]
     if inproc:
         s = statistics.median(inproc)
-        rows["speculators"] |= {"in_process_s": s, "in_process_tokens_per_s": tokens / s,
-                                "startup_s": rows["speculators"]["wall_s"] - s}
+        rows["speculators"] |= {
+            "in_process_s": s,
+            "in_process_tokens_per_s": tokens / s,
+            "startup_s": rows["speculators"]["wall_s"] - s,
+        }
     ratio = rows["eyrie"]["tokens_per_s"] / rows["speculators"]["tokens_per_s"]
 
-    print(f"\n{n} samples, {tokens} tokens, concurrency {concurrency}, {args.repeats} repeat(s) (medians); "
-          f"model {plan.spec.model}")
+    print(
+        f"\n{n} samples, {tokens} tokens, concurrency {concurrency}, {args.repeats} repeat(s) (medians); "
+        f"model {plan.spec.model}"
+    )
     print(f"{'':24}{'eyrie':>14}{'speculators':>14}")
-    for key, fmt in [("wall_s", ".2f"), ("samples_per_s", ".1f"), ("tokens_per_s", ".0f"), ("bytes_written", ",d"),
-                     ("files", "d"), ("in_process_s", ".2f"), ("in_process_tokens_per_s", ".0f"), ("startup_s", ".2f")]:
+    for key, fmt in [
+        ("wall_s", ".2f"),
+        ("samples_per_s", ".1f"),
+        ("tokens_per_s", ".0f"),
+        ("bytes_written", ",d"),
+        ("files", "d"),
+        ("in_process_s", ".2f"),
+        ("in_process_tokens_per_s", ".0f"),
+        ("startup_s", ".2f"),
+    ]:
         cells = [format(rows[c][key], fmt) if key in rows[c] else "-" for c in ("eyrie", "speculators")]
         print(f"{key:24}{cells[0]:>14}{cells[1]:>14}")
     print(f"ratio eyrie/speculators (tokens/s, end to end): {ratio:.2f}x")
     if inproc:
-        print(f"ratio eyrie/speculators (tokens/s, speculators in-process): "
-              f"{rows['eyrie']['tokens_per_s'] / rows['speculators']['in_process_tokens_per_s']:.2f}x")
-    print(f"outputs agree: {agreement['files']} files each; files {agreement['checked']} "
-          f"{'identical' if agreement['identical'] else 'allclose'} (max abs diff {agreement['max_abs_diff']:.3g})")
+        print(
+            f"ratio eyrie/speculators (tokens/s, speculators in-process): "
+            f"{rows['eyrie']['tokens_per_s'] / rows['speculators']['in_process_tokens_per_s']:.2f}x"
+        )
+    print(
+        f"outputs agree: {agreement['files']} files each; files {agreement['checked']} "
+        f"{'identical' if agreement['identical'] else 'allclose'} (max abs diff {agreement['max_abs_diff']:.3g})"
+    )
 
-    result = {"config": args.config, "samples": n, "tokens": tokens, "concurrency": concurrency,
-              "repeats": args.repeats, "results": rows, "ratio_tokens_per_s": ratio, "runs": runs,
-              "agreement": agreement}
+    result = {
+        "config": args.config,
+        "samples": n,
+        "tokens": tokens,
+        "concurrency": concurrency,
+        "repeats": args.repeats,
+        "results": rows,
+        "ratio_tokens_per_s": ratio,
+        "runs": runs,
+        "agreement": agreement,
+    }
     (work / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {work / 'bench.json'}")
 

@@ -62,17 +62,22 @@ POOLS: dict[str, dict[str, Any]] = {
         # One flow run per GPU node in all: the nodes run side by side (a fanned-out extraction), never more.
         "concurrency_limit": len(GPU_QUEUES),
         "description": "Eyrie's GPU nodes, one work queue each (limit 1), picked up by `prefect worker start "
-                       f"--pool {GPU_POOL} --work-queue <node> --limit 1`. Pool limit: one run per node.",
+        f"--pool {GPU_POOL} --work-queue <node> --limit 1`. Pool limit: one run per node.",
         "queues": {name: (GPU_QUEUE_LIMIT, desc) for name, desc in GPU_QUEUES.items()},
     },
     CONTROL_POOL: {
         # No limit: its runs hold no GPU; the deployment's own limit (1, ENQUEUE) bounds them.
         "concurrency_limit": None,
         "description": "Parents of fanned-out extractions (eyrie-extract-fanout), which hold no GPU and wait for the "
-                       f"GPU nodes: `prefect worker start --pool {CONTROL_POOL} --work-queue {CONTROL_QUEUE}`.",
-        "queues": {CONTROL_QUEUE: (None, "Parents of fanned-out extractions (eyrie-extract-fanout): no GPU, they "
-                                         "wait for the nodes. Its worker runs on any machine with the checkout and "
-                                         "the shared run folders.")},
+        f"GPU nodes: `prefect worker start --pool {CONTROL_POOL} --work-queue {CONTROL_QUEUE}`.",
+        "queues": {
+            CONTROL_QUEUE: (
+                None,
+                "Parents of fanned-out extractions (eyrie-extract-fanout): no GPU, they "
+                "wait for the nodes. Its worker runs on any machine with the checkout and "
+                "the shared run folders.",
+            )
+        },
     },
 }
 # The flows that hold no GPU, so run from the control pool; every other flow runs from the GPU pool.
@@ -100,8 +105,8 @@ def load_prefect_file(path: Path = PREFECT_FILE) -> list[dict[str, Any]]:
     `prefect deploy` prints a warning and deploys nothing when the file does not validate; here that is an error.
     """
     import yaml
-    from pydantic import ValidationError
     from prefect.cli.deploy._models import PrefectYamlModel
+    from pydantic import ValidationError
 
     from eyrie.config import parse_config
     from eyrie.errors import ConfigError
@@ -142,27 +147,38 @@ def _check_pool_and_queues(d: dict[str, Any], where: str) -> None:
     pool, queue = d["work_pool"].get("name"), d["work_pool"].get("work_queue_name")
     created = ", ".join(f"{p!r} (queues {sorted(spec['queues'])})" for p, spec in POOLS.items())
     if pool not in POOLS:
-        raise SetupError(f"{where} uses work pool {pool!r}; this setup creates only {created} "
-                         "(deployments/setup.py POOLS)")
+        raise SetupError(
+            f"{where} uses work pool {pool!r}; this setup creates only {created} (deployments/setup.py POOLS)"
+        )
     if not queue:
-        raise SetupError(f"{where} lacks `work_pool.work_queue_name` (Prefect would use the pool's `default` queue, "
-                         f"which has no limit); pool {pool!r} has {sorted(POOLS[pool]['queues'])}")
+        raise SetupError(
+            f"{where} lacks `work_pool.work_queue_name` (Prefect would use the pool's `default` queue, "
+            f"which has no limit); pool {pool!r} has {sorted(POOLS[pool]['queues'])}"
+        )
     if queue not in POOLS[pool]["queues"]:
         other = [p for p, spec in POOLS.items() if queue in spec["queues"]]
         hint = f"; {queue!r} is a queue of pool {other[0]!r}" if other else ""
-        raise SetupError(f"{where} names work queue {queue!r} in pool {pool!r}, which has only "
-                         f"{sorted(POOLS[pool]['queues'])}{hint} (deployments/setup.py POOLS)")
+        raise SetupError(
+            f"{where} names work queue {queue!r} in pool {pool!r}, which has only "
+            f"{sorted(POOLS[pool]['queues'])}{hint} (deployments/setup.py POOLS)"
+        )
     wanted = CONTROL_POOL if d["entrypoint"] in CONTROL_ENTRYPOINTS else GPU_POOL
     if pool != wanted:
-        why = ("it holds no GPU and waits for the nodes: in the GPU pool it would take a node's pool slot"
-               if wanted == CONTROL_POOL else "it uses a GPU: only the GPU pool's limits keep one run per node")
-        raise SetupError(f"{where} uses work pool {pool!r}; it must use {wanted!r}: {why} "
-                         "(deployments/setup.py CONTROL_ENTRYPOINTS)")
+        why = (
+            "it holds no GPU and waits for the nodes: in the GPU pool it would take a node's pool slot"
+            if wanted == CONTROL_POOL
+            else "it uses a GPU: only the GPU pool's limits keep one run per node"
+        )
+        raise SetupError(
+            f"{where} uses work pool {pool!r}; it must use {wanted!r}: {why} (deployments/setup.py CONTROL_ENTRYPOINTS)"
+        )
     # The fan-out's node queues: its `eyrie-extract/node` runs go to the GPU nodes' queues.
     for q in (d.get("parameters") or {}).get("queues") or []:
         if q not in GPU_QUEUES:
-            raise SetupError(f"{where} names {q!r} in its `queues` parameter; the GPU node queues this setup creates "
-                             f"in pool {GPU_POOL!r} are {sorted(GPU_QUEUES)} (deployments/setup.py GPU_QUEUES)")
+            raise SetupError(
+                f"{where} names {q!r} in its `queues` parameter; the GPU node queues this setup creates "
+                f"in pool {GPU_POOL!r} are {sorted(GPU_QUEUES)} (deployments/setup.py GPU_QUEUES)"
+            )
 
 
 def deployment_full_names(deployments: list[dict[str, Any]]) -> list[str]:
@@ -191,8 +207,10 @@ def zombie_automation():
 
     return AutomationCore(
         name=ZOMBIE_AUTOMATION,
-        description=("Marks a flow run CRASHED when it stops sending heartbeats (a killed or lost worker process) "
-                     "so that it frees its deployment's concurrency slot. Managed by deployments/setup.py."),
+        description=(
+            "Marks a flow run CRASHED when it stops sending heartbeats (a killed or lost worker process) "
+            "so that it frees its deployment's concurrency slot. Managed by deployments/setup.py."
+        ),
         enabled=True,
         trigger=EventTrigger(
             after={"prefect.flow-run.heartbeat"},
@@ -209,8 +227,9 @@ def zombie_automation():
             threshold=1,
             within=ZOMBIE_WITHIN,
         ),
-        actions=[ChangeFlowRunState(state=StateType.CRASHED,
-                                    message="Flow run marked as crashed due to missing heartbeats.")],
+        actions=[
+            ChangeFlowRunState(state=StateType.CRASHED, message="Flow run marked as crashed due to missing heartbeats.")
+        ],
     )
 
 
@@ -224,14 +243,22 @@ async def ensure_work_pools(client, log) -> None:
         try:
             pool = await client.read_work_pool(name)
         except ObjectNotFound:
-            await client.create_work_pool(WorkPoolCreate(
-                name=name, type=POOL_TYPE, concurrency_limit=limit, description=description,
-                base_job_template=ProcessWorker.get_default_base_job_template()))
+            await client.create_work_pool(
+                WorkPoolCreate(
+                    name=name,
+                    type=POOL_TYPE,
+                    concurrency_limit=limit,
+                    description=description,
+                    base_job_template=ProcessWorker.get_default_base_job_template(),
+                )
+            )
             log(f"created work pool {name!r} (type {POOL_TYPE}, concurrency limit {limit})")
             continue
         if pool.type != POOL_TYPE:
-            raise SetupError(f"work pool {name!r} exists with type {pool.type!r}, not {POOL_TYPE!r}: a pool's type "
-                             f"cannot change; delete it (`prefect work-pool delete {name}`) and run this again")
+            raise SetupError(
+                f"work pool {name!r} exists with type {pool.type!r}, not {POOL_TYPE!r}: a pool's type "
+                f"cannot change; delete it (`prefect work-pool delete {name}`) and run this again"
+            )
         update = {}
         if pool.concurrency_limit != limit:
             update["concurrency_limit"] = limit
@@ -252,23 +279,28 @@ async def ensure_work_queues(client, log) -> None:
             try:
                 queue = await client.read_work_queue_by_name(name, work_pool_name=pool)
             except ObjectNotFound:
-                await client.create_work_queue(name, work_pool_name=pool, concurrency_limit=limit,
-                                               description=description)
+                await client.create_work_queue(
+                    name, work_pool_name=pool, concurrency_limit=limit, description=description
+                )
                 log(f"created work queue {name!r} in pool {pool!r} (concurrency limit {limit})")
                 continue
             if queue.concurrency_limit != limit:
                 await client.update_work_queue(queue.id, concurrency_limit=limit)
-                log(f"updated work queue {name!r} in pool {pool!r}: concurrency limit {queue.concurrency_limit} "
-                    f"-> {limit}")
+                log(
+                    f"updated work queue {name!r} in pool {pool!r}: concurrency limit {queue.concurrency_limit} "
+                    f"-> {limit}"
+                )
             if queue.description != description:
                 await client.update_work_queue(queue.id, description=description)
                 log(f"updated work queue {name!r} in pool {pool!r}: description")
         # Not deleted: runs may still wait in it. Prefect creates `default` in every pool; nothing sends runs there.
         for queue in await client.read_work_queues(work_pool_name=pool):
             if queue.name not in spec["queues"] and queue.name != "default":
-                log(f"warning: work queue {queue.name!r} in pool {pool!r} is not managed by deployments/setup.py "
+                log(
+                    f"warning: work queue {queue.name!r} in pool {pool!r} is not managed by deployments/setup.py "
                     f"(it manages {sorted(spec['queues'])}); once nothing uses it: "
-                    f"`prefect work-queue delete {queue.name} --pool {pool}`")
+                    f"`prefect work-queue delete {queue.name} --pool {pool}`"
+                )
 
 
 async def ensure_global_limit(client, log) -> None:
@@ -278,12 +310,15 @@ async def ensure_global_limit(client, log) -> None:
     try:
         gcl = await client.read_global_concurrency_limit_by_name(GPU_LIMIT)
     except ObjectNotFound:
-        await client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=GPU_LIMIT_SLOTS))
+        await client.create_global_concurrency_limit(
+            GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=GPU_LIMIT_SLOTS)
+        )
         log(f"created global concurrency limit {GPU_LIMIT!r} (limit {GPU_LIMIT_SLOTS})")
         return
     if gcl.limit != GPU_LIMIT_SLOTS or not gcl.active:
         await client.update_global_concurrency_limit(
-            GPU_LIMIT, GlobalConcurrencyLimitUpdate(limit=GPU_LIMIT_SLOTS, active=True))
+            GPU_LIMIT, GlobalConcurrencyLimitUpdate(limit=GPU_LIMIT_SLOTS, active=True)
+        )
         log(f"updated global concurrency limit {GPU_LIMIT!r} to limit {GPU_LIMIT_SLOTS}, active")
 
 
@@ -300,7 +335,8 @@ async def ensure_zombie_automation(client, log) -> None:
     desired = zombie_automation()
     found = await client.read_automations(
         automations=AutomationFilter(name=AutomationFilterName(any_=[ZOMBIE_AUTOMATION])),
-        sort=AutomationSort.CREATED_DESC)
+        sort=AutomationSort.CREATED_DESC,
+    )
     found = [a for a in found if a.name == ZOMBIE_AUTOMATION]
     if not found:
         await client.create_automation(desired)
@@ -346,23 +382,38 @@ async def snapshot(client, full_names: list[str]) -> dict[str, Any]:
             state["work_pools"][name], queues = None, []
         else:
             state["work_pools"][name] = {
-                "id": str(pool.id), "type": pool.type, "concurrency_limit": pool.concurrency_limit,
-                "description": pool.description, "is_paused": pool.is_paused,
-                "base_job_template": pool.base_job_template}
-        state["work_queues"][name] = {q.name: {"id": str(q.id), "concurrency_limit": q.concurrency_limit,
-                                               "description": q.description, "is_paused": q.is_paused}
-                                      for q in queues}
+                "id": str(pool.id),
+                "type": pool.type,
+                "concurrency_limit": pool.concurrency_limit,
+                "description": pool.description,
+                "is_paused": pool.is_paused,
+                "base_job_template": pool.base_job_template,
+            }
+        state["work_queues"][name] = {
+            q.name: {
+                "id": str(q.id),
+                "concurrency_limit": q.concurrency_limit,
+                "description": q.description,
+                "is_paused": q.is_paused,
+            }
+            for q in queues
+        }
         n_queues += len(queues)
     # Deployment concurrency limits are global limits named `deployment:<id>`, so they show up here too.
     limits = await _all_global_limits(client)
-    state["global_concurrency_limits"] = {g.name: {"id": str(g.id), "limit": g.limit, "active": g.active}
-                                          for g in limits}
+    state["global_concurrency_limits"] = {
+        g.name: {"id": str(g.id), "limit": g.limit, "active": g.active} for g in limits
+    }
     automations = await client.read_automations()
     state["automations"] = {}
     for a in sorted(automations, key=lambda a: str(a.id)):
         state["automations"].setdefault(a.name, []).append(
-            {"id": str(a.id), "enabled": a.enabled,
-             "definition": _canonical(json.loads(a.model_dump_json(exclude={"id"})))})
+            {
+                "id": str(a.id),
+                "enabled": a.enabled,
+                "definition": _canonical(json.loads(a.model_dump_json(exclude={"id"}))),
+            }
+        )
     state["deployments"] = {}
     for name in full_names:
         try:
@@ -372,24 +423,41 @@ async def snapshot(client, full_names: list[str]) -> dict[str, Any]:
             continue
         gcl = d.global_concurrency_limit
         state["deployments"][name] = {
-            "id": str(d.id), "flow_id": str(d.flow_id), "entrypoint": d.entrypoint,
-            "work_pool_name": d.work_pool_name, "work_queue_name": d.work_queue_name,
+            "id": str(d.id),
+            "flow_id": str(d.flow_id),
+            "entrypoint": d.entrypoint,
+            "work_pool_name": d.work_pool_name,
+            "work_queue_name": d.work_queue_name,
             "concurrency_limit": gcl.limit if gcl else None,
             "concurrency_limit_id": str(gcl.id) if gcl else None,
-            "collision_strategy": (d.concurrency_options.collision_strategy.value
-                                   if d.concurrency_options else None),
-            "enforce_parameter_schema": d.enforce_parameter_schema, "paused": d.paused,
-            "parameters": d.parameters, "parameter_openapi_schema": d.parameter_openapi_schema,
-            "pull_steps": d.pull_steps, "job_variables": d.job_variables, "tags": sorted(d.tags),
-            "description": d.description, "version": d.version,
-            "schedules": {s.slug or str(s.id): {"id": str(s.id), "active": s.active,
-                                                "schedule": s.schedule.model_dump(mode="json"),
-                                                "parameters": s.parameters}
-                          for s in d.schedules},
+            "collision_strategy": (d.concurrency_options.collision_strategy.value if d.concurrency_options else None),
+            "enforce_parameter_schema": d.enforce_parameter_schema,
+            "paused": d.paused,
+            "parameters": d.parameters,
+            "parameter_openapi_schema": d.parameter_openapi_schema,
+            "pull_steps": d.pull_steps,
+            "job_variables": d.job_variables,
+            "tags": sorted(d.tags),
+            "description": d.description,
+            "version": d.version,
+            "schedules": {
+                s.slug or str(s.id): {
+                    "id": str(s.id),
+                    "active": s.active,
+                    "schedule": s.schedule.model_dump(mode="json"),
+                    "parameters": s.parameters,
+                }
+                for s in d.schedules
+            },
         }
-    state["counts"] = {"work_pools": len(await client.read_work_pools()), "work_queues": n_queues,
-                       "global_concurrency_limits": len(limits), "automations": len(automations),
-                       "deployments": len(await client.read_deployments()), "flows": len(await client.read_flows())}
+    state["counts"] = {
+        "work_pools": len(await client.read_work_pools()),
+        "work_queues": n_queues,
+        "global_concurrency_limits": len(limits),
+        "automations": len(automations),
+        "deployments": len(await client.read_deployments()),
+        "flows": len(await client.read_flows()),
+    }
     return state
 
 
@@ -420,7 +488,7 @@ def diff(before: Any, after: Any, path: str = "") -> list[str]:
             out += diff(before.get(k), after.get(k), f"{path}.{k}" if path else str(k))
         return out
     if before != after:
-        short = lambda v: (s if len(s := json.dumps(v, default=str)) <= 120 else s[:117] + "...")  # noqa: E731
+        short = lambda v: s if len(s := json.dumps(v, default=str)) <= 120 else s[:117] + "..."  # noqa: E731
         return [f"{path}: {short(before)} -> {short(after)}"]
     return []
 
@@ -477,8 +545,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deployments.setup: error: {err}", file=sys.stderr)
         return 1
     except PrefectHTTPStatusError as err:
-        hint = (" (set PREFECT_API_AUTH_STRING to the server's PREFECT_SERVER_API_AUTH_STRING)"
-                if err.response.status_code == 401 else "")
+        hint = (
+            " (set PREFECT_API_AUTH_STRING to the server's PREFECT_SERVER_API_AUTH_STRING)"
+            if err.response.status_code == 401
+            else ""
+        )
         print(f"deployments.setup: error: {api_url} answered {err.response.status_code}{hint}: {err}", file=sys.stderr)
         return 1
     if args.json:

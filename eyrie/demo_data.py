@@ -12,8 +12,28 @@ from pathlib import Path
 
 DEMO_DATA = Path(__file__).parent / "data" / "demo_chat.jsonl"
 
-_WORDS = ["apple", "river", "stone", "cloud", "eagle", "tiger", "maple", "ocean", "amber", "piano",
-          "lemon", "tulip", "cedar", "falcon", "harbor", "meadow", "silver", "window", "garden", "candle"]
+_WORDS = [
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "eagle",
+    "tiger",
+    "maple",
+    "ocean",
+    "amber",
+    "piano",
+    "lemon",
+    "tulip",
+    "cedar",
+    "falcon",
+    "harbor",
+    "meadow",
+    "silver",
+    "window",
+    "garden",
+    "candle",
+]
 _COLORS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white"]
 _NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 
@@ -43,8 +63,7 @@ def _repeat(rng: random.Random) -> tuple[str, str]:
 def _colors(rng: random.Random) -> tuple[str, str]:
     n = rng.randint(2, 5)
     picked = rng.sample(_COLORS, n)
-    return (f"Name {_NUMBER_WORDS[n]} colors.",
-            f"Here are {_NUMBER_WORDS[n]} colors: " + ", ".join(picked) + ".")
+    return (f"Name {_NUMBER_WORDS[n]} colors.", f"Here are {_NUMBER_WORDS[n]} colors: " + ", ".join(picked) + ".")
 
 
 _KINDS = [_count, _add, _spell, _repeat, _colors]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from eyrie.errors import EyrieError
 from eyrie.faults import fault_point
@@ -35,21 +35,26 @@ def check_drafter_config(cfg: dict, aux_ids: list[int], target_hidden_size: int)
     if cfg.get("speculators_model_type") != "eagle3":
         problems.append(f"speculators_model_type is {cfg.get('speculators_model_type')!r}, expected 'eagle3'")
     if list(cfg.get("eagle_aux_hidden_state_layer_ids") or []) != list(aux_ids):
-        problems.append(f"eagle_aux_hidden_state_layer_ids {cfg.get('eagle_aux_hidden_state_layer_ids')} differ "
-                        f"from the ids extraction captured {aux_ids}: the drafter would read other layers")
+        problems.append(
+            f"eagle_aux_hidden_state_layer_ids {cfg.get('eagle_aux_hidden_state_layer_ids')} differ "
+            f"from the ids extraction captured {aux_ids}: the drafter would read other layers"
+        )
     read = flags_vllm_reads()
     ignored = [f for f in NORM_FLAGS if cfg.get(f) and f not in read]
     if ignored:
-        problems.append(f"the drafter sets {ignored}, which the installed vLLM does not read: upgrade vLLM or train "
-                        "without those flags")
+        problems.append(
+            f"the drafter sets {ignored}, which the installed vLLM does not read: upgrade vLLM or train "
+            "without those flags"
+        )
     hidden = cfg.get("target_hidden_size") or cfg.get("transformer_layer_config", {}).get("hidden_size")
     if hidden != target_hidden_size:
         problems.append(f"target hidden size {hidden} differs from the target's {target_hidden_size}")
     return problems
 
 
-def export_drafter(checkpoint: Path, out_dir: Path, target_model: str, aux_ids: list[int],
-                   target_hidden_size: int, key: str) -> dict:
+def export_drafter(
+    checkpoint: Path, out_dir: Path, target_model: str, aux_ids: list[int], target_hidden_size: int, key: str
+) -> dict:
     """Copy the checkpoint's servable files into `out_dir/drafter`, verifier pointed at the target."""
     manifest = read_json(out_dir / "manifest.json")
     if manifest and manifest.get("key") == key and (out_dir / "drafter" / "model.safetensors").exists():
@@ -71,15 +76,29 @@ def export_drafter(checkpoint: Path, out_dir: Path, target_model: str, aux_ids: 
     drafter = out_dir / "drafter"
     shutil.rmtree(drafter, ignore_errors=True)
     staging.rename(drafter)
-    manifest = {"stage": "export", "key": key, "drafter": str(drafter), "checkpoint": str(checkpoint),
-                "verifier": verifier, "eagle_aux_hidden_state_layer_ids": aux_ids,
-                "norm_flags": {f: cfg.get(f) for f in NORM_FLAGS},
-                "files": {p.name: sha256_file(p) for p in drafter.iterdir()}}
+    manifest = {
+        "stage": "export",
+        "key": key,
+        "drafter": str(drafter),
+        "checkpoint": str(checkpoint),
+        "verifier": verifier,
+        "eagle_aux_hidden_state_layer_ids": aux_ids,
+        "norm_flags": {f: cfg.get(f) for f in NORM_FLAGS},
+        "files": {p.name: sha256_file(p) for p in drafter.iterdir()},
+    }
     return manifest  # the caller adds the vLLM proof, then writes it
 
 
-def export_and_prove(checkpoint: Path, out_dir: Path, target_model: str, aux_ids: list[int],
-                     target_hidden_size: int, key: str, serve: Callable[[str], object], probe: list[dict]) -> dict:
+def export_and_prove(
+    checkpoint: Path,
+    out_dir: Path,
+    target_model: str,
+    aux_ids: list[int],
+    target_hidden_size: int,
+    key: str,
+    serve: Callable[[str], object],
+    probe: list[dict],
+) -> dict:
     """Export, then prove vLLM serves the drafter (`serve(drafter_dir)` returns a client); the manifest, written
     last, records the proof. A finished export with the same key is returned as it is."""
     manifest = read_json(out_dir / "manifest.json")
@@ -95,5 +114,8 @@ def export_and_prove(checkpoint: Path, out_dir: Path, target_model: str, aux_ids
 def prove_servable(client, prompt: list[dict], max_tokens: int = 16) -> dict:
     """One greedy chat completion from target + drafter: the drafter loaded and speculation ran."""
     out = client.chat(prompt, max_tokens)
-    return {"prompt": prompt, "completion": out["choices"][0]["message"]["content"],
-            "completion_tokens": out["usage"]["completion_tokens"]}
+    return {
+        "prompt": prompt,
+        "completion": out["choices"][0]["message"]["content"],
+        "completion_tokens": out["usage"]["completion_tokens"],
+    }

@@ -12,17 +12,17 @@ import fcntl
 import os
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import load_file
 
 from eyrie import FORMAT_VERSION
-from eyrie.prepare import Shard, load_dataset_rows
 from eyrie.errors import DiskFullError, ExtractionError
 from eyrie.faults import fault_point
+from eyrie.prepare import Shard, load_dataset_rows
 from eyrie.store import atomic_write_json, fsync_path, read_json, sha256_file, sha256_json
 from eyrie.target import target_identity
 
@@ -33,8 +33,15 @@ def sample_path(hidden_dir: Path, index: int) -> Path:
 
 def shard_key(target_id: str, captured_ids: list[int], shard: Shard) -> str:
     """The identity of a shard's output: what it ran on, what it captured, what it read."""
-    return sha256_json({"target": target_id, "layers": captured_ids, "shard": shard.fingerprint,
-                        "rows": [shard.start, shard.stop], "format": FORMAT_VERSION})[:16]
+    return sha256_json(
+        {
+            "target": target_id,
+            "layers": captured_ids,
+            "shard": shard.fingerprint,
+            "rows": [shard.start, shard.stop],
+            "format": FORMAT_VERSION,
+        }
+    )[:16]
 
 
 def check_sample(data: dict, token_ids: list[int], num_layers: int, hidden_size: int) -> None:
@@ -85,10 +92,21 @@ def _wait_and_release(path: str) -> None:
         os.unlink(lock)
 
 
-def extract_shard(client, prepare_dir: Path, shard: Shard, key: str, hidden_dir: Path, manifest_path: Path,
-                  num_layers: int, hidden_size: int, concurrency: int = 8, timeout_s: float = 600,
-                  progress: Callable[[int, int], None] | None = None, log=print,
-                  verify_checksums: bool = True) -> dict:
+def extract_shard(
+    client,
+    prepare_dir: Path,
+    shard: Shard,
+    key: str,
+    hidden_dir: Path,
+    manifest_path: Path,
+    num_layers: int,
+    hidden_size: int,
+    concurrency: int = 8,
+    timeout_s: float = 600,
+    progress: Callable[[int, int], None] | None = None,
+    log=print,
+    verify_checksums: bool = True,
+) -> dict:
     """Make every sample of `shard` valid on disk and write its manifest; returns the manifest.
 
     Samples already on disk and valid (from an interrupted attempt) are kept; only missing or bad ones are sent.
@@ -128,9 +146,11 @@ def extract_shard(client, prepare_dir: Path, shard: Shard, key: str, hidden_dir:
         free = shutil.disk_usage(hidden_dir).free
         if free >= need:
             return None
-        return DiskFullError(f"{shard.name}: the disk holding {hidden_dir} is full ({free} bytes free, sample {idx} "
-                             f"needs about {need}); {done[0]} of {len(rows)} samples of this shard are saved, the "
-                             "shard is not marked done and earlier shards are intact: free space and run again")
+        return DiskFullError(
+            f"{shard.name}: the disk holding {hidden_dir} is full ({free} bytes free, sample {idx} "
+            f"needs about {need}); {done[0]} of {len(rows)} samples of this shard are saved, the "
+            "shard is not marked done and earlier shards are intact: free space and run again"
+        )
 
     def one(item: tuple[int, list[int]]) -> None:
         idx, ids = item
@@ -144,13 +164,15 @@ def extract_shard(client, prepare_dir: Path, shard: Shard, key: str, hidden_dir:
             Path(src).unlink(missing_ok=True)
             # The server's writer fails silently (it only logs); a full disk is the usual reason for a bad file.
             raise disk_full(idx, ids) or ExtractionError(
-                f"{shard.name}: sample {idx}: the server wrote a bad file ({err})") from None
+                f"{shard.name}: sample {idx}: the server wrote a bad file ({err})"
+            ) from None
         try:
             os.replace(src, sample_path(hidden_dir, idx))  # same filesystem: the connector writes under the run
         except OSError as err:
             if err.errno == errno.EXDEV:
-                raise ExtractionError(f"the server's storage path {src} is on another filesystem than "
-                                      f"{hidden_dir}") from None
+                raise ExtractionError(
+                    f"the server's storage path {src} is on another filesystem than {hidden_dir}"
+                ) from None
             raise
         done[0] += 1
         if progress:
@@ -161,8 +183,10 @@ def extract_shard(client, prepare_dir: Path, shard: Shard, key: str, hidden_dir:
             list(pool.map(one, todo))
     except OSError as err:
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFullError(f"{shard.name}: the disk is full ({err}); {done[0]} of {len(rows)} samples are "
-                                "saved and the shard is not marked done: free space and run again") from None
+            raise DiskFullError(
+                f"{shard.name}: the disk is full ({err}); {done[0]} of {len(rows)} samples are "
+                "saved and the shard is not marked done: free space and run again"
+            ) from None
         raise
     # The files on disk before the manifest that vouches for them: a power cut must not leave a manifest listing
     # files whose data (or whose names in the folder) never reached the disk.
@@ -175,11 +199,21 @@ def extract_shard(client, prepare_dir: Path, shard: Shard, key: str, hidden_dir:
         files[str(shard.start + offset)] = {"bytes": p.stat().st_size, "sha256": sha256_file(p), "tokens": len(ids)}
     seconds = time.perf_counter() - t0
     tokens = sum(len(ids) for _, ids in todo)
-    manifest = {"stage": "extract", "shard": shard.name, "key": key, "fingerprint": shard.fingerprint,
-                "rows": [shard.start, shard.stop], "num_layers": num_layers, "hidden_size": hidden_size,
-                "files": files, "reused_samples": reused, "extracted_samples": len(todo),
-                "extracted_tokens": tokens, "seconds": round(seconds, 3),
-                "tokens_per_s": round(tokens / seconds, 1) if todo and seconds > 0 else None}
+    manifest = {
+        "stage": "extract",
+        "shard": shard.name,
+        "key": key,
+        "fingerprint": shard.fingerprint,
+        "rows": [shard.start, shard.stop],
+        "num_layers": num_layers,
+        "hidden_size": hidden_size,
+        "files": files,
+        "reused_samples": reused,
+        "extracted_samples": len(todo),
+        "extracted_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1) if todo and seconds > 0 else None,
+    }
     atomic_write_json(manifest_path, manifest)
     return manifest
 
@@ -232,8 +266,9 @@ class ExtractionPlan:
         return self.run.shard_manifests / f"{shard.name}.json"
 
     def is_complete(self, shard: Shard, verify_checksums: bool = False) -> bool:
-        return shard_complete(self.manifest_path(shard), self.keys[shard.name], self.run.hidden_states,
-                              verify_checksums)
+        return shard_complete(
+            self.manifest_path(shard), self.keys[shard.name], self.run.hidden_states, verify_checksums
+        )
 
     def pending(self, verify_checksums: bool = False) -> list[Shard]:
         return [s for s in self.shards if not self.is_complete(s, verify_checksums)]

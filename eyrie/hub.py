@@ -25,9 +25,11 @@ def hub_commit(repo_id: str, repo_type: str, revision: str | None) -> str:
             return os.path.basename(path)
         sha = HfApi().repo_info(repo_id, repo_type=repo_type, revision=revision).sha
     except Exception as err:  # the hub client raises many types; all mean "cannot resolve this revision"
-        raise ConfigError(f"cannot resolve {repo_type} {repo_id!r} at revision {revision or 'main'!r} to a commit "
-                          f"({type(err).__name__}: {err}): check the id and revision, or download it first when "
-                          "offline") from None
+        raise ConfigError(
+            f"cannot resolve {repo_type} {repo_id!r} at revision {revision or 'main'!r} to a commit "
+            f"({type(err).__name__}: {err}): check the id and revision, or download it first when "
+            "offline"
+        ) from None
     if not sha:
         raise ConfigError(f"the hub gave no commit for {repo_type} {repo_id!r} at {revision or 'main'!r}")
     return sha
@@ -38,8 +40,10 @@ def pin_revisions(config: PipelineConfig, is_hub_target: bool, is_hub_data: bool
     updates: dict[str, object] = {}
     if is_hub_target:
         updates["target"] = config.target.model_copy(
-            update={"revision": hub_commit(config.target.model, "model", config.target.revision)})
+            update={"revision": hub_commit(config.target.model, "model", config.target.revision)}
+        )
     if is_hub_data:
         updates["data"] = config.data.model_copy(
-            update={"revision": hub_commit(config.data.source, "dataset", config.data.revision)})
+            update={"revision": hub_commit(config.data.source, "dataset", config.data.revision)}
+        )
     return config.model_copy(update=updates) if updates else config

@@ -17,10 +17,20 @@ from pathlib import Path
 from eyrie.config import PipelineConfig
 from eyrie.errors import PreflightError
 from eyrie.promote import check_base, current_version
-from eyrie.target import (TargetError, checkpoint_tensor_names, context_limit, load_tokenizer, mask_token_id,
-                          read_target_config, resolve_borrowed_weights, text_config, verifier_name)
+from eyrie.target import (
+    TargetError,
+    checkpoint_tensor_names,
+    context_limit,
+    load_tokenizer,
+    mask_token_id,
+    read_target_config,
+    resolve_borrowed_weights,
+    text_config,
+    verifier_name,
+)
 from eyrie.train import draft_layer_config
 from eyrie.vllm_plugin import hidden_eagle3_classes
+
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """vLLM's default: low, middle, high (input of layers 2, L//2, L-3)."""
@@ -38,12 +48,16 @@ def validate_aux_layer_ids(ids: list[int] | None, num_layers: int) -> tuple[list
     problems = []
     bad = [i for i in ids if not 0 <= i < num_layers]
     if bad:
-        problems.append(f"extraction.layer_ids {ids}: {bad} outside 0..{num_layers - 1} (the target has {num_layers} "
-                        f"layers; id k is the input of layer k, and id {num_layers}, the last layer's output, is "
-                        "always captured, so leave it out)")
+        problems.append(
+            f"extraction.layer_ids {ids}: {bad} outside 0..{num_layers - 1} (the target has {num_layers} "
+            f"layers; id k is the input of layer k, and id {num_layers}, the last layer's output, is "
+            "always captured, so leave it out)"
+        )
     if len(set(ids)) != len(ids):
-        problems.append(f"extraction.layer_ids {ids} has duplicates (with {num_layers} layers the default ids "
-                        f"{default_aux_layer_ids(num_layers)} may collide): list distinct ids")
+        problems.append(
+            f"extraction.layer_ids {ids} has duplicates (with {num_layers} layers the default ids "
+            f"{default_aux_layer_ids(num_layers)} may collide): list distinct ids"
+        )
     if ids != sorted(ids):
         problems.append(f"extraction.layer_ids {ids} is not ascending: list them low to high")
     return ids, problems
@@ -122,8 +136,10 @@ def probe_eagle3(cfg: dict) -> ClassProbe:
     kind = not_a_decoder_lm(cls, cfg)
     if kind:
         probe.reason = f"{archs[0]} is {kind}; EAGLE-3 drafts only for decoder-only causal language models"
-        probe.fix = ("point target.model at a decoder-only text-generation model (a *ForCausalLM, or a multimodal "
-                     "wrapper around one)")
+        probe.fix = (
+            "point target.model at a decoder-only text-generation model (a *ForCausalLM, or a multimodal "
+            "wrapper around one)"
+        )
         return probe
     lm_arch = language_model_architecture(cfg)
     if lm_arch:
@@ -133,13 +149,16 @@ def probe_eagle3(cfg: dict) -> ClassProbe:
         probe.path = "native"
         probe.reason = f"{cls.__name__} implements SupportsEagle3"
         return probe
-    lacks = (f"vLLM's {cls.__name__} does not implement SupportsEagle3 (no `supports_eagle3` flag or "
-             "`set_aux_hidden_state_layers`)")
-    probe.fix = (f"use a vLLM version whose {cls.__name__} implements SupportsEagle3, or a target architecture "
-                 "that does")
+    lacks = (
+        f"vLLM's {cls.__name__} does not implement SupportsEagle3 (no `supports_eagle3` flag or "
+        "`set_aux_hidden_state_layers`)"
+    )
+    probe.fix = f"use a vLLM version whose {cls.__name__} implements SupportsEagle3, or a target architecture that does"
     if os.environ.get("EYRIE_EAGLE3_COMPAT", "1") == "0":
-        probe.reason = (f"{lacks}, so vLLM would load the weights and then fail with 'Model does not support EAGLE3 "
-                        "interface'; Eyrie's compatibility layer is off (EYRIE_EAGLE3_COMPAT=0)")
+        probe.reason = (
+            f"{lacks}, so vLLM would load the weights and then fail with 'Model does not support EAGLE3 "
+            "interface'; Eyrie's compatibility layer is off (EYRIE_EAGLE3_COMPAT=0)"
+        )
     else:
         probe.path = "compat"
         probe.reason = f"{lacks}; Eyrie's compatibility layer gives it the interface in every vLLM process"
@@ -188,19 +207,35 @@ class PreflightReport:
 
 def report_markdown(report: PreflightReport) -> str:
     """The report as a user reads it in Prefect's UI: the verdict first, then every problem and what was found."""
-    verdict = (f"**FAILED**: {len(report.failures)} problem(s), no weights were loaded" if report.failures else
-               f"passed: `{report.architecture}` via the {report.eagle3_path} EAGLE-3 path")
+    verdict = (
+        f"**FAILED**: {len(report.failures)} problem(s), no weights were loaded"
+        if report.failures
+        else f"passed: `{report.architecture}` via the {report.eagle3_path} EAGLE-3 path"
+    )
     weights = report.target_facts.get("verifier_weights", {})
-    rows = [("architecture", f"`{report.architecture}` (vLLM `{report.vllm_class}`)"),
-            ("EAGLE-3 path", f"{report.eagle3_path}: {report.eagle3_reason}"),
-            ("layers / hidden / vocab", f"{report.num_layers} / {report.hidden_size} / {report.vocab_size}"),
-            ("captured layer ids", str(report.captured_layer_ids)), ("max_model_len", str(report.max_model_len)),
-            ("borrowed tensors", ", ".join(f"`{v}`" for v in weights.values()) or "-"),
-            ("hidden states (estimate)", f"{report.estimated_bytes / 2**30:.1f} GiB" if report.estimated_bytes
-             else "-"), ("vLLM", report.vllm_version)]
-    return "\n".join([f"# Preflight {verdict}", "", *(f"- {f}" for f in report.failures), "",
-                      *(f"- warning: {w}" for w in report.warnings), "", "| check | found |", "|---|---|",
-                      *(f"| {k} | {v} |" for k, v in rows)])
+    rows = [
+        ("architecture", f"`{report.architecture}` (vLLM `{report.vllm_class}`)"),
+        ("EAGLE-3 path", f"{report.eagle3_path}: {report.eagle3_reason}"),
+        ("layers / hidden / vocab", f"{report.num_layers} / {report.hidden_size} / {report.vocab_size}"),
+        ("captured layer ids", str(report.captured_layer_ids)),
+        ("max_model_len", str(report.max_model_len)),
+        ("borrowed tensors", ", ".join(f"`{v}`" for v in weights.values()) or "-"),
+        ("hidden states (estimate)", f"{report.estimated_bytes / 2**30:.1f} GiB" if report.estimated_bytes else "-"),
+        ("vLLM", report.vllm_version),
+    ]
+    return "\n".join(
+        [
+            f"# Preflight {verdict}",
+            "",
+            *(f"- {f}" for f in report.failures),
+            "",
+            *(f"- warning: {w}" for w in report.warnings),
+            "",
+            "| check | found |",
+            "|---|---|",
+            *(f"| {k} | {v} |" for k, v in rows),
+        ]
+    )
 
 
 def _first(cfg: dict, *keys: str) -> int:
@@ -217,13 +252,17 @@ def check_context(config: PipelineConfig, cfg: dict) -> list[str]:
     failures = []
     need, have = config.data.max_length + 1, config.max_model_len
     if have < need:
-        failures.append(f"target.max_model_len {have} leaves no room for a sample of data.max_length "
-                        f"{config.data.max_length} tokens plus the one token extraction generates (vLLM answers "
-                        f"'max_tokens must be at least 1'): set target.max_model_len to at least {need}, or unset it")
+        failures.append(
+            f"target.max_model_len {have} leaves no room for a sample of data.max_length "
+            f"{config.data.max_length} tokens plus the one token extraction generates (vLLM answers "
+            f"'max_tokens must be at least 1'): set target.max_model_len to at least {need}, or unset it"
+        )
     limit = context_limit(cfg)
     if limit is not None and have > limit:
-        failures.append(f"max_model_len {have} is beyond the target's context of {limit} tokens (its config.json), "
-                        f"which vLLM refuses at start-up: set data.max_length to at most {limit - 1}")
+        failures.append(
+            f"max_model_len {have} is beyond the target's context of {limit} tokens (its config.json), "
+            f"which vLLM refuses at start-up: set data.max_length to at most {limit - 1}"
+        )
     return failures
 
 
@@ -234,11 +273,15 @@ def check_parallelism(config: PipelineConfig, text: dict) -> list[str]:
     kv = text.get("num_key_value_heads") or heads
     failures = []
     if heads and heads % tp:
-        failures.append(f"target.tensor_parallel_size {tp} does not divide the target's {heads} attention heads: "
-                        "use a divisor of the head count")
+        failures.append(
+            f"target.tensor_parallel_size {tp} does not divide the target's {heads} attention heads: "
+            "use a divisor of the head count"
+        )
     elif kv and kv % tp and tp % kv:
-        failures.append(f"target.tensor_parallel_size {tp} and the target's {kv} key-value heads neither divide "
-                        "the other: vLLM cannot shard or replicate them evenly")
+        failures.append(
+            f"target.tensor_parallel_size {tp} and the target's {kv} key-value heads neither divide "
+            "the other: vLLM cannot shard or replicate them evenly"
+        )
     return failures
 
 
@@ -247,9 +290,11 @@ def check_serving(cfg: dict) -> list[str]:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu() and text_config(cfg).get("kv_lora_rank"):
-        return ["the target uses multi-head latent attention (MLA), and vLLM's CPU backend cannot decode it with an "
-                "EAGLE-3 drafter ('No common block size'), so export and evaluation would fail after training: run "
-                "`eyrie run --until train` here and evaluate on GPUs"]
+        return [
+            "the target uses multi-head latent attention (MLA), and vLLM's CPU backend cannot decode it with an "
+            "EAGLE-3 drafter ('No common block size'), so export and evaluation would fail after training: run "
+            "`eyrie run --until train` here and evaluate on GPUs"
+        ]
     return []
 
 
@@ -262,21 +307,26 @@ def check_drafter_inputs(config: PipelineConfig, cfg: dict, report: PreflightRep
         report.target_facts["verifier_weights"] = borrowed.speculators_names()
         report.final_norm = borrowed.norm_class
         if "rms" not in borrowed.norm_class.lower():
-            report.warnings.append(f"the target's final norm is a {borrowed.norm_class}; speculators applies it as "
-                                   "an RMSNorm when it computes training labels, so labels approximate the target's "
-                                   "distribution")
+            report.warnings.append(
+                f"the target's final norm is a {borrowed.norm_class}; speculators applies it as "
+                "an RMSNorm when it computes training labels, so labels approximate the target's "
+                "distribution"
+            )
     except TargetError as err:
         failures.append(str(err))
     try:
         draft_layer_config(config.target, config.train.num_layers)
     except Exception as err:
-        failures.append(f"the drafter's decoder layer cannot be shaped from {config.target.model}'s config "
-                        f"({type(err).__name__}: {err})")
+        failures.append(
+            f"the drafter's decoder layer cannot be shaped from {config.target.model}'s config "
+            f"({type(err).__name__}: {err})"
+        )
     return failures
 
 
-def run_preflight(config: PipelineConfig, run_dir: Path, tokens: int | None = None,
-                  raise_on_failure: bool = True, serve: bool = True) -> PreflightReport:
+def run_preflight(
+    config: PipelineConfig, run_dir: Path, tokens: int | None = None, raise_on_failure: bool = True, serve: bool = True
+) -> PreflightReport:
     """Every check that needs no weights; the report lists every failure found, not only the first. `serve`: the
     run goes on to export and evaluation (vLLM serves target + drafter), so check that too."""
     import vllm
@@ -284,8 +334,10 @@ def run_preflight(config: PipelineConfig, run_dir: Path, tokens: int | None = No
     cfg = read_target_config(config.target)
     failures = []
     if cfg.get("auto_map") and not config.target.trust_remote_code:
-        failures.append(f"{config.target.model} ships its own code (config.json `auto_map`): set "
-                        "target.trust_remote_code: true if you trust it")
+        failures.append(
+            f"{config.target.model} ships its own code (config.json `auto_map`): set "
+            "target.trust_remote_code: true if you trust it"
+        )
     text = text_config(cfg)
     # GPT-2 and OPT-era configs spell these n_layer/n_embd (and word_embed_proj_dim for OPT is not the width).
     num_layers = int(_first(text, "num_hidden_layers", "n_layer", "num_layers"))
@@ -300,14 +352,20 @@ def run_preflight(config: PipelineConfig, run_dir: Path, tokens: int | None = No
     if probe.path == "unsupported":
         failures.append(f"{probe.reason}. Fix: {probe.fix}" if probe.fix else probe.reason)
     if probe.path == "compat" and not config.extraction.enforce_eager:
-        failures.append(f"{probe.architecture} takes Eyrie's compatibility layer, whose hooks need eager execution: "
-                        "set extraction.enforce_eager: true")
+        failures.append(
+            f"{probe.architecture} takes Eyrie's compatibility layer, whose hooks need eager execution: "
+            "set extraction.enforce_eager: true"
+        )
     if not vllm_has_extract_hidden_states():
-        failures.append(f"the installed vLLM {vllm.__version__} lacks the `extract_hidden_states` speculative "
-                        "method: install vLLM >= 0.17 (pyproject extras `cpu` or `gpu`)")
+        failures.append(
+            f"the installed vLLM {vllm.__version__} lacks the `extract_hidden_states` speculative "
+            "method: install vLLM >= 0.17 (pyproject extras `cpu` or `gpu`)"
+        )
     if config.vocab.draft_vocab_size > vocab > 0:
-        failures.append(f"vocab.draft_vocab_size {config.vocab.draft_vocab_size} is larger than the target's "
-                        f"vocabulary ({vocab}): set it to at most {vocab}")
+        failures.append(
+            f"vocab.draft_vocab_size {config.vocab.draft_vocab_size} is larger than the target's "
+            f"vocabulary ({vocab}): set it to at most {vocab}"
+        )
     failures += check_context(config, cfg) + check_parallelism(config, text) + (check_serving(cfg) if serve else [])
     tok = None
     try:
@@ -316,20 +374,32 @@ def run_preflight(config: PipelineConfig, run_dir: Path, tokens: int | None = No
         if "pong" not in tok.apply_chat_template(probe_msgs, tokenize=False):
             failures.append("the chat template drops the assistant's content: the loss mask would be empty")
         if len(tok) > vocab > 0:
-            failures.append(f"the tokenizer has {len(tok)} tokens but the model's vocabulary has {vocab} rows: token "
-                            "ids beyond it would fail in vLLM; use the tokenizer that belongs to this checkpoint")
+            failures.append(
+                f"the tokenizer has {len(tok)} tokens but the model's vocabulary has {vocab} rows: token "
+                "ids beyond it would fail in vLLM; use the tokenizer that belongs to this checkpoint"
+            )
     except Exception as err:  # DataError and template errors both end here with their own message
         failures.append(str(err))
 
     if config.promotion.dir and config.promotion.warm_start:
         current = current_version(Path(config.promotion.dir))
         if current is not None:
-            failures += check_base(current, verifier_name(config.target.model), config.vocab.draft_vocab_size,
-                                   aux_ids)
+            failures += check_base(current, verifier_name(config.target.model), config.vocab.draft_vocab_size, aux_ids)
 
-    report = PreflightReport(probe.architecture, probe.vllm_class, probe.path, probe.reason, probe.language_model,
-                             num_layers, hidden, vocab, aux_ids, captured_layer_ids(aux_ids, num_layers),
-                             vllm.__version__, config.max_model_len)
+    report = PreflightReport(
+        probe.architecture,
+        probe.vllm_class,
+        probe.path,
+        probe.reason,
+        probe.language_model,
+        num_layers,
+        hidden,
+        vocab,
+        aux_ids,
+        captured_layer_ids(aux_ids, num_layers),
+        vllm.__version__,
+        config.max_model_len,
+    )
     report.revisions = {"target": config.target.revision, "data": config.data.revision}
     mask = config.train.mask_token_id
     report.target_facts["mask_token_id"] = mask if mask is not None or tok is None else mask_token_id(tok, vocab)
@@ -341,10 +411,12 @@ def run_preflight(config: PipelineConfig, run_dir: Path, tokens: int | None = No
         report.free_bytes = shutil.disk_usage(run_dir).free
         need = report.estimated_bytes + int(config.extraction.min_free_disk_gib * 2**30)
         if need > report.free_bytes:
-            failures.append(f"hidden states need about {report.estimated_bytes / 2**30:.1f} GiB (+ "
-                            f"{config.extraction.min_free_disk_gib} GiB head-room) but {run_dir} has "
-                            f"{report.free_bytes / 2**30:.1f} GiB free: free space, use a larger volume for "
-                            "--run-dir, or lower data.max_samples / data.max_length")
+            failures.append(
+                f"hidden states need about {report.estimated_bytes / 2**30:.1f} GiB (+ "
+                f"{config.extraction.min_free_disk_gib} GiB head-room) but {run_dir} has "
+                f"{report.free_bytes / 2**30:.1f} GiB free: free space, use a larger volume for "
+                "--run-dir, or lower data.max_samples / data.max_length"
+            )
     report.failures = failures
     if failures and raise_on_failure:
         raise PreflightError(failures)

@@ -13,9 +13,10 @@ import json
 import os
 import shutil
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from eyrie.config import DataConfig, TargetConfig
 from eyrie.errors import DataError
@@ -24,8 +25,16 @@ from eyrie.hub import hub_commit
 from eyrie.store import atomic_write_json, read_json, replace_dir, sha256_file, sha256_json
 from eyrie.target import load_tokenizer
 
-ROLE_ALIASES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "bot": "assistant",
-                "model": "assistant", "system": "system", "tool": "tool"}
+ROLE_ALIASES = {
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "bot": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+}
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -53,8 +62,10 @@ def _local_files(path: Path) -> list[Path]:
 def _local_source(cfg: DataConfig) -> Path:
     path = Path(cfg.source)
     if not path.exists():
-        raise DataError(f"data.source {path} does not exist: give a local .jsonl/.json/.parquet file or folder, "
-                        "or a Hugging Face dataset id")
+        raise DataError(
+            f"data.source {path} does not exist: give a local .jsonl/.json/.parquet file or folder, "
+            "or a Hugging Face dataset id"
+        )
     return path
 
 
@@ -94,12 +105,17 @@ def iter_rows(cfg: DataConfig) -> Iterator[Any]:
         try:
             # The repo's files at exactly this revision (the run pins it to a commit), read by datasets with the
             # hub's own subset and split resolution: the rows match the key, online or from the cache.
-            snapshot = snapshot_download(cfg.source, repo_type="dataset", revision=cfg.revision,
-                                         local_files_only=os.environ.get("HF_HUB_OFFLINE") == "1")
+            snapshot = snapshot_download(
+                cfg.source,
+                repo_type="dataset",
+                revision=cfg.revision,
+                local_files_only=os.environ.get("HF_HUB_OFFLINE") == "1",
+            )
             ds = datasets.load_dataset(snapshot, name=cfg.subset, split=cfg.split)
         except Exception as err:  # the hub client raises many types; all mean "cannot read this source"
-            raise DataError(f"cannot load dataset {cfg.source!r} (split {cfg.split!r}, revision "
-                            f"{cfg.revision or 'main'!r}): {err}") from None
+            raise DataError(
+                f"cannot load dataset {cfg.source!r} (split {cfg.split!r}, revision {cfg.revision or 'main'!r}): {err}"
+            ) from None
         yield from ds
 
 
@@ -111,8 +127,9 @@ def source_fingerprint(cfg: DataConfig) -> str:
     """Content hash of local files; a hub dataset's id, subset, split and the commit its revision resolves to."""
     if not is_hub_source(cfg):
         path = _local_source(cfg)
-        return sha256_json([(str(f.relative_to(path)) if f != path else f.name, sha256_file(f))
-                            for f in _local_files(path)])
+        return sha256_json(
+            [(str(f.relative_to(path)) if f != path else f.name, sha256_file(f)) for f in _local_files(path)]
+        )
     return sha256_json(["hub", cfg.source, cfg.subset, cfg.split, hub_commit(cfg.source, "dataset", cfg.revision)])
 
 
@@ -140,8 +157,9 @@ def normalize(row: Any) -> list[dict]:
         if not isinstance(role, str) or role.lower() not in ROLE_ALIASES:
             raise RowError("unknown_role", repr(role)[:40])
         if isinstance(content, list):  # OpenAI content parts: keep text, reject anything else
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
                 raise RowError("non_text_content")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
@@ -222,9 +240,16 @@ class PrepareStats:
         self.examples.setdefault(err.reason, f"row {row_no}: {err}")
 
     def as_dict(self) -> dict:
-        return {"rows_read": self.rows_read, "rows_used": self.rows_used, "rows_eval": self.rows_eval,
-                "truncated": self.truncated, "tokens": self.tokens, "loss_tokens": self.loss_tokens,
-                "dropped": dict(sorted(self.dropped.items())), "examples": self.examples}
+        return {
+            "rows_read": self.rows_read,
+            "rows_used": self.rows_used,
+            "rows_eval": self.rows_eval,
+            "truncated": self.truncated,
+            "tokens": self.tokens,
+            "loss_tokens": self.loss_tokens,
+            "dropped": dict(sorted(self.dropped.items())),
+            "examples": self.examples,
+        }
 
 
 def is_eval(messages: list[dict], fraction: float) -> bool:
@@ -236,22 +261,35 @@ def is_eval(messages: list[dict], fraction: float) -> bool:
 def plan_shards(input_ids: list[list[int]], shard_size: int) -> list[Shard]:
     shards = []
     for i, start in enumerate(range(0, len(input_ids), shard_size)):
-        rows = input_ids[start:start + shard_size]
+        rows = input_ids[start : start + shard_size]
         shards.append(Shard(i, start, start + len(rows), sha256_json(rows)[:16], sum(map(len, rows))))
     return shards
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    return sha256_json([tokenizer.chat_template, len(tokenizer), tokenizer.eos_token,
-                        hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
-                        if hasattr(tokenizer, "backend_tokenizer") else type(tokenizer).__name__])
+    return sha256_json(
+        [
+            tokenizer.chat_template,
+            len(tokenizer),
+            tokenizer.eos_token,
+            hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
+            if hasattr(tokenizer, "backend_tokenizer")
+            else type(tokenizer).__name__,
+        ]
+    )
 
 
 def prepare_key(target: TargetConfig, data: DataConfig) -> str:
     """The identity of prepare's output: what is read, how it is tokenized, how it is cut."""
     tok = load_tokenizer(target)
-    return sha256_json({"source": source_fingerprint(data), "tokenizer": tokenizer_fingerprint(tok),
-                        "data": data.model_dump(mode="json"), "format": 1})[:16]
+    return sha256_json(
+        {
+            "source": source_fingerprint(data),
+            "tokenizer": tokenizer_fingerprint(tok),
+            "data": data.model_dump(mode="json"),
+            "format": 1,
+        }
+    )[:16]
 
 
 def prepare(target: TargetConfig, data: DataConfig, out_dir: Path, key: str | None = None) -> dict:
@@ -289,9 +327,11 @@ def prepare(target: TargetConfig, data: DataConfig, out_dir: Path, key: str | No
     if not ids:
         reasons = ", ".join(f"{k}: {v}" for k, v in stats.dropped.most_common()) or "the source is empty"
         examples = "; ".join(stats.examples.values())
-        raise DataError(f"no usable conversations in {data.source} ({stats.rows_read} rows read; {reasons}). "
-                        f"Examples: {examples}. Rows need `messages` (role/content) or `conversations` "
-                        "(from/value) with at least one assistant turn.")
+        raise DataError(
+            f"no usable conversations in {data.source} ({stats.rows_read} rows read; {reasons}). "
+            f"Examples: {examples}. Rows need `messages` (role/content) or `conversations` "
+            "(from/value) with at least one assistant turn."
+        )
 
     for stale in out_dir.parent.glob(out_dir.name + ".staging-*"):  # left by a run killed mid-stage
         shutil.rmtree(stale, ignore_errors=True)
@@ -304,8 +344,14 @@ def prepare(target: TargetConfig, data: DataConfig, out_dir: Path, key: str | No
     atomic_write_json(staging / "shards.json", [s.__dict__ for s in shards])
     (staging / "eval_prompts.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in eval_rows))
     atomic_write_json(staging / "stats.json", stats.as_dict())
-    manifest = {"stage": "prepare", "key": key, "num_samples": len(ids), "num_shards": len(shards),
-                "vocab_size": len(tokenizer), "stats": stats.as_dict()}
+    manifest = {
+        "stage": "prepare",
+        "key": key,
+        "num_samples": len(ids),
+        "num_shards": len(shards),
+        "vocab_size": len(tokenizer),
+        "stats": stats.as_dict(),
+    }
     atomic_write_json(staging / "manifest.json", manifest)
     fault_point("prepare.before-publish")
     replace_dir(staging, out_dir)

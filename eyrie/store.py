@@ -13,9 +13,10 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from eyrie import FORMAT_VERSION, __version__
 from eyrie.errors import RunFolderError
@@ -141,7 +142,8 @@ class RunFolder:
             raise RunFolderError(
                 f"run folder {self.root} was made by Eyrie {stamp.get('eyrie_version')} (format "
                 f"{stamp.get('format_version')}); this Eyrie {__version__} writes format {FORMAT_VERSION}. Use a new "
-                "--run-dir, or run the Eyrie version that made it.")
+                "--run-dir, or run the Eyrie version that made it."
+            )
 
     @contextmanager
     def lock(self, wait_s: float = 0.0) -> Iterator[None]:
@@ -163,7 +165,8 @@ class RunFolder:
                     f.close()
                     raise RunFolderError(
                         f"run folder {self.root} is in use by {holder}: wait for that run to finish, or pass a "
-                        "different --run-dir") from None
+                        "different --run-dir"
+                    ) from None
                 time.sleep(0.5)
         f.seek(0)
         f.truncate()

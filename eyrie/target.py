@@ -26,8 +26,17 @@ from eyrie.store import sha256_file, sha256_json
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # The config keys vLLM derives its longest context from (the smallest present wins), as in its own model config.
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
-                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
 
 
 def is_local_model(model: str) -> bool:
@@ -48,13 +57,17 @@ def check_target_folder(target: TargetConfig) -> None:
     """A missing or unreadable local target is a config error, raised before anything else."""
     if not is_local_target(target):
         if os.environ.get("HF_HUB_OFFLINE") == "1":
-            raise ConfigError(f"target.model {target.model!r} is neither a local folder nor reachable "
-                              "(HF_HUB_OFFLINE=1): download it first, or point target.model at the folder")
+            raise ConfigError(
+                f"target.model {target.model!r} is neither a local folder nor reachable "
+                "(HF_HUB_OFFLINE=1): download it first, or point target.model at the folder"
+            )
         return
     path = Path(target.model)
     if not path.is_dir():
-        raise ConfigError(f"target.model {path} does not exist: point it at the folder holding the target's "
-                          "config.json and weights (or a Hugging Face hub id)")
+        raise ConfigError(
+            f"target.model {path} does not exist: point it at the folder holding the target's "
+            "config.json and weights (or a Hugging Face hub id)"
+        )
     if not os.access(path, os.R_OK | os.X_OK) or not (path / "config.json").is_file():
         raise ConfigError(f"target.model {path} has no readable config.json: is it a complete model folder?")
 
@@ -98,8 +111,9 @@ def load_hf_config(target: TargetConfig):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     native = read_target_config(target).get("model_type") in CONFIG_MAPPING
-    return AutoConfig.from_pretrained(target.model, revision=target.revision,
-                                      trust_remote_code=target.trust_remote_code and not native)
+    return AutoConfig.from_pretrained(
+        target.model, revision=target.revision, trust_remote_code=target.trust_remote_code and not native
+    )
 
 
 def load_tokenizer(target: TargetConfig):
@@ -107,15 +121,21 @@ def load_tokenizer(target: TargetConfig):
 
     check_target_folder(target)
     try:
-        tok = AutoTokenizer.from_pretrained(target.model, revision=target.revision,
-                                            trust_remote_code=target.trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(
+            target.model, revision=target.revision, trust_remote_code=target.trust_remote_code
+        )
     except Exception as err:
-        hint = (" The target ships its own tokenizer code: set target.trust_remote_code: true if you trust it."
-                if "trust_remote_code" in str(err) else "")
+        hint = (
+            " The target ships its own tokenizer code: set target.trust_remote_code: true if you trust it."
+            if "trust_remote_code" in str(err)
+            else ""
+        )
         raise DataError(f"cannot load the tokenizer of {target.model}: {err}.{hint}") from None
     if not getattr(tok, "chat_template", None):
-        raise DataError(f"the tokenizer of {target.model} has no chat template: add `chat_template` to its "
-                        "tokenizer_config.json (or a chat_template.jinja file), or use the instruct model")
+        raise DataError(
+            f"the tokenizer of {target.model} has no chat template: add `chat_template` to its "
+            "tokenizer_config.json (or a chat_template.jinja file), or use the instruct model"
+        )
     return tok
 
 
@@ -127,8 +147,9 @@ def mask_token_id(tokenizer, vocab_size: int) -> int | None:
         return tokenizer.mask_token_id
     if len(tokenizer) < vocab_size:
         return len(tokenizer)
-    return next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id)
-                 if t is not None), None)
+    return next(
+        (t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) if t is not None), None
+    )
 
 
 SAMPLES_PER_FILE = 16  # evenly spaced 64 KiB reads of each weight file's tensor data
@@ -217,8 +238,10 @@ def checkpoint_tensor_names(target: TargetConfig) -> list[str]:
         return list(json.loads(index.read_text())["weight_map"])
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise TargetError(f"{folder} has no safetensors weights (no model.safetensors.index.json or *.safetensors): "
-                          "convert the checkpoint to safetensors, which vLLM and speculators read")
+        raise TargetError(
+            f"{folder} has no safetensors weights (no model.safetensors.index.json or *.safetensors): "
+            "convert the checkpoint to safetensors, which vLLM and speculators read"
+        )
     return [n for f in files for n in _safetensors_header_names(f)]
 
 
@@ -307,9 +330,11 @@ def resolve_borrowed_weights(target: TargetConfig, cfg: dict, names: list[str] |
     try:
         model = _meta_model(target, cfg)
     except Exception as err:
-        raise TargetError(f"transformers cannot build {target.model}'s architecture to find its embedding and head "
-                          f"({type(err).__name__}: {err}); install a transformers that knows it, or set "
-                          "target.trust_remote_code: true if the target ships its own code") from None
+        raise TargetError(
+            f"transformers cannot build {target.model}'s architecture to find its embedding and head "
+            f"({type(err).__name__}: {err}); install a transformers that knows it, or set "
+            "target.trust_remote_code: true if the target ships its own code"
+        ) from None
     loaded = loaded_names(model, names)
     modules = {id(m): n for n, m in model.named_modules()}
     embed = model.get_input_embeddings()
@@ -327,13 +352,19 @@ def resolve_borrowed_weights(target: TargetConfig, cfg: dict, names: list[str] |
         if key is None:
             missing.append(f"{what} `{module_name}`")
         found[what] = loaded.get(key) if key else None
-    if missing and "output head" in wanted and missing == [f"output head `{wanted['output head']}`"] and \
-            getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "tie_word_embeddings", False):
+    if (
+        missing
+        and "output head" in wanted
+        and missing == [f"output head `{wanted['output head']}`"]
+        and getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "tie_word_embeddings", False)
+    ):
         missing, found["output head"] = [], None  # a tied head that the checkpoint does not store
     if missing:
-        raise TargetError(f"{target.model}'s checkpoint has no tensor for the {', '.join(missing)} of "
-                          f"{type(model).__name__} (looked for the name and its suffixes among {len(names)} "
-                          "tensors): the checkpoint does not match its config.json, or it is incomplete")
+        raise TargetError(
+            f"{target.model}'s checkpoint has no tensor for the {', '.join(missing)} of "
+            f"{type(model).__name__} (looked for the name and its suffixes among {len(names)} "
+            "tensors): the checkpoint does not match its config.json, or it is incomplete"
+        )
     embed, head_name, final_norm = found["input embedding"], found.get("output head"), found["final norm"]
     assert embed and final_norm  # both were required above
     return BorrowedWeights(embed, head_name, final_norm, type(norm[1]).__name__)

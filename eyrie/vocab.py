@@ -15,16 +15,23 @@ from eyrie.store import atomic_write_json, read_json, sha256_file, sha256_json
 
 
 def vocab_key(prepare_manifest: dict, draft_vocab_size: int, target_vocab_size: int, base: str | None = None) -> str:
-    return sha256_json({"prepare": prepare_manifest["key"], "draft": draft_vocab_size, "target": target_vocab_size,
-                        "base": base})[:16]
+    return sha256_json(
+        {"prepare": prepare_manifest["key"], "draft": draft_vocab_size, "target": target_vocab_size, "base": base}
+    )[:16]
 
 
 def mapping_paths(folder: Path, draft_vocab_size: int) -> tuple[Path, Path]:
     return folder / f"d2t-{draft_vocab_size}.npy", folder / f"t2d-{draft_vocab_size}.npy"
 
 
-def build_vocab(token_freq_path: Path, draft_vocab_size: int, target_vocab_size: int, out_dir: Path,
-                key: str, base: Path | None = None) -> dict:
+def build_vocab(
+    token_freq_path: Path,
+    draft_vocab_size: int,
+    target_vocab_size: int,
+    out_dir: Path,
+    key: str,
+    base: Path | None = None,
+) -> dict:
     """The mapping for this data, or, warm-starting from the drafter `base`, that drafter's own mapping (its
     lm_head rows belong to those tokens); the coverage figures are for this data either way."""
     import numpy as np
@@ -35,8 +42,10 @@ def build_vocab(token_freq_path: Path, draft_vocab_size: int, target_vocab_size:
     if manifest and manifest.get("key") == key and all(p.exists() for p in mapping_paths(out_dir, draft_vocab_size)):
         return manifest
     if draft_vocab_size > target_vocab_size:
-        raise ConfigError(f"vocab.draft_vocab_size {draft_vocab_size} is larger than the target's vocabulary "
-                          f"({target_vocab_size}): set it to at most {target_vocab_size}")
+        raise ConfigError(
+            f"vocab.draft_vocab_size {draft_vocab_size} is larger than the target's vocabulary "
+            f"({target_vocab_size}): set it to at most {target_vocab_size}"
+        )
     freq = torch.load(token_freq_path, weights_only=True)
     if base is None:
         d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab_size, target_vocab_size)
@@ -51,11 +60,16 @@ def build_vocab(token_freq_path: Path, draft_vocab_size: int, target_vocab_size:
     np.save(t2d_path, t2d.numpy())
     total = sum(freq.values())
     kept = sum(freq.get(int(i), 0) for i in (torch.arange(draft_vocab_size) + d2t).tolist())
-    manifest = {"stage": "vocab", "key": key, "draft_vocab_size": draft_vocab_size,
-                "target_vocab_size": target_vocab_size, "distinct_loss_tokens": len(freq),
-                "loss_token_coverage": round(kept / total, 6) if total else None,
-                "from_drafter": str(base) if base else None,
-                "files": {p.name: sha256_file(p) for p in (d2t_path, t2d_path)}}
+    manifest = {
+        "stage": "vocab",
+        "key": key,
+        "draft_vocab_size": draft_vocab_size,
+        "target_vocab_size": target_vocab_size,
+        "distinct_loss_tokens": len(freq),
+        "loss_token_coverage": round(kept / total, 6) if total else None,
+        "from_drafter": str(base) if base else None,
+        "files": {p.name: sha256_file(p) for p in (d2t_path, t2d_path)},
+    }
     fault_point("vocab.before-manifest")
     atomic_write_json(out_dir / "manifest.json", manifest)
     return manifest

@@ -36,8 +36,10 @@ def _preflight(args) -> int:
         for f in report.failures:
             print(f"  - {f}", file=sys.stderr)
         return 1
-    print(f"\npreflight passed: {report.architecture} via the {report.eagle3_path} EAGLE-3 path, "
-          f"capturing layers {report.captured_layer_ids}")
+    print(
+        f"\npreflight passed: {report.architecture} via the {report.eagle3_path} EAGLE-3 path, "
+        f"capturing layers {report.captured_layer_ids}"
+    )
     return 0
 
 
@@ -68,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run the pipeline flow")
     r.add_argument("--config", required=True)
     r.add_argument("--run-dir")
-    r.add_argument("--until", choices=UNTIL, default="evaluate",
-                   help="stop after this stage (default: the whole pipeline)")
+    r.add_argument(
+        "--until", choices=UNTIL, default="evaluate", help="stop after this stage (default: the whole pipeline)"
+    )
     r.set_defaults(func=_run)
     c = sub.add_parser("preflight", help="run only the checks (no weights load)")
     c.add_argument("--config", required=True)

@@ -14,10 +14,10 @@ from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from eyrie.config import PipelineConfig
-from eyrie.prepare import load_shards
 from eyrie.errors import ExtractionError
 from eyrie.extract import ExtractionPlan, clean_staging
 from eyrie.preflight import PreflightReport
+from eyrie.prepare import load_shards
 from eyrie.server import ExtractionServer, node_name
 from eyrie.store import RunFolder
 from tasks.extract import extract_shard_task, start_server_task, stop_server_task
@@ -25,8 +25,9 @@ from tasks.preflight import preflight_task
 
 
 @flow(name="eyrie-extract", task_runner=ThreadPoolTaskRunner(max_workers=2))
-def extract_flow(config: PipelineConfig, run_dir: str, report: dict | None = None,
-                 shards: list[str] | None = None) -> dict:
+def extract_flow(
+    config: PipelineConfig, run_dir: str, report: dict | None = None, shards: list[str] | None = None
+) -> dict:
     """Extract the shards of a prepared run folder: all of them, or only those named in `shards` (one node's share);
     `report` is preflight's (run here when not given)."""
     log = get_run_logger()
@@ -42,8 +43,10 @@ def extract_flow(config: PipelineConfig, run_dir: str, report: dict | None = Non
         plan.select(shards)
     verify = config.extraction.verify_checksums
     pending = {s.name for s in plan.pending(verify)}
-    log.info(f"{len(plan.shards)} shards, {len(pending)} to extract"
-             + (f" on node {node} (server folder {plan.server_dir})" if node else ""))
+    log.info(
+        f"{len(plan.shards)} shards, {len(pending)} to extract"
+        + (f" on node {node} (server folder {plan.server_dir})" if node else "")
+    )
     server = ExtractionServer(plan.server_dir)
     base_url = None
     if pending:
@@ -53,10 +56,26 @@ def extract_flow(config: PipelineConfig, run_dir: str, report: dict | None = Non
         base_url = start_server_task(plan.spec, str(plan.server_dir), config.extraction.startup_timeout_s)
 
     def submit(todo, url):
-        return [(shard, extract_shard_task.with_options(refresh_cache=shard.name in pending).submit(
-            shard, plan.keys[shard.name], url, config.extraction.api_key_env, str(run.prepare),
-            str(run.hidden_states), str(plan.manifest_path(shard)), len(plan.captured_ids), plan.hidden_size,
-            config.extraction.concurrency, config.extraction.request_timeout_s, verify)) for shard in todo]
+        return [
+            (
+                shard,
+                extract_shard_task.with_options(refresh_cache=shard.name in pending).submit(
+                    shard,
+                    plan.keys[shard.name],
+                    url,
+                    config.extraction.api_key_env,
+                    str(run.prepare),
+                    str(run.hidden_states),
+                    str(plan.manifest_path(shard)),
+                    len(plan.captured_ids),
+                    plan.hidden_size,
+                    config.extraction.concurrency,
+                    config.extraction.request_timeout_s,
+                    verify,
+                ),
+            )
+            for shard in todo
+        ]
 
     def failures(submitted) -> dict:
         out = {}
@@ -80,9 +99,11 @@ def extract_flow(config: PipelineConfig, run_dir: str, report: dict | None = Non
     if failed or missing:
         if pending and not config.extraction.keep_server_after_failure:
             stop_server_task(str(plan.server_dir))
-        raise ExtractionError(f"extraction incomplete: {len(set(missing))} of {len(plan.shards)} shards lack a "
-                              f"complete manifest ({', '.join(missing[:10])}); failures: {'; '.join(failed[:5])}. "
-                              "Run again (or retry the flow run): finished shards are kept.")
+        raise ExtractionError(
+            f"extraction incomplete: {len(set(missing))} of {len(plan.shards)} shards lack a "
+            f"complete manifest ({', '.join(missing[:10])}); failures: {'; '.join(failed[:5])}. "
+            "Run again (or retry the flow run): finished shards are kept."
+        )
     if pending:
         stop_server_task(str(plan.server_dir))
         # Every request of this run has been answered and moved out of staging, and the server is down: what is
@@ -90,5 +111,10 @@ def extract_flow(config: PipelineConfig, run_dir: str, report: dict | None = Non
         removed = clean_staging(plan.staging)
         if removed:
             log.info(f"removed {removed} orphaned staging files")
-    return {"shards": len(plan.shards), "extracted": sorted(pending), "hidden_states": str(run.hidden_states),
-            "keys": [plan.keys[s.name] for s in plan.shards], "node": node}
+    return {
+        "shards": len(plan.shards),
+        "extracted": sorted(pending),
+        "hidden_states": str(run.hidden_states),
+        "keys": [plan.keys[s.name] for s in plan.shards],
+        "node": node,
+    }

@@ -19,14 +19,14 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 
 from eyrie.config import PipelineConfig
-from eyrie.prepare import load_shards
 from eyrie.errors import ExtractionError
 from eyrie.extract import ExtractionPlan
 from eyrie.preflight import PreflightReport
+from eyrie.prepare import load_shards
 from eyrie.store import RunFolder
 from tasks.caching import unless_missing
-from tasks.prepare import compute_prepare_key, ensure_target, prepare_task
 from tasks.preflight import preflight_task
+from tasks.prepare import compute_prepare_key, ensure_target, prepare_task
 
 NODE_DEPLOYMENT = "eyrie-extract/node"
 POLL_S = 5.0
@@ -34,12 +34,13 @@ POLL_S = 5.0
 
 def split_shards(names: list[str], queues: list[str]) -> dict[str, list[str]]:
     """Round robin: shares differ by at most one shard; a queue left without a shard gets no run."""
-    return {q: names[i::len(queues)] for i, q in enumerate(queues) if names[i::len(queues)]}
+    return {q: names[i :: len(queues)] for i, q in enumerate(queues) if names[i :: len(queues)]}
 
 
 @flow(name="eyrie-extract-fanout")
-def extract_fanout_flow(config: PipelineConfig, run_dir: str, queues: list[str],
-                        deployment: str = NODE_DEPLOYMENT) -> dict:
+def extract_fanout_flow(
+    config: PipelineConfig, run_dir: str, queues: list[str], deployment: str = NODE_DEPLOYMENT
+) -> dict:
     """Extract `run_dir`'s pending shards on the nodes behind `queues` (one work queue per node) and check that every
     shard is complete. `run_dir` must be on storage every node mounts at the same path."""
     log = get_run_logger()
@@ -56,25 +57,46 @@ def extract_fanout_flow(config: PipelineConfig, run_dir: str, queues: list[str],
         plan = ExtractionPlan(config, run, PreflightReport(**report), load_shards(run.prepare))
         verify = config.extraction.verify_checksums
         shares = split_shards([s.name for s in plan.pending(verify)], queues)
-        log.info(f"{len(plan.shards)} shards; to extract: "
-                 + (", ".join(f"{len(names)} on {q}" for q, names in shares.items()) or "none"))
+        log.info(
+            f"{len(plan.shards)} shards; to extract: "
+            + (", ".join(f"{len(names)} on {q}" for q, names in shares.items()) or "none")
+        )
         _check_queues(deployment, list(shares), log)
         params = {"config": config.model_dump(mode="json"), "run_dir": str(run.root), "report": report}
-        children = {q: run_deployment(deployment, parameters={**params, "shards": names}, work_queue_name=q,
-                                      flow_run_name=f"{config.name}-extract-{q}", timeout=0)
-                    for q, names in shares.items()}
+        children = {
+            q: run_deployment(
+                deployment,
+                parameters={**params, "shards": names},
+                work_queue_name=q,
+                flow_run_name=f"{config.name}-extract-{q}",
+                timeout=0,
+            )
+            for q, names in shares.items()
+        }
         finished = _wait(children, log)
-        failed = [f"{fr.name} ({fr.id}) on queue {q}, shards {', '.join(shares[q])}: {fr.state.name}: "
-                  f"{fr.state.message}" for q, fr in finished.items() if not fr.state.is_completed()]
+        failed = [
+            f"{fr.name} ({fr.id}) on queue {q}, shards {', '.join(shares[q])}: {fr.state.name}: {fr.state.message}"
+            for q, fr in finished.items()
+            if not fr.state.is_completed()
+        ]
         if failed:
-            raise ExtractionError(f"{len(failed)} of {len(finished)} node runs did not complete: " + "; ".join(failed)
-                                  + ". Retry this flow run: finished shards are kept and only the rest are sent out.")
+            raise ExtractionError(
+                f"{len(failed)} of {len(finished)} node runs did not complete: "
+                + "; ".join(failed)
+                + ". Retry this flow run: finished shards are kept and only the rest are sent out."
+            )
         missing = [s.name for s in plan.shards if not plan.is_complete(s, verify)]
         if missing:
-            raise ExtractionError(f"every node run completed, yet {len(missing)} shards lack a complete manifest "
-                                  f"({', '.join(missing[:10])}): is {run.root} the same shared folder on every node?")
-    return {"run_dir": str(run.root), "shards": len(plan.shards), "hidden_states": str(run.hidden_states),
-            "nodes": {q: {"flow_run": str(fr.id), "shards": shares[q]} for q, fr in finished.items()}}
+            raise ExtractionError(
+                f"every node run completed, yet {len(missing)} shards lack a complete manifest "
+                f"({', '.join(missing[:10])}): is {run.root} the same shared folder on every node?"
+            )
+    return {
+        "run_dir": str(run.root),
+        "shards": len(plan.shards),
+        "hidden_states": str(run.hidden_states),
+        "nodes": {q: {"flow_run": str(fr.id), "shards": shares[q]} for q, fr in finished.items()},
+    }
 
 
 def _check_queues(deployment: str, queues: list[str], log) -> None:
@@ -85,8 +107,10 @@ def _check_queues(deployment: str, queues: list[str], log) -> None:
         known = {q.name: q for q in client.read_work_queues(work_pool_name=pool)}
     missing = [q for q in queues if q not in known]
     if missing:
-        raise ExtractionError(f"work queues {missing} do not exist in pool {pool!r} (it has {sorted(known)}): pass "
-                              "the queues of the GPU nodes, or add the queue (deployments/setup.py) and its worker")
+        raise ExtractionError(
+            f"work queues {missing} do not exist in pool {pool!r} (it has {sorted(known)}): pass "
+            "the queues of the GPU nodes, or add the queue (deployments/setup.py) and its worker"
+        )
     for q in queues:
         if known[q].status is None or known[q].status.value != "READY":
             log.warning(f"no worker has polled queue {q} lately ({known[q].status}): its share waits until one does")

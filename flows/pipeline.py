@@ -11,25 +11,25 @@ from pathlib import Path
 from typing import Literal
 
 from prefect import flow, get_run_logger
-from prefect.concurrency.sync import concurrency
 from prefect.artifacts import create_markdown_artifact
+from prefect.concurrency.sync import concurrency
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import EyrieError
-from eyrie.server import ServerSpec
 from eyrie.hub import pin_revisions
 from eyrie.prepare import is_hub_source, iter_eval_prompts, load_seq_lens
+from eyrie.promote import choose_base, current_version
+from eyrie.server import ServerSpec
 from eyrie.stages import UNTIL
 from eyrie.store import RunFolder, remove_staging, sha256_json
 from eyrie.target import is_local_target
 from eyrie.train import train_key
-from eyrie.promote import choose_base, current_version
 from eyrie.vocab import mapping_paths, vocab_key
 from flows.extract import extract_flow
 from tasks.caching import unless_missing
 from tasks.evaluate import evaluate_task, export_task, promote_task, report_task
-from tasks.prepare import compute_prepare_key, ensure_target, prepare_task
 from tasks.preflight import preflight_task
+from tasks.prepare import compute_prepare_key, ensure_target, prepare_task
 from tasks.train import train_task, untrained_drafter_task, vocab_task
 
 
@@ -56,16 +56,22 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         prepared = unless_missing(prepare_task, run.manifest("prepare"), pkey)(config, str(run.prepare), pkey)
         report = preflight_task(config, str(run.root), tokens=prepared["stats"]["tokens"], serve=serve)
         if serve and not prepared["stats"]["rows_eval"]:  # known now, not after extraction and training
-            raise EyrieError(f"no held-out conversations to evaluate on ({prepared['stats']['rows_read']} rows read, "
-                             f"data.eval_fraction {config.data.eval_fraction}): raise data.eval_fraction, or run "
-                             "with --until train")
+            raise EyrieError(
+                f"no held-out conversations to evaluate on ({prepared['stats']['rows_read']} rows read, "
+                f"data.eval_fraction {config.data.eval_fraction}): raise data.eval_fraction, or run "
+                "with --until train"
+            )
         if until == "prepare":
             return {"run_dir": str(run.root), "prepared": str(run.prepare / "dataset")}
         gpu.enter_context(gpu_slot())  # the GPU node's slot, taken only once every check has passed
         extracted = extract_flow(config, str(run.root), report)
         if until == "extract":
-            return {"run_dir": str(run.root), "prepared": str(run.prepare / "dataset"),
-                    "hidden_states": extracted["hidden_states"], "shards": extracted["shards"]}
+            return {
+                "run_dir": str(run.root),
+                "prepared": str(run.prepare / "dataset"),
+                "hidden_states": extracted["hidden_states"],
+                "shards": extracted["shards"],
+            }
 
         dvs, aux = config.vocab.draft_vocab_size, report["aux_layer_ids"]
         promo_dir = Path(config.promotion.dir).resolve() if config.promotion.dir else None
@@ -78,8 +84,9 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
             warm = str(base) if base else None
         vkey = vocab_key(prepared, dvs, report["vocab_size"], warm)
         token_freq = str(run.prepare / "dataset" / "token_freq.pt")
-        unless_missing(vocab_task, run.manifest("vocab"), vkey)(token_freq, dvs, report["vocab_size"],
-                                                               str(run.vocab), vkey, warm)
+        unless_missing(vocab_task, run.manifest("vocab"), vkey)(
+            token_freq, dvs, report["vocab_size"], str(run.vocab), vkey, warm
+        )
         d2t, t2d = (str(p) for p in mapping_paths(run.vocab, dvs))
         data = (str(run.prepare / "dataset"), str(run.hidden_states), d2t, t2d, aux, report["target_facts"])
         tkey = train_key(config, extracted["keys"], vkey, aux, warm)
@@ -89,8 +96,9 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         rival = current if current and current.name != ekey else None
         baseline = config.evaluate.untrained_baseline
         with_untrained = baseline == "always" or (baseline == "auto" and rival is None)
-        trained = unless_missing(train_task, run.manifest("train"), tkey)(config, str(run.train), tkey, *data,
-                                                                          load_seq_lens(run.prepare), warm)
+        trained = unless_missing(train_task, run.manifest("train"), tkey)(
+            config, str(run.train), tkey, *data, load_seq_lens(run.prepare), warm
+        )
         untrained = untrained_drafter_task(config, str(run.train), *data) if with_untrained else None
         if until == "train":
             return {"run_dir": str(run.root), "checkpoint": trained["checkpoint"], "untrained": untrained}
@@ -98,8 +106,16 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         prompts = list(islice(iter_eval_prompts(run.prepare), config.evaluate.num_prompts))
         timeout = config.extraction.startup_timeout_s
         exported = unless_missing(export_task, run.manifest("export"), ekey)(
-            trained["checkpoint"], str(run.export), config.target.model, aux, report["hidden_size"], ekey, spec,
-            prompts[0], timeout)
+            trained["checkpoint"],
+            str(run.export),
+            config.target.model,
+            aux,
+            report["hidden_size"],
+            ekey,
+            spec,
+            prompts[0],
+            timeout,
+        )
         drafters = [("trained", exported["drafter"], run.export / "server-trained", ekey)]
         if rival:
             drafters.append(("current", str(rival), run.evaluate / "server-current", rival.name))
@@ -109,21 +125,32 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         for label, drafter, server_dir, identity in drafters:
             key = sha256_json([label, identity, config.evaluate.model_dump(), prompts])[:16]
             out = run.evaluate / f"{label}.json"
-            results.append(unless_missing(evaluate_task, out, key)(
-                label, drafter, spec, str(server_dir), prompts, config.evaluate.max_tokens, str(out), key, timeout))
+            results.append(
+                unless_missing(evaluate_task, out, key)(
+                    label, drafter, spec, str(server_dir), prompts, config.evaluate.max_tokens, str(out), key, timeout
+                )
+            )
         summary = report_task(results, str(run.evaluate))
         promotion = None
         if promo_dir:
-            promotion = promote_task(str(promo_dir), exported["drafter"], ekey, summary["trained"],
-                                     summary.get("current"), {"run_dir": str(run.root), "config": config.name,
-                                                              "data": pkey})
+            promotion = promote_task(
+                str(promo_dir),
+                exported["drafter"],
+                ekey,
+                summary["trained"],
+                summary.get("current"),
+                {"run_dir": str(run.root), "config": config.name, "data": pkey},
+            )
 
-    outputs = {"run_dir": str(run.root), "drafter": exported["drafter"],
-               "acceptance_length": summary["trained"]["acceptance_length"],
-               **{f"{label}_acceptance_length": r["acceptance_length"] for label, r in summary.items()
-                  if label != "trained"},
-               "hidden_states": extracted["hidden_states"], "evaluation": str(run.evaluate),
-               "promotion": promotion}
+    outputs = {
+        "run_dir": str(run.root),
+        "drafter": exported["drafter"],
+        "acceptance_length": summary["trained"]["acceptance_length"],
+        **{f"{label}_acceptance_length": r["acceptance_length"] for label, r in summary.items() if label != "trained"},
+        "hidden_states": extracted["hidden_states"],
+        "evaluation": str(run.evaluate),
+        "promotion": promotion,
+    }
     create_markdown_artifact(_summary_markdown(config, outputs, summary), key="run-summary")
     log.info(f"outputs: {outputs}")
     return outputs
@@ -139,16 +166,33 @@ def gpu_slot():
 def _summary_markdown(config: PipelineConfig, outputs: dict, summary: dict) -> str:
     promotion = outputs["promotion"]
     serving = promotion["current"] if promotion and promotion["promoted"] else outputs["drafter"]
-    return "\n".join([
-        f"# Eyrie run `{config.name}`", "",
-        f"Target `{config.target.model}`; drafter `{outputs['drafter']}`.", "",
-        "| drafter | acceptance length | per-position acceptance |", "|---|---|---|",
-        *(f"| {label} | {r['acceptance_length']} | {r['per_position_acceptance']} |" for label, r in summary.items()),
-        "",
-        *([f"Promotion: {'promoted' if promotion['promoted'] else 'not promoted'}, {promotion['reason']} "
-           f"(`{promotion['current']}`).", ""] if promotion else []),
-        f"Run folder: `{outputs['run_dir']}`; hidden states `{outputs['hidden_states']}`; "
-        f"evaluation `{outputs['evaluation']}`.",
-        "", "Serve it: `vllm serve <target> --speculative-config "
-        f"'{{\"method\": \"eagle3\", \"model\": \"{serving}\", \"num_speculative_tokens\": "
-        f"{config.evaluate.num_speculative_tokens}}}'`"])
+    return "\n".join(
+        [
+            f"# Eyrie run `{config.name}`",
+            "",
+            f"Target `{config.target.model}`; drafter `{outputs['drafter']}`.",
+            "",
+            "| drafter | acceptance length | per-position acceptance |",
+            "|---|---|---|",
+            *(
+                f"| {label} | {r['acceptance_length']} | {r['per_position_acceptance']} |"
+                for label, r in summary.items()
+            ),
+            "",
+            *(
+                [
+                    f"Promotion: {'promoted' if promotion['promoted'] else 'not promoted'}, {promotion['reason']} "
+                    f"(`{promotion['current']}`).",
+                    "",
+                ]
+                if promotion
+                else []
+            ),
+            f"Run folder: `{outputs['run_dir']}`; hidden states `{outputs['hidden_states']}`; "
+            f"evaluation `{outputs['evaluation']}`.",
+            "",
+            "Serve it: `vllm serve <target> --speculative-config "
+            f'\'{{"method": "eagle3", "model": "{serving}", "num_speculative_tokens": '
+            f"{config.evaluate.num_speculative_tokens}}}'`",
+        ]
+    )

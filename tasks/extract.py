@@ -6,9 +6,9 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from eyrie.prepare import Shard
 from eyrie.errors import DiskFullError
 from eyrie.extract import extract_shard
+from eyrie.prepare import Shard
 from eyrie.server import ExtractionServer, ServerClient, ServerSpec
 from tasks.caching import BY_KEY
 
@@ -29,11 +29,28 @@ def _worth_retrying(task, task_run, state) -> bool:
     return not isinstance(state.data, DiskFullError)  # nothing changes in 5 s until someone frees space
 
 
-@task(name="extract", task_run_name="extract-{shard.name}", cache_policy=BY_KEY, retries=2, retry_delay_seconds=5,
-      retry_condition_fn=_worth_retrying)
-def extract_shard_task(shard: Shard, key: str, base_url: str | None, api_key_env: str | None, prepare_dir: str,
-                       hidden_dir: str, manifest_path: str, num_layers: int, hidden_size: int, concurrency: int,
-                       timeout_s: float, verify_checksums: bool = True) -> dict:
+@task(
+    name="extract",
+    task_run_name="extract-{shard.name}",
+    cache_policy=BY_KEY,
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=_worth_retrying,
+)
+def extract_shard_task(
+    shard: Shard,
+    key: str,
+    base_url: str | None,
+    api_key_env: str | None,
+    prepare_dir: str,
+    hidden_dir: str,
+    manifest_path: str,
+    num_layers: int,
+    hidden_size: int,
+    concurrency: int,
+    timeout_s: float,
+    verify_checksums: bool = True,
+) -> dict:
     log = get_run_logger()
     if base_url is None:
         raise RuntimeError(f"{shard.name} has no complete manifest but no server was started for it")
@@ -47,8 +64,20 @@ def extract_shard_task(shard: Shard, key: str, base_url: str | None, api_key_env
             shown[0] = pct
             update_progress_artifact(artifact, pct)
 
-    manifest = extract_shard(client, Path(prepare_dir), shard, key, Path(hidden_dir), Path(manifest_path),
-                             num_layers, hidden_size, concurrency, timeout_s, progress=progress, log=log.info,
-                             verify_checksums=verify_checksums)
+    manifest = extract_shard(
+        client,
+        Path(prepare_dir),
+        shard,
+        key,
+        Path(hidden_dir),
+        Path(manifest_path),
+        num_layers,
+        hidden_size,
+        concurrency,
+        timeout_s,
+        progress=progress,
+        log=log.info,
+        verify_checksums=verify_checksums,
+    )
     log.info(f"{shard.name}: {manifest['extracted_samples']} extracted, {manifest['reused_samples']} reused")
     return {k: v for k, v in manifest.items() if k != "files"}

@@ -16,8 +16,9 @@ def preflight_task(config: PipelineConfig, run_dir: str, tokens: int | None = No
     report = run_preflight(config, Path(run_dir), tokens=tokens, raise_on_failure=False, serve=serve)
     atomic_write_json(Path(run_dir) / "preflight.json", report.as_dict())
     # The report where a user of the UI looks first: on the flow run, failed or not.
-    create_markdown_artifact(report_markdown(report), key="preflight",
-                             description="preflight: the checks made before any weights load")
+    create_markdown_artifact(
+        report_markdown(report), key="preflight", description="preflight: the checks made before any weights load"
+    )
     if report.failures:
         from eyrie.errors import PreflightError
 

@@ -13,10 +13,12 @@ from tasks.caching import BY_KEY
 
 
 @task(name="vocab", cache_policy=BY_KEY, retries=1)
-def vocab_task(token_freq: str, draft_vocab_size: int, target_vocab_size: int, out_dir: str, key: str,
-               base: str | None = None) -> dict:
-    return build_vocab(Path(token_freq), draft_vocab_size, target_vocab_size, Path(out_dir), key,
-                       Path(base) if base else None)
+def vocab_task(
+    token_freq: str, draft_vocab_size: int, target_vocab_size: int, out_dir: str, key: str, base: str | None = None
+) -> dict:
+    return build_vocab(
+        Path(token_freq), draft_vocab_size, target_vocab_size, Path(out_dir), key, Path(base) if base else None
+    )
 
 
 def _watch_progress(save_path: Path, total_epochs: int, stop: threading.Event) -> None:
@@ -30,18 +32,40 @@ def _watch_progress(save_path: Path, total_epochs: int, stop: threading.Event) -
 
 # retries resume from the newest checkpoint: the key (and so the checkpoint folder) is unchanged.
 @task(name="train", cache_policy=BY_KEY, retries=1, retry_delay_seconds=5)
-def train_task(config: PipelineConfig, out_dir: str, key: str, data_dir: str, hidden_dir: str, d2t: str, t2d: str,
-               aux_ids: list[int], target_facts: dict, seq_lens: list[int],
-               warm_start: str | None = None) -> dict:
+def train_task(
+    config: PipelineConfig,
+    out_dir: str,
+    key: str,
+    data_dir: str,
+    hidden_dir: str,
+    d2t: str,
+    t2d: str,
+    aux_ids: list[int],
+    target_facts: dict,
+    seq_lens: list[int],
+    warm_start: str | None = None,
+) -> dict:
     log = get_run_logger()
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch_progress, args=(Path(out_dir) / key / "checkpoints",
-                                                             config.train.epochs, stop), daemon=True)
+    watcher = threading.Thread(
+        target=_watch_progress, args=(Path(out_dir) / key / "checkpoints", config.train.epochs, stop), daemon=True
+    )
     watcher.start()
     try:
-        manifest = run_training(config, Path(out_dir), key, Path(data_dir), Path(hidden_dir), Path(d2t), Path(t2d),
-                                aux_ids, target_facts, seq_lens, Path(warm_start) if warm_start else None,
-                                log=log.info)
+        manifest = run_training(
+            config,
+            Path(out_dir),
+            key,
+            Path(data_dir),
+            Path(hidden_dir),
+            Path(d2t),
+            Path(t2d),
+            aux_ids,
+            target_facts,
+            seq_lens,
+            Path(warm_start) if warm_start else None,
+            log=log.info,
+        )
     finally:
         stop.set()
     if manifest["history"]:
@@ -50,7 +74,18 @@ def train_task(config: PipelineConfig, out_dir: str, key: str, data_dir: str, hi
 
 
 @task(name="untrained-drafter")
-def untrained_drafter_task(config: PipelineConfig, out_dir: str, data_dir: str, hidden_dir: str, d2t: str, t2d: str,
-                           aux_ids: list[int], target_facts: dict) -> str:
-    return str(untrained_drafter(config, Path(out_dir), Path(data_dir), Path(hidden_dir), Path(d2t), Path(t2d),
-                                 aux_ids, target_facts))
+def untrained_drafter_task(
+    config: PipelineConfig,
+    out_dir: str,
+    data_dir: str,
+    hidden_dir: str,
+    d2t: str,
+    t2d: str,
+    aux_ids: list[int],
+    target_facts: dict,
+) -> str:
+    return str(
+        untrained_drafter(
+            config, Path(out_dir), Path(data_dir), Path(hidden_dir), Path(d2t), Path(t2d), aux_ids, target_facts
+        )
+    )

@@ -47,7 +47,9 @@ if str(REPO) not in sys.path:
 if "prefect" in sys.modules:
     import warnings
 
-    warnings.warn("prefect was imported before tests/conftest.py set its environment; its settings may differ")
+    warnings.warn(
+        "prefect was imported before tests/conftest.py set its environment; its settings may differ", stacklevel=1
+    )
 
 import pytest  # noqa: E402
 import yaml  # noqa: E402
@@ -114,17 +116,37 @@ def tiny_kimi() -> Path:
 # Configs
 
 
-def config_dict(target: Path, tiny: str | None = None, source: str | Path = DEMO_DATA, *, max_samples: int = 48,
-                shard_size: int = 8, max_length: int = 256, max_model_len: int | None = None, layer_ids=None,
-                concurrency: int = 4, name: str = "test", **sections) -> dict:
+def config_dict(
+    target: Path,
+    tiny: str | None = None,
+    source: str | Path = DEMO_DATA,
+    *,
+    max_samples: int = 48,
+    shard_size: int = 8,
+    max_length: int = 256,
+    max_model_len: int | None = None,
+    layer_ids=None,
+    concurrency: int = 4,
+    name: str = "test",
+    **sections,
+) -> dict:
     """A demo-like config for `target` with small data; `sections` are merged into the top-level sections."""
     data = {
         "name": name,
         "target": {"model": str(target)},
-        "data": {"source": str(source), "max_length": max_length, "shard_size": shard_size,
-                 "max_samples": max_samples, "eval_fraction": 0.05},
-        "extraction": {"concurrency": concurrency, "startup_timeout_s": 900, "request_timeout_s": 120,
-                       "server_args": list(VLLM_SERVER_ARGS)},
+        "data": {
+            "source": str(source),
+            "max_length": max_length,
+            "shard_size": shard_size,
+            "max_samples": max_samples,
+            "eval_fraction": 0.05,
+        },
+        "extraction": {
+            "concurrency": concurrency,
+            "startup_timeout_s": 900,
+            "request_timeout_s": 120,
+            "server_args": list(VLLM_SERVER_ARGS),
+        },
         "vocab": {"draft_vocab_size": 256},
     }
     if tiny:

@@ -66,8 +66,10 @@ class Postgres:
     def __init__(self):
         bindir = postgres_bindir()
         if bindir is None:
-            raise RuntimeError("PostgreSQL is not installed (no initdb found via pg_config, /usr/lib/postgresql/*/bin "
-                               "or PATH): `apt-get install postgresql`, as `make test` does")
+            raise RuntimeError(
+                "PostgreSQL is not installed (no initdb found via pg_config, /usr/lib/postgresql/*/bin "
+                "or PATH): `apt-get install postgresql`, as `make test` does"
+            )
         self.bindir = bindir
         self.as_root = os.geteuid() == 0
         # Not under pytest's temporary folder: that one is private to root, and the server runs as `postgres`.
@@ -88,23 +90,56 @@ class Postgres:
             log = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
             raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}\n{log}")
 
-    def start(self) -> "Postgres":
+    def start(self) -> Postgres:
         if self.as_root:
             shutil.chown(self.root, "postgres", "postgres")
         # Password logins over TCP; the unix socket (in the private folder) trusts its owner, for the setup below.
-        self._check(self._cmd("initdb", "-D", str(self.data), "-U", "postgres", "--auth-local=trust",
-                              "--auth-host=scram-sha-256", "--no-sync"), "initdb")
-        opts = (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off "
-                "-c synchronous_commit=off -c full_page_writes=off")
-        self._check(self._cmd("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", opts, "-w", "-t", "60",
-                              "start"), "pg_ctl start")
+        self._check(
+            self._cmd(
+                "initdb",
+                "-D",
+                str(self.data),
+                "-U",
+                "postgres",
+                "--auth-local=trust",
+                "--auth-host=scram-sha-256",
+                "--no-sync",
+            ),
+            "initdb",
+        )
+        opts = (
+            f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off "
+            "-c synchronous_commit=off -c full_page_writes=off"
+        )
+        self._check(
+            self._cmd("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", opts, "-w", "-t", "60", "start"),
+            "pg_ctl start",
+        )
         # Through stdin, so that the password is on no command line.
         self.sql(f"CREATE ROLE {DB_ROLE} LOGIN PASSWORD '{self.password}'")
         return self
 
     def sql(self, statement: str) -> None:
-        self._check(self._cmd("psql", "-h", str(self.root), "-p", str(self.port), "-U", "postgres", "-d", "postgres",
-                              "-v", "ON_ERROR_STOP=1", "-q", "-f", "-", input=statement + ";\n"), "psql")
+        self._check(
+            self._cmd(
+                "psql",
+                "-h",
+                str(self.root),
+                "-p",
+                str(self.port),
+                "-U",
+                "postgres",
+                "-d",
+                "postgres",
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-q",
+                "-f",
+                "-",
+                input=statement + ";\n",
+            ),
+            "psql",
+        )
 
     def create_database(self, name: str) -> str:
         """A new, empty database owned by the test role; returns Prefect's connection URL for it."""
@@ -139,16 +174,18 @@ class PrefectServer:
         self.log = self.root / "server.log"
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "PrefectServer":
+    def start(self) -> PrefectServer:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")}
-        env.update({
-            "PREFECT_HOME": str(self.root / "home"),
-            "PREFECT_API_DATABASE_CONNECTION_URL": self.database_url,
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_UI_ENABLED": "false",
-            "PREFECT_SERVER_API_AUTH_STRING": self.auth,
-            "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
-        })
+        env.update(
+            {
+                "PREFECT_HOME": str(self.root / "home"),
+                "PREFECT_API_DATABASE_CONNECTION_URL": self.database_url,
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "PREFECT_UI_ENABLED": "false",
+                "PREFECT_SERVER_API_AUTH_STRING": self.auth,
+                "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
+            }
+        )
         cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
         if not self.services:
             cmd.append("--no-services")
@@ -160,8 +197,10 @@ class PrefectServer:
         while http_status(f"{self.url}/health") != 200:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"prefect server did not come up (exit {self.proc.returncode}):\n"
-                                   + self.log.read_text(errors="replace")[-3000:])
+                raise RuntimeError(
+                    f"prefect server did not come up (exit {self.proc.returncode}):\n"
+                    + self.log.read_text(errors="replace")[-3000:]
+                )
             time.sleep(1)
         return self
 

@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, build_tiny_target, register_server_folder, write_config
 from safetensors.torch import load_file
 
 from eyrie.config import TargetConfig
 from eyrie.preflight import probe_eagle3, resolve_vllm_class
-from eyrie.target import read_target_config
 from eyrie.store import read_json
-
-from conftest import REPO, build_tiny_target, register_server_folder, write_config
+from eyrie.target import read_target_config
 
 LAYER_IDS = [2, 4, 5]
 
@@ -40,11 +39,17 @@ def test_preflight_reports_the_compatibility_path(kind, arch):
 @pytest.mark.parametrize("kind, arch", ARCHS)
 def test_whole_pipeline_through_the_compatibility_layer(tmp_path, kind, arch):
     target = build_tiny_target(kind)
-    config, _ = write_config(tmp_path / "config.yaml", target, kind, max_samples=32, shard_size=16,
-                             layer_ids=LAYER_IDS, name="compat",
-                             train={"epochs": 1, "lr": 3e-3, "max_seq_len": 512},
-                             evaluate={"num_prompts": 4, "max_tokens": 16, "num_speculative_tokens": 2,
-                                       "untrained_baseline": "never"})  # test_pipeline.py compares
+    config, _ = write_config(
+        tmp_path / "config.yaml",
+        target,
+        kind,
+        max_samples=32,
+        shard_size=16,
+        layer_ids=LAYER_IDS,
+        name="compat",
+        train={"epochs": 1, "lr": 3e-3, "max_seq_len": 512},
+        evaluate={"num_prompts": 4, "max_tokens": 16, "num_speculative_tokens": 2, "untrained_baseline": "never"},
+    )  # test_pipeline.py compares
     run = tmp_path / "run"
     for folder in (run / "extract", run / "export" / "server-trained"):
         register_server_folder(folder)
@@ -67,7 +72,9 @@ def test_whole_pipeline_through_the_compatibility_layer(tmp_path, kind, arch):
 
     export = read_json(run / "export" / "manifest.json")
     assert export["vllm_proof"]["completion_tokens"] > 0
-    assert json.loads((Path(export["drafter"]) / "config.json").read_text())[
-        "eagle_aux_hidden_state_layer_ids"] == LAYER_IDS
+    assert (
+        json.loads((Path(export["drafter"]) / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+        == LAYER_IDS
+    )
     result = read_json(run / "evaluate" / "trained.json")
     assert result["drafts"] > 0 and result["acceptance_length"] >= 1.0

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from conftest import config_dict
 
 from eyrie.config import load_config, parse_config
 from eyrie.errors import ConfigError
-
-from conftest import config_dict
 
 
 def _error(data: dict) -> str:

@@ -16,7 +16,6 @@ import time
 
 import pytest
 import yaml
-
 from conftest import REPO
 from prefect_server import http_status, running_prefect_server
 
@@ -36,27 +35,40 @@ GPU_SLOTS = 2
 def prefect_server(postgres, tmp_path_factory):
     """A real Prefect server on PostgreSQL, on a database of its own (this module checks what a first setup run
     creates, so it needs an empty server whatever ran before), with authentication on."""
-    with running_prefect_server(postgres, tmp_path_factory.mktemp("prefect-server"), "eyrie_deployments",
-                                services=False) as server:
+    with running_prefect_server(
+        postgres, tmp_path_factory.mktemp("prefect-server"), "eyrie_deployments", services=False
+    ) as server:
         yield server
 
 
 def _setup_process(server, *args: str, auth: str | None = None) -> subprocess.CompletedProcess:
     # EYRIE_HOME is set on purpose: setup.py must keep it out of the deployment (the worker's value applies at run
     # time). The URL comes from --api-url, as an operator passes it.
-    env = server.client_env(server.root / "client-home", PREFECT_API_AUTH_STRING=auth or server.auth,
-                            EYRIE_HOME="/deploying/machine/checkout")
+    env = server.client_env(
+        server.root / "client-home",
+        PREFECT_API_AUTH_STRING=auth or server.auth,
+        EYRIE_HOME="/deploying/machine/checkout",
+    )
     env.pop("PREFECT_API_URL")
-    return subprocess.run([sys.executable, "-m", "deployments.setup", "--api-url", server.url, "--json", *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "deployments.setup", "--api-url", server.url, "--json", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _run_setup(server, *args: str) -> tuple[dict, list[str]]:
     """Runs `python -m deployments.setup --json`; returns its report and its log lines (what it wrote)."""
     proc = _setup_process(server, *args)
     assert proc.returncode == 0, f"setup failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    log = [line for line in proc.stderr.splitlines()
-           if line.startswith(("created ", "updated ", "deleted ", "warning: ", "prefect deploy"))]
+    log = [
+        line
+        for line in proc.stderr.splitlines()
+        if line.startswith(("created ", "updated ", "deleted ", "warning: ", "prefect deploy"))
+    ]
     return json.loads(proc.stdout), log
 
 
@@ -68,18 +80,28 @@ async def _read_back(server) -> dict:
     """What the server holds, read through Prefect's client (not through setup.py's snapshot)."""
     async with _client(server) as c:
         pools = {p: await c.read_work_pool(p) for p in POOLS}
-        queues = {(p, q): await c.read_work_queue_by_name(q, work_pool_name=p)
-                  for p, (_, qs) in POOLS.items() for q in qs}
+        queues = {
+            (p, q): await c.read_work_queue_by_name(q, work_pool_name=p) for p, (_, qs) in POOLS.items() for q in qs
+        }
         gcl = await c.read_global_concurrency_limit_by_name("eyrie-gpu")
         automations = [a for a in await c.read_automations() if a.name == "Crash zombie flows"]
         deployments = {n: await c.read_deployment_by_name(n) for n in DEPLOYMENTS}
-        counts = {"work_pools": len(await c.read_work_pools()),
-                  "work_queues": {p: len(await c.read_work_queues(work_pool_name=p)) for p in POOLS},
-                  "global_concurrency_limits": len(await c.read_global_concurrency_limits(limit=200)),
-                  "automations": len(await c.read_automations()),
-                  "deployments": len(await c.read_deployments()), "flows": len(await c.read_flows())}
-    return {"pools": pools, "queues": queues, "gcl": gcl, "automations": automations, "deployments": deployments,
-            "counts": counts}
+        counts = {
+            "work_pools": len(await c.read_work_pools()),
+            "work_queues": {p: len(await c.read_work_queues(work_pool_name=p)) for p in POOLS},
+            "global_concurrency_limits": len(await c.read_global_concurrency_limits(limit=200)),
+            "automations": len(await c.read_automations()),
+            "deployments": len(await c.read_deployments()),
+            "flows": len(await c.read_flows()),
+        }
+    return {
+        "pools": pools,
+        "queues": queues,
+        "gcl": gcl,
+        "automations": automations,
+        "deployments": deployments,
+        "counts": counts,
+    }
 
 
 async def _create_queue(server, name: str, pool: str) -> None:
@@ -88,13 +110,17 @@ async def _create_queue(server, name: str, pool: str) -> None:
 
 
 def _ids(state: dict) -> dict:
-    return {"pools": {n: p.id for n, p in state["pools"].items()},
-            "queues": {n: q.id for n, q in state["queues"].items()}, "gcl": state["gcl"].id,
-            "automations": sorted(a.id for a in state["automations"]),
-            "deployments": {n: d.id for n, d in state["deployments"].items()},
-            "deployment_limits": {n: d.global_concurrency_limit and d.global_concurrency_limit.id
-                                  for n, d in state["deployments"].items()},
-            "schedules": {n: sorted(s.id for s in d.schedules) for n, d in state["deployments"].items()}}
+    return {
+        "pools": {n: p.id for n, p in state["pools"].items()},
+        "queues": {n: q.id for n, q in state["queues"].items()},
+        "gcl": state["gcl"].id,
+        "automations": sorted(a.id for a in state["automations"]),
+        "deployments": {n: d.id for n, d in state["deployments"].items()},
+        "deployment_limits": {
+            n: d.global_concurrency_limit and d.global_concurrency_limit.id for n, d in state["deployments"].items()
+        },
+        "schedules": {n: sorted(s.id for s in d.schedules) for n, d in state["deployments"].items()},
+    }
 
 
 @pytest.mark.slow
@@ -150,8 +176,9 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
             assert d.global_concurrency_limit is not None and d.global_concurrency_limit.limit == 1, name
             assert d.concurrency_options.collision_strategy.value == "ENQUEUE", name
         assert d.enforce_parameter_schema is True, name
-        assert d.pull_steps == [{"prefect.deployments.steps.set_working_directory":
-                                 {"directory": "{{ $EYRIE_HOME }}"}}], name
+        assert d.pull_steps == [
+            {"prefect.deployments.steps.set_working_directory": {"directory": "{{ $EYRIE_HOME }}"}}
+        ], name
         # The heartbeat frequency the automation's window is sized for.
         assert d.job_variables["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "60", name
     pipeline = state1["deployments"][PIPELINE]
@@ -221,9 +248,9 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
     # edited queues' limits and the global limit, deactivated it, paused the automation and created a second copy
     # of it
     async def drift():
-        from deployments.setup import zombie_automation
-
         from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate, WorkPoolUpdate
+
+        from deployments.setup import zombie_automation
 
         async with _client(prefect_server) as c:
             await c.update_work_pool(GPU_POOL, WorkPoolUpdate(concurrency_limit=None))
@@ -248,15 +275,18 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
     assert state3["gcl"].limit == GPU_SLOTS and state3["gcl"].active
     assert [a.id for a in state3["automations"]] == [zombie.id] and state3["automations"][0].enabled
     assert _ids(state3) == _ids(state1) and state3["counts"] == state1["counts"]
-    assert sorted(third_log) == sorted([
-        "updated work pool 'eyrie-gpu': ['concurrency_limit']",
-        "updated work pool 'eyrie-control': ['concurrency_limit']",
-        "updated work queue 'gpu-node-1' in pool 'eyrie-gpu': concurrency limit None -> 1",
-        "updated work queue 'gpu-node-2' in pool 'eyrie-gpu': concurrency limit 3 -> 1",
-        "updated work queue 'control' in pool 'eyrie-control': concurrency limit 5 -> None",
-        "updated global concurrency limit 'eyrie-gpu' to limit 2, active",
-        f"deleted duplicate automation 'Crash zombie flows' {duplicate}",
-        f"updated automation 'Crash zombie flows' ({zombie.id})"])
+    assert sorted(third_log) == sorted(
+        [
+            "updated work pool 'eyrie-gpu': ['concurrency_limit']",
+            "updated work pool 'eyrie-control': ['concurrency_limit']",
+            "updated work queue 'gpu-node-1' in pool 'eyrie-gpu': concurrency limit None -> 1",
+            "updated work queue 'gpu-node-2' in pool 'eyrie-gpu': concurrency limit 3 -> 1",
+            "updated work queue 'control' in pool 'eyrie-control': concurrency limit 5 -> None",
+            "updated global concurrency limit 'eyrie-gpu' to limit 2, active",
+            f"deleted duplicate automation 'Crash zombie flows' {duplicate}",
+            f"updated automation 'Crash zombie flows' ({zombie.id})",
+        ]
+    )
     # A fourth run finds nothing to do.
     fourth, fourth_log = _run_setup(prefect_server, "--no-deploy")
     assert fourth["changes"] == [] and fourth_log == [], (fourth["changes"], fourth_log)
@@ -266,9 +296,11 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
     asyncio.run(_create_queue(prefect_server, "control", GPU_POOL))
     fifth, fifth_log = _run_setup(prefect_server, "--no-deploy")
     assert fifth["changes"] == [], fifth["changes"]
-    assert fifth_log == ["warning: work queue 'control' in pool 'eyrie-gpu' is not managed by deployments/setup.py "
-                         "(it manages ['gpu-node-1', 'gpu-node-2']); once nothing uses it: "
-                         "`prefect work-queue delete control --pool eyrie-gpu`"], fifth_log
+    assert fifth_log == [
+        "warning: work queue 'control' in pool 'eyrie-gpu' is not managed by deployments/setup.py "
+        "(it manages ['gpu-node-1', 'gpu-node-2']); once nothing uses it: "
+        "`prefect work-queue delete control --pool eyrie-gpu`"
+    ], fifth_log
 
     print(f"\nfirst setup run {t_first:.1f}s; whole test body {time.monotonic() - t0:.1f}s")
 
@@ -292,30 +324,52 @@ def test_prefect_yaml_is_valid_for_prefect_deploy():
     assert parse_config(weekly["parameters"]["config"]) == load_config(REPO / "configs" / "kimi-k2.5-tp8.yaml")
 
 
-@pytest.mark.parametrize("edit, message", ids=["other-pool", "other-queue", "queue-of-other-pool", "no-queue",
-                                              "gpu-flow-on-control", "fanout-on-gpu", "fanout-to-control"], argvalues=[
-    # A pool it does not create.
-    (lambda ds: ds[0]["work_pool"].update(name="eyrie-gpus"),
-     "uses work pool 'eyrie-gpus'; this setup creates only 'eyrie-gpu' (queues ['gpu-node-1', 'gpu-node-2']), "
-     "'eyrie-control' (queues ['control'])"),
-    # A queue it does not create, and one of the other pool.
-    (lambda ds: ds[0]["work_pool"].update(work_queue_name="gpu-node-3"),
-     "names work queue 'gpu-node-3' in pool 'eyrie-gpu', which has only ['gpu-node-1', 'gpu-node-2']"),
-    (lambda ds: ds[3]["work_pool"].update(name="eyrie-gpu"),
-     "names work queue 'control' in pool 'eyrie-gpu', which has only ['gpu-node-1', 'gpu-node-2']; 'control' is a "
-     "queue of pool 'eyrie-control'"),
-    (lambda ds: ds[0]["work_pool"].pop("work_queue_name"),
-     "lacks `work_pool.work_queue_name`"),
-    # A GPU flow on the control pool (outside the GPU pool's limit); the fan-out's parent on a GPU node's queue.
-    (lambda ds: ds[0]["work_pool"].update(name="eyrie-control", work_queue_name="control"),
-     "uses work pool 'eyrie-control'; it must use 'eyrie-gpu'"),
-    (lambda ds: ds[3]["work_pool"].update(name="eyrie-gpu", work_queue_name="gpu-node-2"),
-     "uses work pool 'eyrie-gpu'; it must use 'eyrie-control'"),
-    # The fan-out sends shares only to GPU node queues.
-    (lambda ds: ds[3]["parameters"].update(queues=["gpu-node-1", "control"]),
-     "names 'control' in its `queues` parameter; the GPU node queues this setup creates in pool 'eyrie-gpu' are "
-     "['gpu-node-1', 'gpu-node-2']"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    ids=[
+        "other-pool",
+        "other-queue",
+        "queue-of-other-pool",
+        "no-queue",
+        "gpu-flow-on-control",
+        "fanout-on-gpu",
+        "fanout-to-control",
+    ],
+    argvalues=[
+        # A pool it does not create.
+        (
+            lambda ds: ds[0]["work_pool"].update(name="eyrie-gpus"),
+            "uses work pool 'eyrie-gpus'; this setup creates only 'eyrie-gpu' (queues ['gpu-node-1', 'gpu-node-2']), "
+            "'eyrie-control' (queues ['control'])",
+        ),
+        # A queue it does not create, and one of the other pool.
+        (
+            lambda ds: ds[0]["work_pool"].update(work_queue_name="gpu-node-3"),
+            "names work queue 'gpu-node-3' in pool 'eyrie-gpu', which has only ['gpu-node-1', 'gpu-node-2']",
+        ),
+        (
+            lambda ds: ds[3]["work_pool"].update(name="eyrie-gpu"),
+            "names work queue 'control' in pool 'eyrie-gpu', which has only ['gpu-node-1', 'gpu-node-2']; "
+            "'control' is a queue of pool 'eyrie-control'",
+        ),
+        (lambda ds: ds[0]["work_pool"].pop("work_queue_name"), "lacks `work_pool.work_queue_name`"),
+        # A GPU flow on the control pool (outside the GPU pool's limit); the fan-out's parent on a GPU node's queue.
+        (
+            lambda ds: ds[0]["work_pool"].update(name="eyrie-control", work_queue_name="control"),
+            "uses work pool 'eyrie-control'; it must use 'eyrie-gpu'",
+        ),
+        (
+            lambda ds: ds[3]["work_pool"].update(name="eyrie-gpu", work_queue_name="gpu-node-2"),
+            "uses work pool 'eyrie-gpu'; it must use 'eyrie-control'",
+        ),
+        # The fan-out sends shares only to GPU node queues.
+        (
+            lambda ds: ds[3]["parameters"].update(queues=["gpu-node-1", "control"]),
+            "names 'control' in its `queues` parameter; the GPU node queues this setup creates in pool 'eyrie-gpu' are "
+            "['gpu-node-1', 'gpu-node-2']",
+        ),
+    ],
+)
 def test_prefect_yaml_may_use_only_the_pools_and_queues_setup_creates(tmp_path, edit, message):
     from deployments.setup import SetupError, load_prefect_file
 

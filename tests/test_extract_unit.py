@@ -9,17 +9,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DEMO_DATA
 from safetensors.torch import save_file
 
 from eyrie.config import DataConfig, TargetConfig
-from eyrie.prepare import load_dataset_rows, load_shards, prepare
 from eyrie.errors import ExtractionError
-from eyrie.extract import (check_sample, clean_staging, extract_shard, load_checked, sample_path, shard_complete,
-                           shard_key)
+from eyrie.extract import (
+    check_sample,
+    clean_staging,
+    extract_shard,
+    load_checked,
+    sample_path,
+    shard_complete,
+    shard_key,
+)
+from eyrie.prepare import load_dataset_rows, load_shards, prepare
 from eyrie.server import ServerSpec
 from eyrie.vllm_plugin import CONNECTOR_NAME
-
-from conftest import DEMO_DATA
 
 LAYERS, HIDDEN = 4, 8
 
@@ -54,16 +60,20 @@ class FakeClient:
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, tiny_llama) -> Path:
     out = tmp_path_factory.mktemp("extract-unit") / "prepare"
-    prepare(TargetConfig(model=str(tiny_llama)),
-            DataConfig(source=str(DEMO_DATA), max_samples=12, shard_size=6, eval_fraction=0.0), out)
+    prepare(
+        TargetConfig(model=str(tiny_llama)),
+        DataConfig(source=str(DEMO_DATA), max_samples=12, shard_size=6, eval_fraction=0.0),
+        out,
+    )
     return out
 
 
 def _run(prepared, tmp_path, client, shard_no=1, key="k1"):
     shard = load_shards(prepared)[shard_no]
     hidden, manifest = tmp_path / "hidden_states", tmp_path / "shards" / f"{shard.name}.json"
-    m = extract_shard(client, prepared, shard, key, hidden, manifest, LAYERS, HIDDEN, concurrency=3,
-                      log=lambda *_: None)
+    m = extract_shard(
+        client, prepared, shard, key, hidden, manifest, LAYERS, HIDDEN, concurrency=3, log=lambda *_: None
+    )
     return shard, hidden, manifest, m
 
 
@@ -189,8 +199,10 @@ def test_file_changed_after_completion_is_detected_and_regenerated(prepared, tmp
         data[-3] ^= 0x01
         victim.write_bytes(bytes(data))
     elif damage == "nan":
-        save_file({"hidden_states": torch.full_like(fake_hidden(ids), float("nan")),
-                   "token_ids": torch.tensor(ids)}, str(victim))
+        save_file(
+            {"hidden_states": torch.full_like(fake_hidden(ids), float("nan")), "token_ids": torch.tensor(ids)},
+            str(victim),
+        )
     elif damage == "truncated":
         victim.write_bytes(good[: len(good) // 2])
     else:

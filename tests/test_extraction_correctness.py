@@ -25,19 +25,30 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DEMO_DATA, VLLM_SERVER_ARGS, register_server_folder, stop_server
 from safetensors.torch import load_file
 
 from eyrie.extract import _wait_and_release, extract_shard, load_checked, sample_path
 from eyrie.preflight import captured_layer_ids, default_aux_layer_ids
-from eyrie.target import text_config
 from eyrie.server import ExtractionServer, ServerClient, ServerSpec
-
-from conftest import DEMO_DATA, VLLM_SERVER_ARGS, register_server_folder, stop_server
+from eyrie.target import text_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
-KINDS = ["tiny-llama", "tiny-deepseek-v3", "tiny-kimi-k25", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe",
-         "tiny-mistral", "tiny-gemma2", "tiny-phi3", "tiny-gpt-neox", "tiny-falcon", "tiny-stablelm"]
+KINDS = [
+    "tiny-llama",
+    "tiny-deepseek-v3",
+    "tiny-kimi-k25",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-qwen3-moe",
+    "tiny-mistral",
+    "tiny-gemma2",
+    "tiny-phi3",
+    "tiny-gpt-neox",
+    "tiny-falcon",
+    "tiny-stablelm",
+]
 KEPT = "tiny-llama"  # its server also serves test_concurrent_requests_each_get_their_own_sample
 SLOTS = threading.Semaphore(3)  # servers alive at once (memory: each holds a 1 GiB KV cache)
 MAX_MODEL_LEN = 256
@@ -89,9 +100,13 @@ def servers(tmp_path_factory, tiny_target) -> dict[str, Running]:
         text = text_config(json.loads((model / "config.json").read_text()))
         n = text["num_hidden_layers"]
         folder = register_server_folder(root / kind)
-        spec = ServerSpec(model=str(model), layer_ids=captured_layer_ids(default_aux_layer_ids(n), n),
-                          storage_path=str(folder / "staging"), max_model_len=MAX_MODEL_LEN,
-                          server_args=list(VLLM_SERVER_ARGS))
+        spec = ServerSpec(
+            model=str(model),
+            layer_ids=captured_layer_ids(default_aux_layer_ids(n), n),
+            storage_path=str(folder / "staging"),
+            max_model_len=MAX_MODEL_LEN,
+            server_args=list(VLLM_SERVER_ARGS),
+        )
         running[kind] = Running(kind, model, folder, spec, n, text["hidden_size"], Future())
     pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="start-vllm")
     try:
@@ -176,8 +191,10 @@ def _check_one_sample(r: Running, client: ServerClient, kind: str, record_proper
         wrapper = load_file(str(r.model / "model.safetensors"))
         text = load_file(str(ref_folder / "model.safetensors"))
         assert text and all(torch.equal(wrapper["language_model." + k], v) for k, v in text.items())
-        assert AutoTokenizer.from_pretrained(str(ref_folder))(tok.decode(ids), add_special_tokens=False)[
-            "input_ids"] == ids
+        assert (
+            AutoTokenizer.from_pretrained(str(ref_folder))(tok.decode(ids), add_special_tokens=False)["input_ids"]
+            == ids
+        )
 
     hf_states, last_pre_norm = _hf_reference(ref_folder, ids)
     L = r.num_layers
@@ -204,14 +221,28 @@ def test_concurrent_requests_each_get_their_own_sample(servers, tmp_path, tiny_l
     r = servers["tiny-llama"]
     client = r.client()
     prepared = tmp_path / "prepare"
-    prepare(TargetConfig(model=str(r.model)), DataConfig(source=str(DEMO_DATA), max_samples=16, shard_size=16,
-                                                         eval_fraction=0.0, max_length=MAX_MODEL_LEN), prepared)
+    prepare(
+        TargetConfig(model=str(r.model)),
+        DataConfig(source=str(DEMO_DATA), max_samples=16, shard_size=16, eval_fraction=0.0, max_length=MAX_MODEL_LEN),
+        prepared,
+    )
     shard = load_shards(prepared)[0]
     hidden = tmp_path / "hidden_states"
     # The run folder and the server's staging folder must share a filesystem (files are renamed into place).
     assert os.stat(tmp_path).st_dev == os.stat(r.spec.storage_path).st_dev
-    manifest = extract_shard(client, prepared, shard, "key", hidden, tmp_path / "shard.json",
-                             len(r.spec.layer_ids), r.hidden_size, concurrency=8, timeout_s=120, log=lambda *_: None)
+    manifest = extract_shard(
+        client,
+        prepared,
+        shard,
+        "key",
+        hidden,
+        tmp_path / "shard.json",
+        len(r.spec.layer_ids),
+        r.hidden_size,
+        concurrency=8,
+        timeout_s=120,
+        log=lambda *_: None,
+    )
     assert manifest["extracted_samples"] == 16 and len(manifest["files"]) == 16
     rows = load_dataset_rows(prepared, 0, 16)
     for i, ids in enumerate(rows):

@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import requests
-
-from eyrie.prepare import load_dataset_rows, load_shards
-from eyrie.extract import load_checked, sample_path
-from eyrie.store import RunFolder, read_json
-
 from conftest import REPO, register_server_folder, stop_server, write_config
+
+from eyrie.extract import load_checked, sample_path
+from eyrie.prepare import load_dataset_rows, load_shards
+from eyrie.store import RunFolder, read_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.usefixtures("flow_api")]
 
@@ -26,9 +25,25 @@ SECRET = "eyrie-test-secret-5f3a9c"  # the extraction server's API key in the fi
 
 
 def flow(config: Path, run: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-dir",
-                             str(run), "--until", "extract"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, EYRIE_TEST_API_KEY=SECRET))
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "run",
+            "--config",
+            str(config),
+            "--run-dir",
+            str(run),
+            "--until",
+            "extract",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, EYRIE_TEST_API_KEY=SECRET),
+    )
 
 
 def files_holding(text: str, *folders: Path) -> list[str]:
@@ -39,8 +54,15 @@ def files_holding(text: str, *folders: Path) -> list[str]:
 def test_server_killed_mid_run_is_restarted_once_and_only_missing_samples_are_redone(tmp_path, tiny_llama):
     # The server requires an API key here (as it does off loopback); the key must survive the restart and must
     # never be written down.
-    config, _ = write_config(tmp_path / "config.yaml", tiny_llama, max_samples=48, shard_size=8, concurrency=1,
-                             layer_ids=[2, 4, 5], extraction={"api_key_env": "EYRIE_TEST_API_KEY"})
+    config, _ = write_config(
+        tmp_path / "config.yaml",
+        tiny_llama,
+        max_samples=48,
+        shard_size=8,
+        concurrency=1,
+        layer_ids=[2, 4, 5],
+        extraction={"api_key_env": "EYRIE_TEST_API_KEY"},
+    )
     run = tmp_path / "run"
     register_server_folder(run / "extract")
     proc = flow(config, run)
@@ -84,9 +106,24 @@ def test_second_run_on_a_folder_in_use_is_refused(tmp_path, tiny_llama):
     config, _ = write_config(tmp_path / "config.yaml", tiny_llama, max_samples=8, shard_size=8)
     run = RunFolder(tmp_path / "run")
     with run.lock():
-        out = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-dir",
-                              str(run.root), "--until", "prepare"], cwd=REPO, capture_output=True, text=True,
-                             timeout=600)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "flows.cli",
+                "run",
+                "--config",
+                str(config),
+                "--run-dir",
+                str(run.root),
+                "--until",
+                "prepare",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     assert out.returncode != 0
     assert f"run folder {run.root} is in use by pid {os.getpid()}" in out.stdout + out.stderr
     assert not (run.root / "prepare").exists()  # it did nothing before refusing
@@ -122,8 +159,15 @@ def small_disk(tmp_path):
 
 
 def test_disk_full_mid_shard_is_a_clear_error_and_loses_nothing(tmp_path, tiny_llama, small_disk):
-    config, _ = write_config(tmp_path / "config.yaml", tiny_llama, max_samples=32, shard_size=8, concurrency=1,
-                             layer_ids=[2, 4, 5], extraction={"min_free_disk_gib": 0})
+    config, _ = write_config(
+        tmp_path / "config.yaml",
+        tiny_llama,
+        max_samples=32,
+        shard_size=8,
+        concurrency=1,
+        layer_ids=[2, 4, 5],
+        extraction={"min_free_disk_gib": 0},
+    )
     run, extract = tmp_path / "run", small_disk
     register_server_folder(extract)
     proc = flow(config, run)

@@ -20,12 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import REPO, register_server_folder, stop_server, write_config
 
 from eyrie.extract import load_checked
 from eyrie.server import ExtractionServer, _alive
 from eyrie.store import RunFolder
-
-from conftest import REPO, register_server_folder, stop_server, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.usefixtures("flow_api")]
 
@@ -35,15 +34,32 @@ NUM_SHARDS = NUM_SAMPLES // SHARD_SIZE
 
 def flow_cmd(config: Path, run: Path) -> list[str]:
     # Through extraction only: the later stages have their own tests (test_pipeline.py).
-    return [sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-dir", str(run),
-            "--until", "extract"]
+    return [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "run",
+        "--config",
+        str(config),
+        "--run-dir",
+        str(run),
+        "--until",
+        "extract",
+    ]
 
 
 def run_flow(config: Path, run: Path, timeout: float) -> subprocess.CompletedProcess:
     """One flow run to its end; on a timeout its whole session goes (Prefect's server too, not vLLM's, which has a
     session of its own and is stopped by the fixture)."""
-    proc = subprocess.Popen(flow_cmd(config, run), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        flow_cmd(config, run),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -97,8 +113,15 @@ def resumed(tmp_path_factory, tiny_llama) -> Resumed:
     root = tmp_path_factory.mktemp("flow")
     run = root / "run"
     # concurrency 1: a shard takes a few seconds, so the run can be caught between its first and last shard.
-    config, _ = write_config(root / "config.yaml", tiny_llama, "tiny-llama", max_samples=NUM_SAMPLES,
-                             shard_size=SHARD_SIZE, layer_ids=[2, 4, 5], concurrency=1)
+    config, _ = write_config(
+        root / "config.yaml",
+        tiny_llama,
+        "tiny-llama",
+        max_samples=NUM_SAMPLES,
+        shard_size=SHARD_SIZE,
+        layer_ids=[2, 4, 5],
+        concurrency=1,
+    )
     register_server_folder(run / "extract")
     manifests = run / "extract" / "shards"
     first = None
@@ -107,12 +130,20 @@ def resumed(tmp_path_factory, tiny_llama) -> Resumed:
         with open(root / "run1.log", "wb") as log1:
             # Its own session, so the Prefect server it starts can be cleaned up after the kill; the vLLM server
             # it starts has a session of its own and is not touched.
-            first = subprocess.Popen(flow_cmd(config, run), cwd=REPO, stdout=log1, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+            first = subprocess.Popen(
+                flow_cmd(config, run),
+                cwd=REPO,
+                stdout=log1,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
             while True:
                 if first.poll() is not None:
-                    pytest.fail(f"the first run ended (rc {first.returncode}) before it could be killed:\n"
-                                + _tail((root / "run1.log").read_text(errors="replace")))
+                    pytest.fail(
+                        f"the first run ended (rc {first.returncode}) before it could be killed:\n"
+                        + _tail((root / "run1.log").read_text(errors="replace"))
+                    )
                 done = sorted(p.stem for p in manifests.glob("shard-*.json")) if manifests.exists() else []
                 if done:
                     break
@@ -130,16 +161,28 @@ def resumed(tmp_path_factory, tiny_llama) -> Resumed:
 
         done = sorted(p.stem for p in manifests.glob("shard-*.json"))
         assert 1 <= len(done) < NUM_SHARDS, f"killed too late: {len(done)} of {NUM_SHARDS} shards done"
-        done_at_kill = {name: (*file_ids(manifests / f"{name}.json"), (manifests / f"{name}.json").read_bytes())
-                        for name in done}
+        done_at_kill = {
+            name: (*file_ids(manifests / f"{name}.json"), (manifests / f"{name}.json").read_bytes()) for name in done
+        }
         samples_at_kill = {p.name: file_ids(p) for p in (run / "extract" / "hidden_states").glob("hs_*")}
         status_at_kill = status_text(run)
 
         t1 = time.monotonic()
         resume = run_flow(config, run, timeout=1200)
         (root / "run2.log").write_text(resume.stdout)
-        yield Resumed(root, config, run, killed_after, done_at_kill, samples_at_kill, status_at_kill, server_state,
-                      healthy, resume, time.monotonic() - t1)
+        yield Resumed(
+            root,
+            config,
+            run,
+            killed_after,
+            done_at_kill,
+            samples_at_kill,
+            status_at_kill,
+            server_state,
+            healthy,
+            resume,
+            time.monotonic() - t1,
+        )
     finally:
         if first is not None and first.poll() is None:
             first.kill()
@@ -159,8 +202,10 @@ def test_resume_after_kill(resumed: Resumed):
     r, run = resumed, resumed.run
     out = r.resume.stdout
     assert r.resume.returncode == 0, _tail(out)
-    print(f"first run killed after {r.killed_after_s:.0f} s with {len(r.done_at_kill)} of {NUM_SHARDS} shards "
-          f"done; the resume took {r.resume_s:.0f} s")
+    print(
+        f"first run killed after {r.killed_after_s:.0f} s with {len(r.done_at_kill)} of {NUM_SHARDS} shards "
+        f"done; the resume took {r.resume_s:.0f} s"
+    )
 
     # The kill left the detached vLLM server up, and the resume reused it: one start in its log.
     assert r.server_healthy_after_kill, "the vLLM server died with the flow process"
@@ -199,8 +244,11 @@ def test_resume_after_kill(resumed: Resumed):
         load_checked(hidden / f"hs_{i}.safetensors", ids, NUM_LAYERS, HIDDEN)
     assert len(list(manifests.glob("shard-*.json"))) == NUM_SHARDS
     # (.eyrie.lock is the run folder's flock file: it stays, and holds no lock once its process is gone.)
-    leftovers = [p for p in run.rglob("*") if p.name != ".eyrie.lock" and
-                 (p.name.endswith((".tmp", ".lock")) or ".staging-" in p.name)]
+    leftovers = [
+        p
+        for p in run.rglob("*")
+        if p.name != ".eyrie.lock" and (p.name.endswith((".tmp", ".lock")) or ".staging-" in p.name)
+    ]
     assert leftovers == []
     # Requests in flight at the kill were answered into the server's staging folder for a client that was gone;
     # the resumed run removes them once its own extraction is done.
@@ -231,8 +279,13 @@ def test_status_reports_stages_and_shards(resumed: Resumed):
     assert "extraction server: not running" in text
 
     # The same through the console entry point, as a user types it.
-    cli = subprocess.run([sys.executable, "-m", "flows.cli", "status", "--run-dir", str(resumed.run)], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
+    cli = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "status", "--run-dir", str(resumed.run)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert cli.returncode == 0 and cli.stdout.strip() == text.strip()
 
 
@@ -269,8 +322,9 @@ def test_speculators_training_loader_reads_the_output(resumed: Resumed):
 
     run = resumed.run
     hidden = run / "extract" / "hidden_states"
-    ds = ArrowDataset(max_len=256, datapath=str(run / "prepare" / "dataset"), transfer=FileTransfer(hidden),
-                      on_missing="raise")
+    ds = ArrowDataset(
+        max_len=256, datapath=str(run / "prepare" / "dataset"), transfer=FileTransfer(hidden), on_missing="raise"
+    )
     assert len(ds) == NUM_SAMPLES
     rows = _rows(run)
     items = []
@@ -295,5 +349,5 @@ def test_speculators_training_loader_reads_the_output(resumed: Resumed):
     doc = batch["document_ids"][0]
     assert torch.bincount(doc[doc >= 0]).tolist() == lengths  # three documents packed, the rest padding
     first = items[0]["hidden_states"].to(batch["hidden_states"].dtype)
-    assert torch.equal(batch["hidden_states"][0, :lengths[0]], first)
+    assert torch.equal(batch["hidden_states"][0, : lengths[0]], first)
     assert (run / "prepare" / "dataset" / "token_freq.pt").exists()

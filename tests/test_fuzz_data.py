@@ -11,19 +11,35 @@ from hypothesis import strategies as st
 from eyrie.prepare import RowError, normalize, tokenize_conversation
 
 TEMPLATE_BITS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "assistant\n", "user", "\n", "{{", "}}", "{%"]
-text = st.one_of(st.text(max_size=40), st.sampled_from(TEMPLATE_BITS),
-                 st.lists(st.sampled_from(TEMPLATE_BITS + ["a", " ", "é", "🦅"]), max_size=8).map("".join))
+text = st.one_of(
+    st.text(max_size=40),
+    st.sampled_from(TEMPLATE_BITS),
+    st.lists(st.sampled_from(TEMPLATE_BITS + ["a", " ", "é", "🦅"]), max_size=8).map("".join),
+)
 role = st.sampled_from(["user", "assistant", "system", "human", "gpt", "tool", "USER", "narrator", "", None, 3])
 turn = st.one_of(
     st.fixed_dictionaries({"role": role, "content": st.one_of(text, st.none(), st.integers())}),
     st.fixed_dictionaries({"from": role, "value": text}),
-    st.fixed_dictionaries({"role": role, "content": st.lists(st.fixed_dictionaries(
-        {"type": st.sampled_from(["text", "image_url"]), "text": text}), max_size=2)}),
-    text, st.none(), st.integers())
+    st.fixed_dictionaries(
+        {
+            "role": role,
+            "content": st.lists(
+                st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": text}), max_size=2
+            ),
+        }
+    ),
+    text,
+    st.none(),
+    st.integers(),
+)
 row = st.one_of(
     st.fixed_dictionaries({"messages": st.lists(turn, max_size=6)}),
     st.fixed_dictionaries({"conversations": st.lists(turn, max_size=6)}),
-    st.fixed_dictionaries({"text": text}), st.lists(turn), text, st.none())
+    st.fixed_dictionaries({"text": text}),
+    st.lists(turn),
+    text,
+    st.none(),
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +51,9 @@ def tok(tiny_llama):
 
 # derandomize: the same 300 examples on every run, so CI is never red by the luck of a draw (a new case found by
 # exploring locally goes into the strategies or an explicit test).
-@settings(max_examples=300, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(row=row, max_length=st.integers(min_value=8, max_value=96))
 def test_rows_are_used_or_refused_with_a_reason(tok, row, max_length):
     try:

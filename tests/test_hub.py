@@ -9,13 +9,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import config_dict
 
 from eyrie.config import DataConfig, parse_config
 from eyrie.errors import ConfigError
 from eyrie.hub import hub_commit, pin_revisions
 from eyrie.prepare import is_hub_source, iter_rows, source_fingerprint
-
-from conftest import config_dict
 
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
 
@@ -96,7 +95,10 @@ def test_local_target_identity_follows_its_weights(tmp_path, tiny_llama):
     before = target_identity(target)
     assert target_identity(target) == before
     weights = load_file(str(folder / "model.safetensors"))
-    save_file({k: v + torch.finfo(v.dtype).eps * 4 if v.is_floating_point() else v for k, v in weights.items()},
-              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v + torch.finfo(v.dtype).eps * 4 if v.is_floating_point() else v for k, v in weights.items()},
+        str(folder / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     assert (folder / "model.safetensors").stat().st_size == (tiny_llama / "model.safetensors").stat().st_size
     assert target_identity(target) != before

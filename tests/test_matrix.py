@@ -16,16 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, build_tiny_target, config_dict
 from safetensors.torch import load_file, save_file
 
 from eyrie.config import parse_config
-from eyrie.prepare import load_dataset_rows, load_seq_lens, prepare
 from eyrie.export import export_drafter
 from eyrie.preflight import run_preflight
+from eyrie.prepare import load_dataset_rows, load_seq_lens, prepare
 from eyrie.train import run_training, untrained_drafter
 from eyrie.vocab import build_vocab, mapping_paths
-
-from conftest import REPO, build_tiny_target, config_dict
 
 README = REPO / "README.md"
 
@@ -53,8 +52,7 @@ ROWS: dict[str, str] = {}
 
 
 def _config(target: Path, **kw):
-    return parse_config(config_dict(target, max_samples=6, shard_size=6, max_length=128, layer_ids=[2, 4, 5],
-                                    **kw))
+    return parse_config(config_dict(target, max_samples=6, shard_size=6, max_length=128, layer_ids=[2, 4, 5], **kw))
 
 
 @pytest.mark.parametrize("kind", sorted(ACCEPTED))
@@ -64,12 +62,17 @@ def test_preflight_verdict(kind, tmp_path):
     # refusal); the matrix is about extraction and training.
     report = run_preflight(_config(target), tmp_path / "run", raise_on_failure=False, serve=False)
     weights = report.target_facts["verifier_weights"]
-    ROWS[kind] = (f"| {kind} | `{report.architecture}` | {report.eagle3_path} | `{weights.get('embed_tokens.weight')}`"
-                  f" | `{weights.get('model.norm.weight')}` | `{weights.get('lm_head.weight', '(tied)')}` |")
+    ROWS[kind] = (
+        f"| {kind} | `{report.architecture}` | {report.eagle3_path} | `{weights.get('embed_tokens.weight')}`"
+        f" | `{weights.get('model.norm.weight')}` | `{weights.get('lm_head.weight', '(tied)')}` |"
+    )
     assert report.failures == [], report.failures
     assert report.eagle3_path == ACCEPTED[kind]
-    names = set(json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]) \
-        if (target / "model.safetensors.index.json").exists() else set(load_file(str(target / "model.safetensors")))
+    names = (
+        set(json.loads((target / "model.safetensors.index.json").read_text())["weight_map"])
+        if (target / "model.safetensors.index.json").exists()
+        else set(load_file(str(target / "model.safetensors")))
+    )
     assert {"embed_tokens.weight", "model.norm.weight"} <= set(weights)
     assert set(weights.values()) <= names, f"resolved names not in the checkpoint: {weights}"
 
@@ -88,8 +91,13 @@ def _synthetic_hidden_states(prepared: Path, hidden: Path, n_captured: int, hidd
     hidden.mkdir(parents=True)
     g = torch.Generator().manual_seed(0)
     for i, ids in enumerate(load_dataset_rows(prepared, 0, 6)):
-        save_file({"hidden_states": torch.randn(len(ids), n_captured, hidden_size, generator=g).bfloat16(),
-                   "token_ids": torch.tensor(ids)}, str(hidden / f"hs_{i}.safetensors"))
+        save_file(
+            {
+                "hidden_states": torch.randn(len(ids), n_captured, hidden_size, generator=g).bfloat16(),
+                "token_ids": torch.tensor(ids),
+            },
+            str(hidden / f"hs_{i}.safetensors"),
+        )
 
 
 @pytest.mark.slow
@@ -118,8 +126,9 @@ def test_drafter_borrows_the_resolved_tensors_and_trains(kind, tmp_path):
 
     trained = run_training(config, tmp_path / "train", "k", *inputs, load_seq_lens(prepared), log=print)
     assert trained["global_step"] and trained["global_step"] > 0
-    exported = export_drafter(Path(trained["checkpoint"]), tmp_path / "export", str(target), report.aux_layer_ids,
-                              report.hidden_size, "e")
+    exported = export_drafter(
+        Path(trained["checkpoint"]), tmp_path / "export", str(target), report.aux_layer_ids, report.hidden_size, "e"
+    )
     cfg = json.loads((Path(exported["drafter"]) / "config.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == report.aux_layer_ids
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(target.resolve())

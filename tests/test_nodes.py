@@ -46,8 +46,10 @@ def test_a_server_recorded_by_another_host_is_never_signalled(tmp_path):
     run = RunFolder(tmp_path / "run")
     folder = server_folder(run.extract, "other-node")
     # A pid that is alive here (this very process): stopping must not touch it.
-    atomic_write_json(folder / "server.json", {"pid": os.getpid(), "host": "127.0.0.1", "port": 1,
-                                               "fingerprint": "x", "hostname": "some-other-host"})
+    atomic_write_json(
+        folder / "server.json",
+        {"pid": os.getpid(), "host": "127.0.0.1", "port": 1, "fingerprint": "x", "hostname": "some-other-host"},
+    )
     server = ExtractionServer(folder)
     assert not server.healthy()
     assert server.stop(log=lambda *_: None) is False

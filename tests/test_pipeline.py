@@ -21,18 +21,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import DEMO_DATA, REPO, build_tiny_target, register_server_folder, write_config
 
 from eyrie.store import read_json
-
-from conftest import DEMO_DATA, REPO, build_tiny_target, register_server_folder, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.usefixtures("flow_api")]
 
 # What a finished stage leaves; none of it may be rewritten by a later run. (A training epoch is finished once
 # speculators links `epoch<N>_end` to its folder; mid-epoch checkpoints in that folder are progress, overwritten.)
-FINISHED = ("prepare/manifest.json", "extract/shards/*.json", "extract/hidden_states/*", "vocab/manifest.json",
-            "train/manifest.json", "train/*/checkpoints/epoch*_end/model.safetensors", "export/manifest.json",
-            "evaluate/trained.json", "evaluate/untrained.json")
+FINISHED = (
+    "prepare/manifest.json",
+    "extract/shards/*.json",
+    "extract/hidden_states/*",
+    "vocab/manifest.json",
+    "train/manifest.json",
+    "train/*/checkpoints/epoch*_end/model.safetensors",
+    "export/manifest.json",
+    "evaluate/trained.json",
+    "evaluate/untrained.json",
+)
 
 
 def run_flow(config: Path, run: Path, until: str = "evaluate", faults: str | None = None) -> subprocess.Popen:
@@ -71,8 +78,11 @@ def killed_at(config: Path, run: Path, point: str, until: str = "evaluate") -> s
 
 
 def finished_files(run: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(run)): (p.stat().st_ino, p.stat().st_mtime_ns)
-            for pattern in FINISHED for p in run.glob(pattern)}
+    return {
+        str(p.relative_to(run)): (p.stat().st_ino, p.stat().st_mtime_ns)
+        for pattern in FINISHED
+        for p in run.glob(pattern)
+    }
 
 
 def vllm_starts(run: Path) -> int:
@@ -106,14 +116,26 @@ def pipeline(tmp_path_factory) -> Pipeline:
     root = tmp_path_factory.mktemp("pipeline")
     target = build_tiny_target("tiny-llama-chat")
     write_snapshot(root / "chats.jsonl", SNAPSHOT_1)
-    config, _ = write_config(root / "config.yaml", target, "tiny-llama-chat", source=root / "chats.jsonl",
-                             max_samples=None, shard_size=48, layer_ids=[2, 4, 5], name="pipeline",
-                             train={"epochs": 3, "lr": 3e-3, "max_seq_len": 512, "save_every_steps": 4},
-                             evaluate={"num_prompts": 12, "max_tokens": 32, "num_speculative_tokens": 3},
-                             promotion={"dir": str(root / "drafters")})
+    config, _ = write_config(
+        root / "config.yaml",
+        target,
+        "tiny-llama-chat",
+        source=root / "chats.jsonl",
+        max_samples=None,
+        shard_size=48,
+        layer_ids=[2, 4, 5],
+        name="pipeline",
+        train={"epochs": 3, "lr": 3e-3, "max_seq_len": 512, "save_every_steps": 4},
+        evaluate={"num_prompts": 12, "max_tokens": 32, "num_speculative_tokens": 3},
+        promotion={"dir": str(root / "drafters")},
+    )
     run = root / "run"
-    for folder in (run / "extract", run / "export" / "server-trained", run / "evaluate" / "server-untrained",
-                   run / "evaluate" / "server-current"):
+    for folder in (
+        run / "extract",
+        run / "export" / "server-trained",
+        run / "evaluate" / "server-untrained",
+        run / "evaluate" / "server-current",
+    ):
         register_server_folder(folder)
     half, finished = {}, {}
 
@@ -156,8 +178,19 @@ def pipeline(tmp_path_factory) -> Pipeline:
     starts = vllm_starts(run)
     t0 = time.monotonic()
     third_out = finish(run_flow(config, run))
-    return Pipeline(run, config, root / "drafters", step, half, finished, resume_out, third_out,
-                    time.monotonic() - t0, starts, vllm_starts(run))
+    return Pipeline(
+        run,
+        config,
+        root / "drafters",
+        step,
+        half,
+        finished,
+        resume_out,
+        third_out,
+        time.monotonic() - t0,
+        starts,
+        vllm_starts(run),
+    )
 
 
 def test_a_kill_in_any_stage_recomputes_nothing_finished(pipeline):
@@ -166,8 +199,14 @@ def test_a_kill_in_any_stage_recomputes_nothing_finished(pipeline):
         changed = sorted(path for path, ids in seen.items() if final.get(path) != ids)
         assert not changed, f"finished before the kill in {stage}, rewritten after it: {changed[:10]}"
     # every stage's output is there, and nothing half-written or orphaned is left anywhere
-    for path in ("prepare/manifest.json", "vocab/manifest.json", "train/manifest.json", "export/manifest.json",
-                 "evaluate/untrained.json", "evaluate/manifest.json"):
+    for path in (
+        "prepare/manifest.json",
+        "vocab/manifest.json",
+        "train/manifest.json",
+        "export/manifest.json",
+        "evaluate/untrained.json",
+        "evaluate/manifest.json",
+    ):
         assert (pipeline.run / path).exists(), path
     leftovers = [str(p) for p in pipeline.run.rglob("*") if ".staging" in p.name or p.name.endswith(".tmp")]
     assert leftovers == []
@@ -178,17 +217,19 @@ def test_interrupted_stages_end_as_an_uninterrupted_run(pipeline, tmp_path):
     import torch
 
     from eyrie.config import load_config
-    from eyrie.prepare import prepare
     from eyrie.export import export_drafter
+    from eyrie.prepare import prepare
     from eyrie.vocab import build_vocab
 
     run, config = pipeline.run, load_config(pipeline.config)
     ref = tmp_path / "prepare"
     prepare(config.target, config.data, ref)
     cmp = filecmp.dircmp(run / "prepare", ref)
-    assert sorted(cmp.left_list) == sorted(cmp.right_list) == sorted(["dataset", "manifest.json",
-                                                                       "eval_prompts.jsonl", "shards.json",
-                                                                       "stats.json"])
+    assert (
+        sorted(cmp.left_list)
+        == sorted(cmp.right_list)
+        == sorted(["dataset", "manifest.json", "eval_prompts.jsonl", "shards.json", "stats.json"])
+    )
     for name in ("eval_prompts.jsonl", "shards.json", "stats.json"):
         assert (run / "prepare" / name).read_bytes() == (ref / name).read_bytes(), name
     arrows = sorted(p.name for p in (ref / "dataset").glob("*.arrow"))
@@ -198,21 +239,31 @@ def test_interrupted_stages_end_as_an_uninterrupted_run(pipeline, tmp_path):
     assert torch.load(run / "prepare" / "dataset" / "token_freq.pt") == torch.load(ref / "dataset" / "token_freq.pt")
 
     vocab = read_json(run / "vocab" / "manifest.json")
-    ref_vocab = build_vocab(ref / "dataset" / "token_freq.pt", vocab["draft_vocab_size"],
-                            vocab["target_vocab_size"], tmp_path / "vocab", vocab["key"])
+    ref_vocab = build_vocab(
+        ref / "dataset" / "token_freq.pt",
+        vocab["draft_vocab_size"],
+        vocab["target_vocab_size"],
+        tmp_path / "vocab",
+        vocab["key"],
+    )
     assert ref_vocab["files"] == vocab["files"] and sorted(vocab["files"]) == pipeline.half["vocab"]
 
     export = read_json(run / "export" / "manifest.json")
-    ref_export = export_drafter(Path(export["checkpoint"]), tmp_path / "export", str(config.target.model),
-                                export["eagle_aux_hidden_state_layer_ids"],
-                                json.loads((Path(export["drafter"]) / "config.json").read_text())["target_hidden_size"],
-                                export["key"])
+    ref_export = export_drafter(
+        Path(export["checkpoint"]),
+        tmp_path / "export",
+        str(config.target.model),
+        export["eagle_aux_hidden_state_layer_ids"],
+        json.loads((Path(export["drafter"]) / "config.json").read_text())["target_hidden_size"],
+        export["key"],
+    )
     assert ref_export["files"] == export["files"] and sorted(export["files"]) == pipeline.half["export"]
 
     # extraction: exactly one file per prepared sample (test_flow.py checks their contents)
     num_samples = read_json(run / "prepare" / "manifest.json")["num_samples"]
-    assert sorted(p.name for p in (run / "extract" / "hidden_states").iterdir()) == \
-        sorted(f"hs_{i}.safetensors" for i in range(num_samples))
+    assert sorted(p.name for p in (run / "extract" / "hidden_states").iterdir()) == sorted(
+        f"hs_{i}.safetensors" for i in range(num_samples)
+    )
 
 
 def test_training_resumes_from_the_saved_step(pipeline):
@@ -232,8 +283,10 @@ def test_export_is_servable_and_matches_extraction(pipeline):
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     server = read_json(pipeline.run / "extract" / "shards" / "shard-00000.json")
     assert server["num_layers"] == 4  # the three aux ids plus the last layer's output
-    assert Path(cfg["speculators_config"]["verifier"]["name_or_path"]).resolve() == \
-        build_tiny_target("tiny-llama-chat").resolve()
+    assert (
+        Path(cfg["speculators_config"]["verifier"]["name_or_path"]).resolve()
+        == build_tiny_target("tiny-llama-chat").resolve()
+    )
     proof = export["vllm_proof"]
     assert proof["completion_tokens"] > 0 and proof["completion"]
 
@@ -254,8 +307,12 @@ def test_second_run_is_all_cached_and_starts_no_vllm(pipeline):
     for stage in ("prepare", "vocab", "train", "export", "evaluate-trained", "evaluate-untrained"):
         assert f"Task run '{stage}" in pipeline.third_out
     assert "Cached" in pipeline.third_out and "Task run 'train-" in pipeline.third_out
-    finished = [line for line in pipeline.third_out.splitlines() if "Finished in state" in line
-                and any(f"'{s}-" in line for s in ("prepare", "vocab", "train", "export", "evaluate", "extract"))]
+    finished = [
+        line
+        for line in pipeline.third_out.splitlines()
+        if "Finished in state" in line
+        and any(f"'{s}-" in line for s in ("prepare", "vocab", "train", "export", "evaluate", "extract"))
+    ]
     assert finished and all("Cached" in line for line in finished), "\n".join(finished)
     assert "acceptance_length" in pipeline.third_out
 
@@ -298,8 +355,10 @@ def test_retraining_reuses_the_extraction_of_unchanged_shards(pipeline, retraine
     assert kept == ["shard-00000.json", "shard-00001.json", "shard-00002.json"], (kept, redone)
     assert redone == ["shard-00003.json", "shard-00004.json"]
     assert "5 shards, 2 to extract" in retrained.out
-    assert len(list((pipeline.run / "extract" / "hidden_states").iterdir())) == \
-        read_json(pipeline.run / "prepare" / "manifest.json")["num_samples"]
+    assert (
+        len(list((pipeline.run / "extract" / "hidden_states").iterdir()))
+        == read_json(pipeline.run / "prepare" / "manifest.json")["num_samples"]
+    )
 
 
 def test_retraining_warm_starts_from_the_current_drafter(pipeline, retrained):
@@ -320,8 +379,10 @@ def test_retraining_promotes_only_a_drafter_at_least_as_good(pipeline, retrained
     current = read_json(pipeline.run / "evaluate" / "current.json")
     # Both measured on the same, new held-out prompts; the untrained baseline is skipped when there is a rival.
     assert current["drafter"] == str(retrained.base) and current["prompts"] == trained["prompts"]
-    assert not (pipeline.run / "evaluate" / "untrained.json").exists() or \
-        read_json(pipeline.run / "evaluate" / "untrained.json")["key"] != trained["key"]
+    assert (
+        not (pipeline.run / "evaluate" / "untrained.json").exists()
+        or read_json(pipeline.run / "evaluate" / "untrained.json")["key"] != trained["key"]
+    )
     decision = json.loads((pipeline.drafters / "history.jsonl").read_text().splitlines()[-1])
     assert decision["current_before"] == str(retrained.base)
     assert decision["current_acceptance_length"] == current["acceptance_length"]
@@ -332,6 +393,8 @@ def test_retraining_promotes_only_a_drafter_at_least_as_good(pipeline, retrained
     else:
         assert not decision["promoted"] and now == retrained.base
         assert "not promoted: acceptance length" in retrained.out and "the current drafter stays" in retrained.out
-    print(f"retraining: new {trained['acceptance_length']} vs current {current['acceptance_length']} "
-          f"(the current one scored {retrained.base_result['acceptance_length']} on the first snapshot's prompts): "
-          f"{decision['reason']}")
+    print(
+        f"retraining: new {trained['acceptance_length']} vs current {current['acceptance_length']} "
+        f"(the current one scored {retrained.base_result['acceptance_length']} on the first snapshot's prompts): "
+        f"{decision['reason']}"
+    )

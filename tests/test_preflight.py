@@ -8,28 +8,56 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import config_dict, write_config
 
 from eyrie.config import parse_config
 from eyrie.errors import ConfigError, PreflightError
-from eyrie.preflight import (captured_layer_ids, default_aux_layer_ids, probe_eagle3, resolve_vllm_class,
-                             run_preflight, validate_aux_layer_ids)
+from eyrie.preflight import (
+    captured_layer_ids,
+    default_aux_layer_ids,
+    probe_eagle3,
+    resolve_vllm_class,
+    run_preflight,
+    validate_aux_layer_ids,
+)
 from eyrie.tiny.tokenizer import build_tokenizer
 from flows.cli import main as eyrie_main
-
-from conftest import config_dict, write_config
 
 # Architectures whose vLLM 0.32 class has no `supports_eagle3` (checked in test_unsupported_architectures_exist).
 # OPT's config uses the standard num_hidden_layers/hidden_size keys, so its class is the only problem. OPT and GPT-2
 # generate text, so Eyrie's EAGLE-3 compatibility layer (eyrie/vllm_plugin/compat.py) may take them on; the tests of
 # the bare refusal turn it off with EYRIE_EAGLE3_COMPAT=0. BertModel (an embedding model) is refused either way.
 UNSUPPORTED = {
-    "OPTForCausalLM": {"model_type": "opt", "hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 2,
-                       "ffn_dim": 128, "word_embed_proj_dim": 64, "max_position_embeddings": 1024,
-                       "do_layer_norm_before": True, "vocab_size": 512},
-    "GPT2LMHeadModel": {"model_type": "gpt2", "n_embd": 64, "n_layer": 8, "n_head": 2, "n_positions": 1024,
-                        "vocab_size": 512, "num_hidden_layers": 8, "hidden_size": 64},
-    "BertModel": {"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 2,
-                  "intermediate_size": 128, "max_position_embeddings": 1024, "vocab_size": 512},
+    "OPTForCausalLM": {
+        "model_type": "opt",
+        "hidden_size": 64,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 2,
+        "ffn_dim": 128,
+        "word_embed_proj_dim": 64,
+        "max_position_embeddings": 1024,
+        "do_layer_norm_before": True,
+        "vocab_size": 512,
+    },
+    "GPT2LMHeadModel": {
+        "model_type": "gpt2",
+        "n_embd": 64,
+        "n_layer": 8,
+        "n_head": 2,
+        "n_positions": 1024,
+        "vocab_size": 512,
+        "num_hidden_layers": 8,
+        "hidden_size": 64,
+    },
+    "BertModel": {
+        "model_type": "bert",
+        "hidden_size": 64,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 2,
+        "intermediate_size": 128,
+        "max_position_embeddings": 1024,
+        "vocab_size": 512,
+    },
 }
 NO_COMPAT = "EYRIE_EAGLE3_COMPAT"
 
@@ -38,8 +66,9 @@ def unsupported_target(folder: Path, arch: str) -> Path:
     """A tokenizer, the architecture's config.json and a model.safetensors of garbage: loading it would fail."""
     folder.mkdir(parents=True)
     build_tokenizer(folder)
-    (folder / "config.json").write_text(json.dumps({"architectures": [arch], "torch_dtype": "bfloat16",
-                                                    **UNSUPPORTED[arch]}, indent=2))
+    (folder / "config.json").write_text(
+        json.dumps({"architectures": [arch], "torch_dtype": "bfloat16", **UNSUPPORTED[arch]}, indent=2)
+    )
     (folder / "model.safetensors").write_bytes(b"\x13\x37 not a safetensors file " * 64)
     return folder
 
@@ -105,11 +134,13 @@ def test_gpt2_target_refused_too(tmp_path, monkeypatch):
     assert any("GPT2LMHeadModel does not implement SupportsEagle3" in f for f in info.value.failures)
 
 
-@pytest.mark.parametrize("kind, lm", [("tiny-llama", None), ("tiny-deepseek-v3", None),
-                                      ("tiny-kimi-k25", "DeepseekV3ForCausalLM")])
+@pytest.mark.parametrize(
+    "kind, lm", [("tiny-llama", None), ("tiny-deepseek-v3", None), ("tiny-kimi-k25", "DeepseekV3ForCausalLM")]
+)
 def test_tiny_targets_pass(tiny_target, tmp_path, kind, lm):
-    report = run_preflight(parse_config(config_dict(tiny_target(kind))), tmp_path / "run", tokens=10_000,
-                           serve=False)  # an MLA target cannot be served with a drafter on CPU (tested below)
+    report = run_preflight(
+        parse_config(config_dict(tiny_target(kind))), tmp_path / "run", tokens=10_000, serve=False
+    )  # an MLA target cannot be served with a drafter on CPU (tested below)
     assert report.failures == []
     assert report.eagle3_path == "native"
     assert (report.num_layers, report.hidden_size) == (8, 64)
@@ -178,8 +209,16 @@ def test_models_that_are_not_decoder_lms_are_refused(arch, tmp_path, monkeypatch
 
     model_type, why = NOT_DECODER_LMS[arch]
     # The real config class's defaults (Whisper's is_encoder_decoder among them), shrunk to a tiny width.
-    fields = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=64, num_hidden_layers=8,
-                                  num_attention_heads=2, d_model=64, encoder_layers=2, decoder_layers=8).to_dict()
+    fields = AutoConfig.for_model(
+        model_type,
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=2,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=8,
+    ).to_dict()
     folder = tmp_path / arch
     folder.mkdir()
     build_tokenizer(folder)

@@ -8,16 +8,24 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import DEMO_DATA
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eyrie.config import DataConfig, TargetConfig
-from eyrie.target import load_tokenizer
-from eyrie.prepare import (RowError, iter_eval_prompts, load_dataset_rows, load_shards, normalize,
-                        plan_shards, prepare, prepare_key, tokenize_conversation)
 from eyrie.errors import DataError
-
-from conftest import DEMO_DATA
+from eyrie.prepare import (
+    RowError,
+    iter_eval_prompts,
+    load_dataset_rows,
+    load_shards,
+    normalize,
+    plan_shards,
+    prepare,
+    prepare_key,
+    tokenize_conversation,
+)
+from eyrie.target import load_tokenizer
 
 CONVERSATION = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -26,11 +34,15 @@ CONVERSATION = [
     {"role": "user", "content": "Spell the word apple."},
     {"role": "assistant", "content": "The word apple is spelled a-p-p-l-e."},
 ]
-SHAREGPT = {"conversations": [{"from": "system", "value": "You are a helpful assistant."},
-                              {"from": "human", "value": "What is 2 plus 3?"},
-                              {"from": "gpt", "value": "2 plus 3 is 5."},
-                              {"from": "human", "value": "Spell the word apple."},
-                              {"from": "gpt", "value": "The word apple is spelled a-p-p-l-e."}]}
+SHAREGPT = {
+    "conversations": [
+        {"from": "system", "value": "You are a helpful assistant."},
+        {"from": "human", "value": "What is 2 plus 3?"},
+        {"from": "gpt", "value": "2 plus 3 is 5."},
+        {"from": "human", "value": "Spell the word apple."},
+        {"from": "gpt", "value": "The word apple is spelled a-p-p-l-e."},
+    ]
+}
 
 
 @pytest.fixture(scope="module")
@@ -71,22 +83,34 @@ def test_messages_and_sharegpt_forms_normalize_alike():
     assert normalize({"messages": CONVERSATION}) == CONVERSATION
     assert normalize(SHAREGPT) == CONVERSATION
     # ShareGPT rows with role/content keys and OpenAI content parts are read too.
-    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is "},
-                                                        {"type": "text", "text": "2 plus 3?"}]},
-                          {"role": "model", "content": "5"}]}
-    assert normalize(parts) == [{"role": "user", "content": "What is 2 plus 3?"},
-                                {"role": "assistant", "content": "5"}]
+    parts = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2 plus 3?"}]},
+            {"role": "model", "content": "5"},
+        ]
+    }
+    assert normalize(parts) == [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "5"}]
 
 
-@pytest.mark.parametrize("row, reason", [
-    ({"messages": [{"role": "user", "content": "hi"}]}, "no_assistant_turn"),
-    ({"messages": [{"role": "narrator", "content": "hi"}, {"role": "assistant", "content": "x"}]}, "unknown_role"),
-    ({"text": "hello"}, "no_conversation_field"),
-    ({"messages": []}, "malformed_turn"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]},
-                   {"role": "assistant", "content": "x"}]}, "non_text_content"),
-    (["not", "a", "dict"], "not_a_mapping"),
-])
+@pytest.mark.parametrize(
+    "row, reason",
+    [
+        ({"messages": [{"role": "user", "content": "hi"}]}, "no_assistant_turn"),
+        ({"messages": [{"role": "narrator", "content": "hi"}, {"role": "assistant", "content": "x"}]}, "unknown_role"),
+        ({"text": "hello"}, "no_conversation_field"),
+        ({"messages": []}, "malformed_turn"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": "x"}]},
+                    {"role": "assistant", "content": "x"},
+                ]
+            },
+            "non_text_content",
+        ),
+        (["not", "a", "dict"], "not_a_mapping"),
+    ],
+)
 def test_bad_rows_raise_with_reason(row, reason):
     with pytest.raises(RowError) as info:
         normalize(row)
@@ -105,7 +129,7 @@ def test_loss_mask_covers_exactly_assistant_content(tok):
         # Each masked span is the answer and the end-of-turn token; the ChatML template's newline after
         # <|im_end|> belongs to the turn too. Nothing of the role header, the user or the system is masked.
         assert span.startswith(answer + tok.eos_token), span
-        assert span[len(answer + tok.eos_token):].strip() == "", span
+        assert span[len(answer + tok.eos_token) :].strip() == "", span
     unmasked = tok.decode([t for t, m in zip(ids, mask) if not m])
     for m in CONVERSATION:
         if m["role"] != "assistant":
@@ -142,20 +166,28 @@ def test_truncation(tok):
 
 def test_prepare_counts_bad_rows_by_reason(tmp_path, target, tok):
     good = [json.loads(line) for line in DEMO_DATA.read_text().splitlines()[:10]]
-    rows = good[:5] + [
-        '{"messages": [{"role": "user", "content": "truncated line',  # malformed json
-        {"messages": [{"role": "user", "content": "no answer"}]},  # no assistant turn
-        {"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]},  # unknown role
-        {"prompt": "hi", "completion": "there"},  # no conversation field
-        SHAREGPT,
-    ] + good[5:]
+    rows = (
+        good[:5]
+        + [
+            '{"messages": [{"role": "user", "content": "truncated line',  # malformed json
+            {"messages": [{"role": "user", "content": "no answer"}]},  # no assistant turn
+            {"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]},  # unknown role
+            {"prompt": "hi", "completion": "there"},  # no conversation field
+            SHAREGPT,
+        ]
+        + good[5:]
+    )
     source = _jsonl(tmp_path / "mixed.jsonl", rows)
     out = tmp_path / "prepare"
     manifest = prepare(target, _data(source), out)
 
     stats = json.loads((out / "stats.json").read_text())
-    assert stats["dropped"] == {"malformed_json": 1, "no_assistant_turn": 1, "unknown_role": 1,
-                                "no_conversation_field": 1}
+    assert stats["dropped"] == {
+        "malformed_json": 1,
+        "no_assistant_turn": 1,
+        "unknown_role": 1,
+        "no_conversation_field": 1,
+    }
     assert stats["rows_read"] == len(rows) == 15
     assert stats["rows_used"] == 11 == manifest["num_samples"]
     assert "mixed.jsonl:6" in stats["examples"]["malformed_json"]  # where the bad line is
@@ -179,8 +211,10 @@ def test_prepare_counts_bad_rows_by_reason(tmp_path, target, tok):
 
 
 def test_prepare_with_nothing_usable_is_an_error(tmp_path, target):
-    source = _jsonl(tmp_path / "bad.jsonl", ["{not json", {"messages": [{"role": "user", "content": "x"}]},
-                                             {"text": "no conversation"}])
+    source = _jsonl(
+        tmp_path / "bad.jsonl",
+        ["{not json", {"messages": [{"role": "user", "content": "x"}]}, {"text": "no conversation"}],
+    )
     with pytest.raises(DataError) as info:
         prepare(target, _data(source), tmp_path / "prepare")
     msg = str(info.value)
@@ -206,8 +240,7 @@ def test_shard_plan_is_deterministic():
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.lists(st.lists(st.integers(0, 511), min_size=1, max_size=6), max_size=30),
-       shard_size=st.integers(1, 8))
+@given(rows=st.lists(st.lists(st.integers(0, 511), min_size=1, max_size=6), max_size=30), shard_size=st.integers(1, 8))
 def test_shard_plan_tiles_the_rows(rows, shard_size):
     shards = plan_shards(rows, shard_size)
     assert [s.index for s in shards] == list(range(len(shards)))

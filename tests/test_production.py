@@ -23,13 +23,12 @@ import time
 from pathlib import Path
 
 import pytest
-
-from eyrie.prepare import load_dataset_rows, load_shards
-from eyrie.extract import load_checked, sample_path
-from eyrie.store import RunFolder
-
 from conftest import REPO, register_server_folder, stop_server, write_config
 from prefect_server import running_prefect_server
+
+from eyrie.extract import load_checked, sample_path
+from eyrie.prepare import load_dataset_rows, load_shards
+from eyrie.store import RunFolder
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -66,10 +65,33 @@ class Production:
         # session, so that stopping it also stops its flow-run processes (vLLM servers have sessions of their own).
         pool = CONTROL_POOL if queue == "control" else "eyrie-gpu"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--work-queue", queue, "--limit", "1",
-             "--type", "process", "--name", queue, "--no-create-pool-if-not-found", "--install-policy", "never"],
-            cwd=home, env=self.server.client_env(home, **extra), stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "prefect",
+                "worker",
+                "start",
+                "--pool",
+                pool,
+                "--work-queue",
+                queue,
+                "--limit",
+                "1",
+                "--type",
+                "process",
+                "--name",
+                queue,
+                "--no-create-pool-if-not-found",
+                "--install-policy",
+                "never",
+            ],
+            cwd=home,
+            env=self.server.client_env(home, **extra),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
         self.workers[queue] = proc
         return proc
@@ -94,8 +116,10 @@ class Production:
         return folder
 
     def logs(self) -> str:
-        return "\n".join(f"--- worker {q}:\n" + (self.root / f"worker-{q}.log").read_text(errors="replace")[-3000:]
-                         for q in self.workers)
+        return "\n".join(
+            f"--- worker {q}:\n" + (self.root / f"worker-{q}.log").read_text(errors="replace")[-3000:]
+            for q in self.workers
+        )
 
     def stop(self) -> None:
         for proc in self.workers.values():
@@ -117,8 +141,14 @@ def prod(postgres, tmp_path_factory):
     root = tmp_path_factory.mktemp("production")
     with running_prefect_server(postgres, root / "server", "eyrie_production") as server:
         t0 = time.monotonic()
-        setup = subprocess.run([sys.executable, "-m", "deployments.setup"], cwd=REPO, capture_output=True, text=True,
-                               env=server.client_env(root / "setup-home"), timeout=300)
+        setup = subprocess.run(
+            [sys.executable, "-m", "deployments.setup"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env=server.client_env(root / "setup-home"),
+            timeout=300,
+        )
         assert setup.returncode == 0, f"deployments.setup failed:\n{setup.stdout}\n{setup.stderr}"
         print(f"\nserver + setup ready; setup took {time.monotonic() - t0:.0f}s")
         p = Production(server, postgres, root)
@@ -164,9 +194,13 @@ def children(prod: Production, flow_run_id) -> list:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
     from prefect.client.schemas.sorting import FlowRunSort
 
-    return _api(prod, lambda c: c.read_flow_runs(
-        flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])),
-        sort=FlowRunSort.START_TIME_ASC))
+    return _api(
+        prod,
+        lambda c: c.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])),
+            sort=FlowRunSort.START_TIME_ASC,
+        ),
+    )
 
 
 def extract_task_states(prod: Production, flow_run_id, expected: set[str], wait_s: float = 60) -> dict[str, str]:
@@ -176,11 +210,13 @@ def extract_task_states(prod: Production, flow_run_id, expected: set[str], wait_
 
     deadline = time.monotonic() + wait_s
     while True:
-        runs = _api(prod, lambda c: c.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))))
+        runs = _api(
+            prod, lambda c: c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        )
         states = {t.name.removeprefix("extract-"): t.state for t in runs if t.name.startswith("extract-shard-")}
-        if (set(states) == expected and all(s and s.is_final() for s in states.values())) \
-                or time.monotonic() > deadline:
+        if (
+            set(states) == expected and all(s and s.is_final() for s in states.values())
+        ) or time.monotonic() > deadline:
             return {k: (s.name if s else None) for k, s in states.items()}
         time.sleep(1)
 
@@ -195,7 +231,8 @@ def check_samples(run: Path) -> int:
     rf = RunFolder(run)
     shards = load_shards(rf.prepare)
     assert sorted(p.name for p in rf.hidden_states.iterdir()) == sorted(
-        f"hs_{i}.safetensors" for i in range(shards[-1].stop))
+        f"hs_{i}.safetensors" for i in range(shards[-1].stop)
+    )
     for shard in shards:
         for offset, ids in enumerate(load_dataset_rows(rf.prepare, shard.start, shard.stop)):
             load_checked(sample_path(rf.hidden_states, shard.start + offset), ids, NUM_LAYERS, HIDDEN)
@@ -208,8 +245,7 @@ def starts(folder: Path) -> int:
 
 
 def test_a_failed_shard_is_retried_alone_by_retrying_the_flow_run(prod, tiny_llama, tmp_path):
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, \
-        LogFilterFlowRunId
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.objects import StateType
     from prefect.client.schemas.responses import SetStateStatus
     from prefect.states import State
@@ -221,10 +257,12 @@ def test_a_failed_shard_is_retried_alone_by_retrying_the_flow_run(prod, tiny_lla
     prod.worker("gpu-node-1", "node-1", EYRIE_FAULTS=f"extract.{FAULTY}=raise", EYRIE_FAULTS_WHILE=str(armed))
     run = prod.root / "runs" / "retry"
     node_dir = prod.node_folder(run, "node-1")
-    _, config = write_config(tmp_path / "config.yaml", tiny_llama, max_samples=32, shard_size=8, layer_ids=LAYERS,
-                             name="retry")
-    created = create_run(prod, PIPELINE, {"config": config.model_dump(mode="json"), "run_dir": str(run),
-                                          "until": "extract"})
+    _, config = write_config(
+        tmp_path / "config.yaml", tiny_llama, max_samples=32, shard_size=8, layer_ids=LAYERS, name="retry"
+    )
+    created = create_run(
+        prod, PIPELINE, {"config": config.model_dump(mode="json"), "run_dir": str(run), "until": "extract"}
+    )
 
     first = wait_final(prod, created.id)
     t_first = time.monotonic() - t0
@@ -245,8 +283,12 @@ def test_a_failed_shard_is_retried_alone_by_retrying_the_flow_run(prod, tiny_lla
     # /flow_runs/{id}/set_state with {"state": {"type": "SCHEDULED", "name": "AwaitingRetry", "message":
     # "Retry from the UI"}, "force": false}. The same flow run goes back to its queue and the worker runs it again.
     armed.unlink()
-    result = _api(prod, lambda c: c.set_flow_run_state(
-        created.id, State(type=StateType.SCHEDULED, name="AwaitingRetry", message="Retry from the UI"), force=False))
+    result = _api(
+        prod,
+        lambda c: c.set_flow_run_state(
+            created.id, State(type=StateType.SCHEDULED, name="AwaitingRetry", message="Retry from the UI"), force=False
+        ),
+    )
     assert result.status == SetStateStatus.ACCEPT, result
     t1 = time.monotonic()
     retried = wait_final(prod, created.id)
@@ -275,8 +317,9 @@ def test_a_failed_shard_is_retried_alone_by_retrying_the_flow_run(prod, tiny_lla
 
     async def logs_and_artifacts(c):
         logs, offset = [], 0
-        while batch := await c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=run_ids)), limit=200,
-                                         offset=offset):
+        while batch := await c.read_logs(
+            LogFilter(flow_run_id=LogFilterFlowRunId(any_=run_ids)), limit=200, offset=offset
+        ):
             logs += batch
             offset += len(batch)
         arts = await c.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=run_ids)))
@@ -289,8 +332,10 @@ def test_a_failed_shard_is_retried_alone_by_retrying_the_flow_run(prod, tiny_lla
     for secret in secrets:
         assert not [t for t in texts if secret in t], "a secret is in a flow-run log or an artifact"
         assert not [p for p in files if secret.encode() in p.read_bytes()], "a secret is in a file of the run"
-    print(f"\nfailed run {t_first:.0f}s (incl. worker start and the one vLLM start); retry {t_retry:.0f}s; "
-          f"{n} samples; {len(logs)} logs, {len(artifacts)} artifacts, {len(files)} files scanned")
+    print(
+        f"\nfailed run {t_first:.0f}s (incl. worker start and the one vLLM start); retry {t_retry:.0f}s; "
+        f"{n} samples; {len(logs)} logs, {len(artifacts)} artifacts, {len(files)} files scanned"
+    )
 
 
 def test_fanout_spreads_shards_over_two_nodes_each_loading_vllm_once(prod, tiny_llama, tmp_path):
@@ -302,10 +347,12 @@ def test_fanout_spreads_shards_over_two_nodes_each_loading_vllm_once(prod, tiny_
     prod.worker("control", None)
     run = prod.root / "runs" / "fanout"
     nodes = {"gpu-node-1": prod.node_folder(run, "node-1"), "gpu-node-2": prod.node_folder(run, "node-2")}
-    _, config = write_config(tmp_path / "config.yaml", tiny_llama, max_samples=32, shard_size=8, layer_ids=LAYERS,
-                             name="fanout")
-    parent = create_run(prod, FANOUT, {"config": config.model_dump(mode="json"), "run_dir": str(run),
-                                       "queues": list(nodes)})
+    _, config = write_config(
+        tmp_path / "config.yaml", tiny_llama, max_samples=32, shard_size=8, layer_ids=LAYERS, name="fanout"
+    )
+    parent = create_run(
+        prod, FANOUT, {"config": config.model_dump(mode="json"), "run_dir": str(run), "queues": list(nodes)}
+    )
     parent = wait_final(prod, parent.id)
     elapsed = time.monotonic() - t0
     assert parent.state.type == StateType.COMPLETED, f"{parent.state}\n{prod.logs()}"
@@ -335,5 +382,6 @@ def test_fanout_spreads_shards_over_two_nodes_each_loading_vllm_once(prod, tiny_
     assert not (run / "extract" / "server.json").exists()  # no single-node server was involved
     assert sorted(p.stem for p in RunFolder(run).shard_manifests.glob("*.json")) == sorted(shard_names)
     n = check_samples(run)
-    print(f"\nfan-out over 2 nodes: {elapsed:.0f}s; shares {dict((q, sorted(s)) for q, s in shares.items())}; "
-          f"{n} samples")
+    print(
+        f"\nfan-out over 2 nodes: {elapsed:.0f}s; shares {dict((q, sorted(s)) for q, s in shares.items())}; {n} samples"
+    )

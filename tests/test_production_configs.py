@@ -10,13 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import REPO, config_dict
 
 from eyrie.config import parse_config
 from eyrie.preflight import run_preflight
 from eyrie.tiny.tokenizer import build_tokenizer
 from eyrie.train import draft_layer_config
-
-from conftest import REPO, config_dict
 
 FIXTURES = REPO / "tests" / "fixtures" / "production"
 PREFIX = {"kimi-k2.5": "language_model."}  # the wrapper keeps its text model under `language_model`
@@ -55,8 +54,7 @@ def remote_code_failures(folder: Path) -> list[str]:
 
     if "auto_map" not in json.loads((folder / "config.json").read_text()):
         return []
-    return [f"{folder} ships its own code (config.json `auto_map`): set target.trust_remote_code: true if you trust "
-            "it"]
+    return [f"{folder} ships its own code (config.json `auto_map`): set target.trust_remote_code: true if you trust it"]
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -74,9 +72,11 @@ def test_production_target_passes_preflight(name, tmp_path, record_property):
     assert report.aux_layer_ids == [2, layers // 2, layers - 3]
     assert report.captured_layer_ids[-1] == layers
     prefix = PREFIX.get(name, "")
-    assert report.target_facts["verifier_weights"] == {"embed_tokens.weight": f"{prefix}model.embed_tokens.weight",
-                                                       "model.norm.weight": f"{prefix}model.norm.weight",
-                                                       "lm_head.weight": f"{prefix}lm_head.weight"}
+    assert report.target_facts["verifier_weights"] == {
+        "embed_tokens.weight": f"{prefix}model.embed_tokens.weight",
+        "model.norm.weight": f"{prefix}model.norm.weight",
+        "lm_head.weight": f"{prefix}lm_head.weight",
+    }
     # 4 captured layers x hidden x bf16 per token, plus 8 bytes of token id
     assert report.estimated_bytes == TOKENS * (4 * hidden * 2 + 8)
     draft = draft_layer_config(config.target, 1)
@@ -102,10 +102,15 @@ def test_kimi_preset_on_kimi_metadata(tmp_path):
 def test_tensor_parallel_split_checked(tmp_path):
     folder = production_target(tmp_path, "llama-3.1-405b-instruct")  # 128 heads, 8 KV heads
     report = run_preflight(production_config(folder, tp=6), tmp_path / "run", raise_on_failure=False, serve=False)
-    assert len(report.failures) == 1 and "tensor_parallel_size 6 does not divide the target's 128 attention heads" \
-        in report.failures[0]
+    assert (
+        len(report.failures) == 1
+        and "tensor_parallel_size 6 does not divide the target's 128 attention heads" in report.failures[0]
+    )
     folder = production_target(tmp_path / "q", "qwen3-235b-a22b")  # 64 heads, 4 KV heads: replicated over TP 8
-    assert run_preflight(production_config(folder, tp=8), tmp_path / "run", raise_on_failure=False, serve=False).failures == []
+    assert (
+        run_preflight(production_config(folder, tp=8), tmp_path / "run", raise_on_failure=False, serve=False).failures
+        == []
+    )
 
 
 def test_missing_head_in_the_weight_index_is_refused(tmp_path):

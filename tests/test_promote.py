@@ -15,9 +15,15 @@ from eyrie.promote import CURRENT, check_base, choose_base, current_version, dec
 def make_drafter(folder, weights=b"w1", vocab=256, aux=(2, 4, 5), verifier="/targets/t"):
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(weights)
-    (folder / "config.json").write_text(json.dumps({
-        "draft_vocab_size": vocab, "eagle_aux_hidden_state_layer_ids": list(aux),
-        "speculators_config": {"verifier": {"name_or_path": verifier}}}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "draft_vocab_size": vocab,
+                "eagle_aux_hidden_state_layer_ids": list(aux),
+                "speculators_config": {"verifier": {"name_or_path": verifier}},
+            }
+        )
+    )
     return folder
 
 
@@ -70,8 +76,12 @@ def test_a_warm_start_that_cannot_fit_is_refused_with_the_fix(tmp_path):
     base = make_drafter(tmp_path / "d", vocab=256, aux=(2, 4, 5), verifier="/targets/t")
     assert check_base(base, "/targets/t", 256, [2, 4, 5]) == []
     [msg] = check_base(base, "/targets/other", 512, [1, 2, 3])
-    for part in ("trained for the target /targets/t", "256 tokens, vocab.draft_vocab_size is 512",
-                 "reads layers [2, 4, 5], this run extracts [1, 2, 3]", "promotion.warm_start: false"):
+    for part in (
+        "trained for the target /targets/t",
+        "256 tokens, vocab.draft_vocab_size is 512",
+        "reads layers [2, 4, 5], this run extracts [1, 2, 3]",
+        "promotion.warm_start: false",
+    ):
         assert part in msg
 
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from conftest import REPO
 
 README = (REPO / "README.md").read_text()
 # Repository paths in backticks: `eyrie/target.py`, `tests/test_refusals.py`, `configs/demo.yaml`...
-PATHS = sorted(set(re.findall(r"`((?:eyrie|tasks|flows|tests|configs|deployments|infra|benchmarks)/[\w./-]+)`",
-                              README)))
+PATHS = sorted(
+    set(re.findall(r"`((?:eyrie|tasks|flows|tests|configs|deployments|infra|benchmarks)/[\w./-]+)`", README))
+)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -67,6 +67,6 @@ def test_until_and_stage_table_follow_the_stage_registry():
     from eyrie.stages import STAGES, UNTIL
 
     assert f"[--until {'|'.join(UNTIL)}]" in README
-    table = README[README.index("## What happens where"):]
+    table = README[README.index("## What happens where") :]
     table_stages = re.findall(r"^\| (\w+) \| ", table.split("\n\n", 2)[1], re.M)
     assert [s for s in table_stages if s not in ("stage", "preflight")] == [s.name for s in STAGES]

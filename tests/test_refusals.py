@@ -11,12 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO, build_tiny_target, write_config
 from safetensors.torch import load_file, save_file
 
 from eyrie.tiny.tokenizer import build_tokenizer
 from flows.cli import main as eyrie_main
-
-from conftest import REPO, build_tiny_target, write_config
 
 
 def _copy_llama(tmp_path: Path, name: str) -> Path:
@@ -31,8 +30,14 @@ def encoder_decoder(tmp_path: Path) -> tuple[Path, dict]:
     folder = tmp_path / "whisper"
     folder.mkdir()
     build_tokenizer(folder)
-    cfg = WhisperConfig(vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=8, encoder_attention_heads=2,
-                        decoder_attention_heads=2).to_dict()
+    cfg = WhisperConfig(
+        vocab_size=512,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=8,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+    ).to_dict()
     (folder / "config.json").write_text(json.dumps({**cfg, "architectures": ["WhisperForConditionalGeneration"]}))
     (folder / "model.safetensors").write_bytes(b"never read")
     return folder, {}
@@ -62,14 +67,25 @@ def unbuildable_drafter(tmp_path: Path) -> tuple[Path, dict]:
 
 
 REFUSALS = {
-    "encoder-decoder": (encoder_decoder, ["WhisperForConditionalGeneration is an encoder-decoder model",
-                                          "Fix: point target.model at a decoder-only text-generation model"]),
-    "tensor names": (other_tensor_names, ["checkpoint has no tensor for the input embedding "
-                                          "`model.embed_tokens.weight`"]),
-    "max_model_len": (no_room_for_the_generated_token, ["target.max_model_len 256 leaves no room",
-                                                        "set target.max_model_len to at least 257"]),
-    "drafter layer": (unbuildable_drafter, ["the drafter's decoder layer cannot be shaped",
-                                            "not a multiple of the number of attention heads (3)"]),
+    "encoder-decoder": (
+        encoder_decoder,
+        [
+            "WhisperForConditionalGeneration is an encoder-decoder model",
+            "Fix: point target.model at a decoder-only text-generation model",
+        ],
+    ),
+    "tensor names": (
+        other_tensor_names,
+        ["checkpoint has no tensor for the input embedding `model.embed_tokens.weight`"],
+    ),
+    "max_model_len": (
+        no_room_for_the_generated_token,
+        ["target.max_model_len 256 leaves no room", "set target.max_model_len to at least 257"],
+    ),
+    "drafter layer": (
+        unbuildable_drafter,
+        ["the drafter's decoder layer cannot be shaped", "not a multiple of the number of attention heads (3)"],
+    ),
 }
 
 
@@ -97,8 +113,13 @@ def test_run_refuses_before_any_server_starts(case, tmp_path):
     target, config_keys = make(tmp_path)
     config, _ = write_config(tmp_path / "config.yaml", target, **config_keys)
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-dir", str(run)],
-                         cwd=REPO, capture_output=True, text=True, timeout=280)
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-dir", str(run)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert out.returncode == 2, (out.stdout + out.stderr)[-3000:]
     assert "eyrie: error: preflight failed" in out.stderr and "no weights were loaded" in out.stderr
     assert all(m in out.stderr for m in messages), out.stderr[-3000:]
@@ -115,8 +136,13 @@ def test_nothing_held_out_is_refused_before_extraction(tmp_path, tiny_llama):
     there, not after extraction and training."""
     config, _ = write_config(tmp_path / "config.yaml", tiny_llama, data={"eval_fraction": 0.0})
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-dir", str(run)],
-                         cwd=REPO, capture_output=True, text=True, timeout=280)
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-dir", str(run)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert out.returncode == 2, (out.stdout + out.stderr)[-3000:]
     assert "no held-out conversations to evaluate on" in out.stderr and "--until train" in out.stderr
     assert (run / "prepare" / "manifest.json").exists()  # prepare's work is kept for the next run

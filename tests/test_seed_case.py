@@ -16,17 +16,16 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import config_dict, register_server_folder, stop_server
 from safetensors.torch import load_file
+from test_extraction_correctness import MESSAGES, REL_TOL, _hf_reference, _rel_err
 
 from eyrie.config import parse_config
-from eyrie.prepare import tokenize_conversation
 from eyrie.extract import _wait_and_release, load_checked
 from eyrie.preflight import run_preflight
+from eyrie.prepare import tokenize_conversation
 from eyrie.server import ExtractionServer, ServerSpec
 from eyrie.vllm_plugin import HIDE_EAGLE3
-
-from conftest import config_dict, register_server_folder, stop_server
-from test_extraction_correctness import MESSAGES, REL_TOL, _hf_reference, _rel_err
 
 OLD_VLLM = "KimiK25ForConditionalGeneration,DeepseekV3ForCausalLM"
 
@@ -38,11 +37,13 @@ def old_vllm(monkeypatch):
 
 def test_refused_without_the_compatibility_layer(old_vllm, tiny_kimi, tmp_path, monkeypatch):
     monkeypatch.setenv("EYRIE_EAGLE3_COMPAT", "0")
-    report = run_preflight(parse_config(config_dict(tiny_kimi)), tmp_path / "run", raise_on_failure=False,
-                           serve=False)
+    report = run_preflight(parse_config(config_dict(tiny_kimi)), tmp_path / "run", raise_on_failure=False, serve=False)
     assert report.eagle3_path == "unsupported"
-    assert len(report.failures) == 1 and "KimiK25ForConditionalGeneration does not implement SupportsEagle3" in \
-        report.failures[0] and "Model does not support EAGLE3 interface" in report.failures[0]
+    assert (
+        len(report.failures) == 1
+        and "KimiK25ForConditionalGeneration does not implement SupportsEagle3" in report.failures[0]
+        and "Model does not support EAGLE3 interface" in report.failures[0]
+    )
 
 
 @pytest.mark.slow
@@ -55,8 +56,13 @@ def test_kimi_through_the_compatibility_layer_matches_transformers(old_vllm, tin
     assert report.eagle3_path == "compat" and "compatibility layer" in report.eagle3_reason
 
     folder = register_server_folder(tmp_path / "server")
-    spec = ServerSpec(model=str(tiny_kimi.resolve()), layer_ids=report.captured_layer_ids,
-                      storage_path=str(folder / "staging"), max_model_len=256, tensor_parallel_size=2)
+    spec = ServerSpec(
+        model=str(tiny_kimi.resolve()),
+        layer_ids=report.captured_layer_ids,
+        storage_path=str(folder / "staging"),
+        max_model_len=256,
+        tensor_parallel_size=2,
+    )
     try:
         client = ExtractionServer(folder).ensure(spec, startup_timeout_s=800, log=lambda *_: None)
         from transformers import AutoTokenizer
@@ -73,11 +79,16 @@ def test_kimi_through_the_compatibility_layer_matches_transformers(old_vllm, tin
         stop_server(folder)
     assert "Model does not support EAGLE3 interface" not in log
     # Grafted in each tensor-parallel worker, and no engine ran in the API server's process.
-    assert {line.split()[0] for line in log.splitlines()
-            if "compatibility layer serves KimiK25ForConditionalGeneration" in line} == {"(Worker_TP0", "(Worker_TP1"}
+    assert {
+        line.split()[0]
+        for line in log.splitlines()
+        if "compatibility layer serves KimiK25ForConditionalGeneration" in line
+    } == {"(Worker_TP0", "(Worker_TP1"}
     assert "(EngineCore" in log
     hf_states, last_pre_norm = _hf_reference(tiny_kimi / "text_model", ids)
-    errors = {k: _rel_err(hs[:, j], last_pre_norm if k == report.num_layers else hf_states[k])
-              for j, k in enumerate(spec.layer_ids)}
+    errors = {
+        k: _rel_err(hs[:, j], last_pre_norm if k == report.num_layers else hf_states[k])
+        for j, k in enumerate(spec.layer_ids)
+    }
     print(f"tiny-kimi-k25 through the compatibility layer: relative L2 error per captured id {errors}")
     assert set(errors) == {1, 2, 4, 5, 8} and all(e < REL_TOL for e in errors.values()), errors

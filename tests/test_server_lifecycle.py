@@ -32,7 +32,7 @@ from flows.cli import main
 
 # Listens only after --delay seconds, as vLLM does once its target is loaded; /health fails the next N probes when
 # <--flaky>/<its pid> holds N; --child leaves a process in its group, as vLLM's engine core is.
-FAKE_VLLM = r'''
+FAKE_VLLM = r"""
 import argparse, http.server, os, subprocess, time
 ap = argparse.ArgumentParser()
 ap.add_argument("--port", type=int, required=True)
@@ -62,7 +62,7 @@ class Health(http.server.BaseHTTPRequestHandler):
 
 
 http.server.HTTPServer(("127.0.0.1", a.port), Health).serve_forever()
-'''
+"""
 
 
 def quiet(*_):
@@ -71,7 +71,7 @@ def quiet(*_):
 
 def start_ticks(pid: int) -> int:
     text = Path(f"/proc/{pid}/stat").read_text()
-    return int(text[text.rindex(")") + 2:].split()[19])
+    return int(text[text.rindex(")") + 2 :].split()[19])
 
 
 def real_boot_id() -> str:
@@ -95,8 +95,9 @@ def fake(tmp_path, monkeypatch):
     server in (`fake.folder(path)`) is stopped at the end, and every stray process killed."""
     script = tmp_path / "fake_vllm.py"
     script.write_text(FAKE_VLLM)
-    monkeypatch.setattr(ServerSpec, "command",
-                        lambda self, port: [sys.executable, str(script), "--port", str(port), *self.server_args])
+    monkeypatch.setattr(
+        ServerSpec, "command", lambda self, port: [sys.executable, str(script), "--port", str(port), *self.server_args]
+    )
     monkeypatch.setattr(server_mod, "PROBE_INTERVAL_S", 0.05)
     monkeypatch.setattr(server_mod, "STARTUP_POLL_S", 0.1)
 
@@ -131,9 +132,18 @@ def fake(tmp_path, monkeypatch):
 
 def record(folder: Path, proc: subprocess.Popen, spec: ServerSpec, **override) -> dict:
     """A server.json for `proc`, as `launch` writes it, with `override` applied (None removes a key)."""
-    state = {"pid": proc.pid, "start_ticks": start_ticks(proc.pid), "boot_id": real_boot_id(), "host": "127.0.0.1",
-             "port": free_port("127.0.0.1"), "fingerprint": spec.fingerprint(), "kind": spec.kind,
-             "model": spec.model, "started_at": time.time(), "hostname": socket.gethostname()}
+    state = {
+        "pid": proc.pid,
+        "start_ticks": start_ticks(proc.pid),
+        "boot_id": real_boot_id(),
+        "host": "127.0.0.1",
+        "port": free_port("127.0.0.1"),
+        "fingerprint": spec.fingerprint(),
+        "kind": spec.kind,
+        "model": spec.model,
+        "started_at": time.time(),
+        "hostname": socket.gethostname(),
+    }
     state.update(override)
     state = {k: v for k, v in state.items() if v is not None}
     atomic_write_json(folder / "server.json", state)
@@ -162,9 +172,11 @@ def test_a_recorded_pid_that_is_now_another_process_is_never_signalled(tmp_path,
     folder = fake.folder(run.extract)
     other = fake.sleeper()
     spec = fake.spec()
-    override = {"start_time": {"start_ticks": start_ticks(other.pid) + 1},
-                "boot_id": {"boot_id": "00000000-0000-0000-0000-000000000000"},
-                "legacy_start": {"start_ticks": None, "boot_id": None, "started_at": time.time() - 3600}}[mismatch]
+    override = {
+        "start_time": {"start_ticks": start_ticks(other.pid) + 1},
+        "boot_id": {"boot_id": "00000000-0000-0000-0000-000000000000"},
+        "legacy_start": {"start_ticks": None, "boot_id": None, "started_at": time.time() - 3600},
+    }[mismatch]
     state = record(folder, other, spec, **override)
 
     server = VllmServer(folder)
@@ -260,25 +272,34 @@ def test_one_failed_health_probe_is_not_death(tmp_path, fake):
 
 def test_status_and_stop_server_see_every_server_of_a_run(tmp_path, fake):
     run = RunFolder(tmp_path / "run")
-    folders = {"extract": run.extract, "node": run.extract / "nodes" / "n1",
-               "export/server-trained": run.export / "server-trained",
-               "evaluate/server-current": run.evaluate / "server-current",
-               "evaluate/server-untrained": run.evaluate / "server-untrained"}
+    folders = {
+        "extract": run.extract,
+        "node": run.extract / "nodes" / "n1",
+        "export/server-trained": run.export / "server-trained",
+        "evaluate/server-current": run.evaluate / "server-current",
+        "evaluate/server-untrained": run.evaluate / "server-untrained",
+    }
     states = {}
     for name, folder in folders.items():
         spec = fake.spec(drafter=None if name in ("extract", "node") else f"/drafters/{name}")
         states[name], _ = VllmServer(fake.folder(folder)).launch(spec, log=quiet)
     for name, folder in folders.items():  # each is awaited (it is loading), none is restarted
-        VllmServer(folder).ensure(fake.spec(drafter=None if name in ("extract", "node") else f"/drafters/{name}"),
-                                  startup_timeout_s=30, log=quiet)
+        VllmServer(folder).ensure(
+            fake.spec(drafter=None if name in ("extract", "node") else f"/drafters/{name}"),
+            startup_timeout_s=30,
+            log=quiet,
+        )
         assert VllmServer(folder).state["pid"] == states[name]["pid"]
     assert states["export/server-trained"]["kind"] == "serving" and states["extract"]["kind"] == "extraction"
 
     status = run_status(run)
     assert status["server"].startswith(f"running pid {states['extract']['pid']}")
     assert status["node_servers"]["n1"].startswith(f"running pid {states['node']['pid']}")
-    assert set(status["serving_servers"]) == {"export/server-trained", "evaluate/server-current",
-                                              "evaluate/server-untrained"}
+    assert set(status["serving_servers"]) == {
+        "export/server-trained",
+        "evaluate/server-current",
+        "evaluate/server-untrained",
+    }
     text = format_status(status)
     for where in status["serving_servers"]:
         assert f"serving server {where}: running pid {states[where]['pid']}" in text
@@ -309,7 +330,8 @@ def test_stop_ends_the_processes_that_outlived_their_server(tmp_path, fake):
     assert not server.healthy()
     assert server.orphans(server.state) == [child]
     assert run_status(run)["server"].startswith(
-        f"not running, but 1 process(es) of its group outlived it (pids {child})")
+        f"not running, but 1 process(es) of its group outlived it (pids {child})"
+    )
     assert cli("stop-server", "--run-dir", str(run.root)).strip().endswith("stopped 1 vLLM server(s)")
     assert not _alive(child)
     assert run_status(run)["server"] == "not running"

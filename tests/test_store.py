@@ -8,12 +8,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO
 
 from eyrie import FORMAT_VERSION
 from eyrie.errors import RunFolderError
 from eyrie.store import STAMP, RunFolder, atomic_write_json, read_json, remove_staging
-
-from conftest import REPO
 
 HOLDER = """
 import sys
@@ -26,8 +25,13 @@ with RunFolder(sys.argv[1]).lock():
 
 def test_lock_refuses_a_second_holder(tmp_path):
     run = RunFolder(tmp_path / "run")
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run.root)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, cwd=REPO)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(run.root)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(RunFolderError) as info:
@@ -44,8 +48,13 @@ def test_lock_refuses_a_second_holder(tmp_path):
 
 def test_lock_is_released_by_a_killed_holder(tmp_path):
     run = RunFolder(tmp_path / "run")
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run.root)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, cwd=REPO)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(run.root)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
     assert holder.stdout.readline().strip() == "locked"
     holder.kill()
     holder.wait(timeout=30)

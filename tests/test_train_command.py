@@ -9,24 +9,39 @@ import pickle
 from pathlib import Path
 
 import pytest
+from conftest import config_dict
 
 from eyrie.config import parse_config
 from eyrie.errors import ConfigError
 from eyrie.train import training_command
 
-from conftest import config_dict
-
-FACTS = {"verifier_weights": {"embed_tokens.weight": "model.embed_tokens.weight",
-                              "lm_head.weight": "lm_head.weight", "model.norm.weight": "model.norm.weight"},
-         "mask_token_id": 7}
+FACTS = {
+    "verifier_weights": {
+        "embed_tokens.weight": "model.embed_tokens.weight",
+        "lm_head.weight": "lm_head.weight",
+        "model.norm.weight": "model.norm.weight",
+    },
+    "mask_token_id": 7,
+}
 
 
 def _command(tmp_path: Path, device: str = "cuda", **train) -> list[str]:
     config = parse_config(config_dict(tmp_path / "target", train=train))
     save = tmp_path / "run" / "train" / "k" / "checkpoints"
     # a warm start: no draft layer config to build, so no target folder is needed
-    return training_command(config, tmp_path / "data", tmp_path / "hs", tmp_path / "d2t.npy", tmp_path / "t2d.npy",
-                            [2, 4, 5], FACTS, save, 1.0, device, warm_start=tmp_path / "drafter")
+    return training_command(
+        config,
+        tmp_path / "data",
+        tmp_path / "hs",
+        tmp_path / "d2t.npy",
+        tmp_path / "t2d.npy",
+        [2, 4, 5],
+        FACTS,
+        save,
+        1.0,
+        device,
+        warm_start=tmp_path / "drafter",
+    )
 
 
 def _value(cmd: list[str], flag: str) -> str:
@@ -38,9 +53,9 @@ def _resolved(cmd: list[str]) -> dict:
     """Every trainer setting as speculators itself resolves the arguments `eyrie.train_entry` hands it."""
     from speculators.train.config import TrainConfig
 
-    argv = cmd[cmd.index("eyrie.train_entry") + 1:]
+    argv = cmd[cmd.index("eyrie.train_entry") + 1 :]
     i = argv.index("--eyrie-verifier-weights")
-    del argv[i:i + 2]  # train_entry consumes this one itself
+    del argv[i : i + 2]  # train_entry consumes this one itself
     return TrainConfig.resolve(argv).flatten()
 
 
@@ -74,8 +89,10 @@ def test_bad_values_are_refused_naming_the_key(tmp_path):
 def test_optimizer_and_log_frequency_are_part_of_the_train_key(tmp_path):
     from eyrie.train import train_key
 
-    keys = {train_key(parse_config(config_dict(tmp_path / "t", train=t)), ["d"], "v", [2, 4, 5])
-            for t in ({}, {"optimizer": "muon"}, {"log_every_steps": 1})}
+    keys = {
+        train_key(parse_config(config_dict(tmp_path / "t", train=t)), ["d"], "v", [2, 4, 5])
+        for t in ({}, {"optimizer": "muon"}, {"log_every_steps": 1})
+    }
     assert len(keys) == 3
 
 
@@ -108,8 +125,12 @@ def test_gpu_speedups_leave_cpu_tensors_and_optimizers_alone(monkeypatch):
     assert dataloader._worker_init_fn is train_entry._worker_init
     view = trainer.torch
     assert view.autocast is torch.autocast and view.nn is torch.nn and view.float32 is torch.float32
-    for args, kw in (((3,), {"dtype": torch.float32, "device": "cpu"}), ((1.0,), {"dtype": torch.float32}),
-                     (([1, 2],), {}), ((2,), {})):
+    for args, kw in (
+        ((3,), {"dtype": torch.float32, "device": "cpu"}),
+        ((1.0,), {"dtype": torch.float32}),
+        (([1, 2],), {}),
+        ((2,), {}),
+    ):
         got, want = view.tensor(*args, **kw), torch.tensor(*args, **kw)
         assert got.dtype == want.dtype and got.device == want.device and torch.equal(got, want)
 

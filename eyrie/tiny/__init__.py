@@ -6,13 +6,21 @@ with a chat template. They stand in for the production target in the demo and th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from eyrie.tiny.families import FAMILIES
 from eyrie.tiny.tokenizer import build_tokenizer
 
-TINY_TARGETS = ("tiny-llama", "tiny-llama-chat", "tiny-deepseek-v3", "tiny-kimi-k25", "tiny-gpt2", "tiny-opt",
-                *FAMILIES)
+TINY_TARGETS = (
+    "tiny-llama",
+    "tiny-llama-chat",
+    "tiny-deepseek-v3",
+    "tiny-kimi-k25",
+    "tiny-gpt2",
+    "tiny-opt",
+    *FAMILIES,
+)
 
 
 def build_target(kind: str, path: str | Path, seed: int = 0, **kw) -> Path:
@@ -20,6 +28,7 @@ def build_target(kind: str, path: str | Path, seed: int = 0, **kw) -> Path:
     path = Path(path)
     if (path / ".complete").exists():
         return path
+    build: Callable[..., None]
     if kind == "tiny-llama":
         from eyrie.tiny.llama import build_llama as build
     elif kind == "tiny-llama-chat":  # the demo's target: taught the bundled conversations (about a minute)

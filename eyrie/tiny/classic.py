@@ -27,6 +27,14 @@ def build_gpt2(path: Path, seed: int = 0, **overrides) -> None:
 def build_opt(path: Path, seed: int = 0, **overrides) -> None:
     from transformers import OPTConfig, OPTForCausalLM
 
-    fields = dict(hidden_size=64, num_hidden_layers=8, ffn_dim=128, num_attention_heads=2, word_embed_proj_dim=64,
-                  max_position_embeddings=1024, do_layer_norm_before=True, tie_word_embeddings=False)
+    fields = dict(
+        hidden_size=64,
+        num_hidden_layers=8,
+        ffn_dim=128,
+        num_attention_heads=2,
+        word_embed_proj_dim=64,
+        max_position_embeddings=1024,
+        do_layer_norm_before=True,
+        tie_word_embeddings=False,
+    )
     _build(path, seed, lambda vocab: OPTForCausalLM(OPTConfig(vocab_size=vocab, **{**fields, **overrides})))

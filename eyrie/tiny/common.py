@@ -18,6 +18,5 @@ def save_model(model, tokenizer, path: Path) -> None:
     model.config.eos_token_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     model.config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(str(path), safe_serialization=True)
-    gen = {"eos_token_id": model.config.eos_token_id, "pad_token_id": model.config.pad_token_id,
-           "do_sample": False}
+    gen = {"eos_token_id": model.config.eos_token_id, "pad_token_id": model.config.pad_token_id, "do_sample": False}
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

@@ -4,6 +4,7 @@ noaux_tc/sigmoid routing (see README); everything else is as small as it goes.""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from eyrie.tiny.common import padded_vocab, save_model
 from eyrie.tiny.tokenizer import build_tokenizer
@@ -12,12 +13,32 @@ from eyrie.tiny.tokenizer import build_tokenizer
 def deepseek_v3_config(vocab_size: int, **overrides):
     from transformers import DeepseekV3Config
 
-    fields = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                  num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1,
-                  n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-                  routed_scaling_factor=1.0, norm_topk_prob=True, kv_lora_rank=512, q_lora_rank=32,
-                  qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=1024,
-                  tie_word_embeddings=False, rope_scaling=None, torch_dtype="bfloat16")
+    fields: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=8,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=True,
+        kv_lora_rank=512,
+        q_lora_rank=32,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        rope_scaling=None,
+        torch_dtype="bfloat16",
+    )
     fields.update(overrides)
     config = DeepseekV3Config(**fields)
     # vLLM's CPU MoE path supports these two settings only.

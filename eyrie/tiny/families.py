@@ -22,9 +22,17 @@ from eyrie.tiny.common import padded_vocab, save_model
 from eyrie.tiny.tokenizer import build_tokenizer
 
 # What every family shares; a family's own fields come after, and the caller's overrides last.
-COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=2,
-              num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=False,
-              torch_dtype="bfloat16")
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+)
 
 
 def _build(path: Path, seed: int, config_cls, model_cls, fields: dict, overrides: dict, drop=()) -> None:
@@ -35,8 +43,11 @@ def _build(path: Path, seed: int, config_cls, model_cls, fields: dict, overrides
 
     tokenizer = build_tokenizer(path)
     merged = {k: v for k, v in COMMON.items() if k not in drop}
-    merged.update(bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids(tokenizer.eos_token),
-                  pad_token_id=tokenizer.pad_token_id)
+    merged.update(
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids(tokenizer.eos_token),
+        pad_token_id=tokenizer.pad_token_id,
+    )
     merged.update(fields)
     merged.update(overrides)
     torch.manual_seed(seed)
@@ -63,8 +74,16 @@ def build_qwen3_moe(path: Path, seed: int = 0, **overrides) -> None:
     """Qwen3-MoE: every layer's MLP is 4 routed experts, top 2 with renormalised weights (no shared expert)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    fields = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
-                  mlp_only_layers=[], norm_topk_prob=True, rms_norm_eps=1e-6, use_sliding_window=False)
+    fields = dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        use_sliding_window=False,
+    )
     _build(path, seed, Qwen3MoeConfig, Qwen3MoeForCausalLM, fields, overrides)
 
 
@@ -82,9 +101,15 @@ def build_gemma2(path: Path, seed: int = 0, **overrides) -> None:
     layers really slide). Tied embeddings: vLLM's class has no lm_head."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    fields = dict(tie_word_embeddings=True, query_pre_attn_scalar=32, sliding_window=16,
-                  attn_logit_softcapping=50.0, final_logit_softcapping=30.0, rms_norm_eps=1e-6,
-                  hidden_activation="gelu_pytorch_tanh")
+    fields = dict(
+        tie_word_embeddings=True,
+        query_pre_attn_scalar=32,
+        sliding_window=16,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh",
+    )
     _build(path, seed, Gemma2Config, Gemma2ForCausalLM, fields, overrides)
 
 
@@ -110,18 +135,38 @@ def build_falcon(path: Path, seed: int = 0, **overrides) -> None:
     (256) exceeds dimension size (128)")."""
     from transformers import FalconConfig, FalconForCausalLM
 
-    fields = dict(multi_query=True, parallel_attn=True, new_decoder_architecture=False, alibi=False, bias=False,
-                  num_kv_heads=1, ffn_hidden_size=None, layer_norm_epsilon=1e-5)
-    _build(path, seed, FalconConfig, FalconForCausalLM, fields, overrides,
-           drop=("intermediate_size", "num_key_value_heads", "head_dim"))
+    fields = dict(
+        multi_query=True,
+        parallel_attn=True,
+        new_decoder_architecture=False,
+        alibi=False,
+        bias=False,
+        num_kv_heads=1,
+        ffn_hidden_size=None,
+        layer_norm_epsilon=1e-5,
+    )
+    _build(
+        path,
+        seed,
+        FalconConfig,
+        FalconForCausalLM,
+        fields,
+        overrides,
+        drop=("intermediate_size", "num_key_value_heads", "head_dim"),
+    )
 
 
 def build_stablelm(path: Path, seed: int = 0, **overrides) -> None:
     """StableLM (2): LayerNorm, rotary on a quarter of each head, sequential residual."""
     from transformers import StableLmConfig, StableLmForCausalLM
 
-    fields = dict(partial_rotary_factor=0.25, use_parallel_residual=False, qk_layernorm=False, use_qkv_bias=False,
-                  layer_norm_eps=1e-5)
+    fields = dict(
+        partial_rotary_factor=0.25,
+        use_parallel_residual=False,
+        qk_layernorm=False,
+        use_qkv_bias=False,
+        layer_norm_eps=1e-5,
+    )
     _build(path, seed, StableLmConfig, StableLmForCausalLM, fields, overrides, drop=("head_dim",))
 
 

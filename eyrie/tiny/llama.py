@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from eyrie.tiny.common import padded_vocab, save_model
 from eyrie.tiny.tokenizer import build_tokenizer
@@ -12,9 +13,19 @@ from eyrie.tiny.tokenizer import build_tokenizer
 def llama_config(vocab_size: int, **overrides):
     from transformers import LlamaConfig
 
-    fields = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                  num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-                  tie_word_embeddings=False, rms_norm_eps=1e-5, torch_dtype="bfloat16")
+    fields: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        torch_dtype="bfloat16",
+    )
     fields.update(overrides)
     return LlamaConfig(**fields)
 

@@ -4,8 +4,9 @@ something to learn (a random target's next token is noise, and acceptance would 
 from __future__ import annotations
 
 
-def pretrain_on_demo_data(model, tokenizer, steps: int = 200, seq_len: int = 128, batch_size: int = 8,
-                          lr: float = 3e-3, seed: int = 0) -> list[float]:
+def pretrain_on_demo_data(
+    model, tokenizer, steps: int = 200, seq_len: int = 128, batch_size: int = 8, lr: float = 3e-3, seed: int = 0
+) -> list[float]:
     """Causal-LM training on the chat-rendered demo conversations; returns the loss curve (every 50 steps)."""
     import torch
 
@@ -23,7 +24,7 @@ def pretrain_on_demo_data(model, tokenizer, steps: int = 200, seq_len: int = 128
     curve = []
     for step in range(steps):
         starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=gen)
-        batch = torch.stack([data[s:s + seq_len] for s in starts.tolist()])
+        batch = torch.stack([data[s : s + seq_len] for s in starts.tolist()])
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -7,8 +7,8 @@ with the class flag, `set_aux_hidden_state_layers`, the default ids (2, L//2, L-
 the residual stream entering each requested decoder layer (vLLM's convention; id L is the last layer's output).
 The stream is read with forward hooks on the decoder layers found under `model.layers`, `decoder.layers`, `h`, or a
 wrapper's `language_model`. For serving a drafter, the target's embeddings are also exposed where vLLM's proposer
-looks for them (`model.embed_tokens`). Classes that implement the interface are never touched. Hooks need eager execution
-(`enforce_eager`), which preflight checks.
+looks for them (`model.embed_tokens`). Classes that implement the interface are never touched. Hooks need eager
+execution (`enforce_eager`), which preflight checks.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def _stream(layer: nn.Module):
         hs = bound.get("hidden_states", args[0] if args else None)
         residual = bound.get("residual")
         return hs if residual is None else hs + residual
+
     return read
 
 
@@ -70,10 +71,10 @@ class _Capture:
             if k < n:
                 read = _stream(layers[k])
                 layers[k].register_forward_pre_hook(
-                    lambda m, a, kw, k=k, read=read: self.out.__setitem__(k, read(a, kw)), with_kwargs=True)
+                    lambda m, a, kw, k=k, read=read: self.out.__setitem__(k, read(a, kw)), with_kwargs=True
+                )
             elif k == n:  # the last layer's output, before the final norm
-                layers[n - 1].register_forward_hook(
-                    lambda m, a, o: self.out.__setitem__(n, _layer_output(m, o)))
+                layers[n - 1].register_forward_hook(lambda m, a, o: self.out.__setitem__(n, _layer_output(m, o)))
             else:
                 raise ValueError(f"aux hidden state layer {k} is beyond the model's {n} layers")
 
@@ -104,8 +105,10 @@ def graft_eagle3(model: nn.Module) -> None:
     """Give `model` (an instance lacking the interface) EAGLE-3 aux outputs, in place."""
     layers = decoder_layers(model)
     if layers is None:
-        raise RuntimeError(f"Eyrie's EAGLE-3 compatibility layer found no decoder layers in "
-                           f"{type(model).__name__} (looked for model.layers, decoder.layers, h)")
+        raise RuntimeError(
+            f"Eyrie's EAGLE-3 compatibility layer found no decoder layers in "
+            f"{type(model).__name__} (looked for model.layers, decoder.layers, h)"
+        )
     expose_embeddings(model)
     base = type(model)
 
@@ -122,12 +125,20 @@ def graft_eagle3(model: nn.Module) -> None:
         return out if capture is None else (out, capture.collect())
 
     logger.info("Eyrie's EAGLE-3 compatibility layer serves %s (%d decoder layers)", base.__name__, len(layers))
-    model.__class__ = type(f"{base.__name__}WithEagle3", (base,), {
-        # every member vLLM's runtime protocol check looks for (SupportsEagleBase's defaults included)
-        "supports_eagle3": True, "has_own_lm_head": False, "has_own_embed_tokens": False,
-        "set_aux_hidden_state_layers": set_aux_hidden_state_layers,
-        "get_eagle3_default_aux_hidden_state_layers": get_eagle3_default_aux_hidden_state_layers,
-        "forward": forward, "__module__": base.__module__})
+    model.__class__ = type(
+        f"{base.__name__}WithEagle3",
+        (base,),
+        {
+            # every member vLLM's runtime protocol check looks for (SupportsEagleBase's defaults included)
+            "supports_eagle3": True,
+            "has_own_lm_head": False,
+            "has_own_embed_tokens": False,
+            "set_aux_hidden_state_layers": set_aux_hidden_state_layers,
+            "get_eagle3_default_aux_hidden_state_layers": get_eagle3_default_aux_hidden_state_layers,
+            "forward": forward,
+            "__module__": base.__module__,
+        },
+    )
 
 
 def install() -> None:
@@ -156,4 +167,5 @@ def install() -> None:
 
     setattr(_setup_eagle3_aux_hidden_state_outputs, _INSTALLED, True)
     GPUModelRunner._setup_eagle3_aux_hidden_state_outputs = (  # type: ignore[method-assign]
-        _setup_eagle3_aux_hidden_state_outputs)
+        _setup_eagle3_aux_hidden_state_outputs
+    )

@@ -8,11 +8,10 @@ writer thread pool. On an accelerator the stock path runs unchanged.
 
 from __future__ import annotations
 
-from typing import Any
-
 import fcntl
 import os
 from functools import partial
+from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
