@@ -30,10 +30,19 @@ def resolve_device(config: PipelineConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def train_key(config: PipelineConfig, data_keys: list[str], vocab_key: str, aux_ids: list[int],
-              warm_start: str | None = None) -> str:
-    return sha256_json({"data": data_keys, "vocab": vocab_key, "aux": aux_ids, "warm": warm_start,
-                        "train": config.train.model_dump(mode="json"), "target": config.target.model})[:16]
+def train_key(
+    config: PipelineConfig, data_keys: list[str], vocab_key: str, aux_ids: list[int], warm_start: str | None = None
+) -> str:
+    return sha256_json(
+        {
+            "data": data_keys,
+            "vocab": vocab_key,
+            "aux": aux_ids,
+            "warm": warm_start,
+            "train": config.train.model_dump(mode="json"),
+            "target": config.target.model,
+        }
+    )[:16]
 
 
 def steps_per_epoch(seq_lens: list[int], total_seq_len: int, train_ratio: float) -> int:
@@ -62,23 +71,46 @@ def draft_layer_config(target: TargetConfig, num_layers: int):
     v = load_hf_config(target).get_text_config()
     hidden, heads = v.hidden_size, v.num_attention_heads
     if hidden % heads and "head_dim" not in text_config(read_target_config(target)):
-        raise ValueError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} and config.json "
-                         "gives no head_dim, so no attention width fits the target's hidden size")
+        raise ValueError(
+            f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} and config.json "
+            "gives no head_dim, so no attention width fits the target's hidden size"
+        )
     kv = getattr(v, "num_key_value_heads", None) or heads
     head_dim = getattr(v, "head_dim", None) or hidden // heads
     theta = (getattr(v, "rope_parameters", None) or {}).get("rope_theta") or getattr(v, "rope_theta", None)
-    eps = next((e for e in (getattr(v, k, None) for k in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"))
-                if e), 1e-6)
-    return LlamaConfig(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv if heads % kv == 0
-                       else heads, head_dim=head_dim, intermediate_size=resolve_draft_intermediate_size(v),
-                       vocab_size=v.vocab_size, num_hidden_layers=num_layers, hidden_act="silu", rms_norm_eps=eps,
-                       max_position_embeddings=context_limit(v.to_dict()) or 2048, tie_word_embeddings=False,
-                       rope_parameters={"rope_type": "default", "rope_theta": float(theta or 10000.0)})
+    eps = next(
+        (e for e in (getattr(v, k, None) for k in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")) if e), 1e-6
+    )
+    return LlamaConfig(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv if heads % kv == 0 else heads,
+        head_dim=head_dim,
+        intermediate_size=resolve_draft_intermediate_size(v),
+        vocab_size=v.vocab_size,
+        num_hidden_layers=num_layers,
+        hidden_act="silu",
+        rms_norm_eps=eps,
+        max_position_embeddings=context_limit(v.to_dict()) or 2048,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": float(theta or 10000.0)},
+    )
 
 
-def training_command(config: PipelineConfig, data_dir: Path, hidden_dir: Path, d2t: Path, t2d: Path,
-                     aux_ids: list[int], target_facts: dict, save_path: Path, checkpoint_freq: float,
-                     device: str, warm_start: Path | None = None, dry_run: bool = False) -> list[str]:
+def training_command(
+    config: PipelineConfig,
+    data_dir: Path,
+    hidden_dir: Path,
+    d2t: Path,
+    t2d: Path,
+    aux_ids: list[int],
+    target_facts: dict,
+    save_path: Path,
+    checkpoint_freq: float,
+    device: str,
+    warm_start: Path | None = None,
+    dry_run: bool = False,
+) -> list[str]:
     """The trainer's command line. `target_facts` is what preflight decided about the target
     (`PreflightReport.target_facts`): the checkpoint names of the tensors the drafter borrows, which
     `eyrie.train_entry` hands to speculators' loader, and the mask token id."""
@@ -87,18 +119,56 @@ def training_command(config: PipelineConfig, data_dir: Path, hidden_dir: Path, d
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={t.devices}"]
     else:
         launcher = [sys.executable]
-    args = ["-m", "eyrie.train_entry", "--speculator-type", "eagle3",
-            "--verifier-name-or-path", str(config.target.model), "--data-path", str(data_dir),
-            "--hidden-states-path", str(hidden_dir), "--d2t-path", str(d2t), "--t2d-path", str(t2d),
-            "--draft-vocab-size", str(config.vocab.draft_vocab_size),
-            "--target-layer-ids", *map(str, aux_ids), "--save-path", str(save_path),
-            "--epochs", str(t.epochs), "--lr", str(t.lr),
-            "--ttt-steps", str(t.ttt_steps), "--total-seq-len", str(t.max_seq_len),
-            "--checkpoint-freq", str(checkpoint_freq), "--train-data-ratio", str(1 - t.val_fraction),
-            "--seed", str(t.seed), "--on-missing", "raise", "--loss-implementation", "eager",
-            "--optimizer", t.optimizer, "--log-freq", str(t.log_every_steps),
-            "--log-dir", str(save_path.parent / "logs"), "--logger", "",
-            "--eyrie-verifier-weights", json.dumps(target_facts["verifier_weights"], sort_keys=True)]
+    args = [
+        "-m",
+        "eyrie.train_entry",
+        "--speculator-type",
+        "eagle3",
+        "--verifier-name-or-path",
+        str(config.target.model),
+        "--data-path",
+        str(data_dir),
+        "--hidden-states-path",
+        str(hidden_dir),
+        "--d2t-path",
+        str(d2t),
+        "--t2d-path",
+        str(t2d),
+        "--draft-vocab-size",
+        str(config.vocab.draft_vocab_size),
+        "--target-layer-ids",
+        *map(str, aux_ids),
+        "--save-path",
+        str(save_path),
+        "--epochs",
+        str(t.epochs),
+        "--lr",
+        str(t.lr),
+        "--ttt-steps",
+        str(t.ttt_steps),
+        "--total-seq-len",
+        str(t.max_seq_len),
+        "--checkpoint-freq",
+        str(checkpoint_freq),
+        "--train-data-ratio",
+        str(1 - t.val_fraction),
+        "--seed",
+        str(t.seed),
+        "--on-missing",
+        "raise",
+        "--loss-implementation",
+        "eager",
+        "--optimizer",
+        t.optimizer,
+        "--log-freq",
+        str(t.log_every_steps),
+        "--log-dir",
+        str(save_path.parent / "logs"),
+        "--logger",
+        "",
+        "--eyrie-verifier-weights",
+        json.dumps(target_facts["verifier_weights"], sort_keys=True),
+    ]
     if config.target.trust_remote_code:
         args.append("--trust-remote-code")
     if target_facts.get("mask_token_id") is not None:
@@ -126,9 +196,20 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def run_training(config: PipelineConfig, out_dir: Path, key: str, data_dir: Path, hidden_dir: Path, d2t: Path,
-                 t2d: Path, aux_ids: list[int], target_facts: dict, seq_lens: list[int],
-                 warm_start: Path | None = None, log=print) -> dict:
+def run_training(
+    config: PipelineConfig,
+    out_dir: Path,
+    key: str,
+    data_dir: Path,
+    hidden_dir: Path,
+    d2t: Path,
+    t2d: Path,
+    aux_ids: list[int],
+    target_facts: dict,
+    seq_lens: list[int],
+    warm_start: Path | None = None,
+    log=print,
+) -> dict:
     """Train (or resume) into `out_dir/<key>`; returns the stage manifest naming the final checkpoint."""
     manifest = read_json(out_dir / "manifest.json")
     if manifest and manifest.get("key") == key and Path(manifest["checkpoint"]).exists():
@@ -138,19 +219,21 @@ def run_training(config: PipelineConfig, out_dir: Path, key: str, data_dir: Path
     device = resolve_device(config)
     spe = steps_per_epoch(seq_lens, config.train.max_seq_len, 1 - config.train.val_fraction)
     if device == "cuda" and config.train.devices > 1:  # speculators deals the packed batches out across the ranks,
-        spe = math.ceil(spe / config.train.devices)    # and checkpoint_freq is a share of one rank's steps
+        spe = math.ceil(spe / config.train.devices)  # and checkpoint_freq is a share of one rank's steps
     every = config.train.save_every_steps
     freq = 1.0 if not every or every >= spe else max(every / spe, 1 / spe)
-    cmd = training_command(config, data_dir, hidden_dir, d2t, t2d, aux_ids, target_facts, save_path, freq, device,
-                           warm_start)
+    cmd = training_command(
+        config, data_dir, hidden_dir, d2t, t2d, aux_ids, target_facts, save_path, freq, device, warm_start
+    )
     # speculators saves `interrupted/` on SIGTERM but never resumes from it (it resumes from the newest numbered
     # checkpoint, as Eyrie reports); left there, it only draws a warning on every later launch.
     shutil.rmtree(save_path / "interrupted", ignore_errors=True)
     resumed_from = newest_checkpoint(save_path)
     state = read_json(resumed_from / "training_state.json") if resumed_from else None
-    log(f"training on {device} ({spe} steps/epoch, checkpoint every {freq:g} epoch)"
-        + (f"; resuming from {resumed_from} (global step {state and state.get('global_step')})" if resumed_from
-           else ""))
+    log(
+        f"training on {device} ({spe} steps/epoch, checkpoint every {freq:g} epoch)"
+        + (f"; resuming from {resumed_from} (global step {state and state.get('global_step')})" if resumed_from else "")
+    )
     env = dict(os.environ, EYRIE_TRAIN_DEVICE=device, PYTHONUNBUFFERED="1")
     work.mkdir(parents=True, exist_ok=True)
     log_path = work / "train.log"
@@ -160,17 +243,26 @@ def run_training(config: PipelineConfig, out_dir: Path, key: str, data_dir: Path
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent).returncode
     if rc != 0:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
-        raise EyrieError(f"training exited with code {rc}; checkpoints so far are kept in {save_path} and the "
-                         f"next run resumes from them. End of {log_path}:\n{tail}")
+        raise EyrieError(
+            f"training exited with code {rc}; checkpoints so far are kept in {save_path} and the "
+            f"next run resumes from them. End of {log_path}:\n{tail}"
+        )
     final = newest_checkpoint(save_path)
     if final is None:
         raise EyrieError(f"training finished but wrote no checkpoint under {save_path}")
     state = read_json(final / "training_state.json") or {}
-    manifest = {"stage": "train", "key": key, "checkpoint": str(final), "device": device,
-                "epochs": config.train.epochs, "global_step": state.get("global_step"),
-                "resumed_from": str(resumed_from) if resumed_from else None,
-                "val_metrics": read_json(final / "val_metrics.json"), "log": str(log_path),
-                "history": epoch_metrics(save_path)}
+    manifest = {
+        "stage": "train",
+        "key": key,
+        "checkpoint": str(final),
+        "device": device,
+        "epochs": config.train.epochs,
+        "global_step": state.get("global_step"),
+        "resumed_from": str(resumed_from) if resumed_from else None,
+        "val_metrics": read_json(final / "val_metrics.json"),
+        "log": str(log_path),
+        "history": epoch_metrics(save_path),
+    }
     atomic_write_json(out_dir / "manifest.json", manifest)
     return manifest
 
@@ -180,13 +272,26 @@ def epoch_metrics(save_path: Path) -> list[dict]:
     for p in sorted((p for p in save_path.glob("*") if p.name.isdigit()), key=lambda p: int(p.name)):
         m = read_json(p / "val_metrics.json") or {}
         s = read_json(p / "training_state.json") or {}
-        rows.append({"epoch": int(p.name), "global_step": s.get("global_step"),
-                     **{k: round(v, 5) for k, v in m.items() if isinstance(v, (int, float))}})
+        rows.append(
+            {
+                "epoch": int(p.name),
+                "global_step": s.get("global_step"),
+                **{k: round(v, 5) for k, v in m.items() if isinstance(v, (int, float))},
+            }
+        )
     return rows
 
 
-def untrained_drafter(config: PipelineConfig, out_dir: Path, data_dir: Path, hidden_dir: Path, d2t: Path,
-                      t2d: Path, aux_ids: list[int], target_facts: dict) -> Path:
+def untrained_drafter(
+    config: PipelineConfig,
+    out_dir: Path,
+    data_dir: Path,
+    hidden_dir: Path,
+    d2t: Path,
+    t2d: Path,
+    aux_ids: list[int],
+    target_facts: dict,
+) -> Path:
     """A freshly initialised drafter of the same shape (speculators' --dry-run): the evaluation baseline."""
     path = out_dir / "untrained"
     if (path / "model.safetensors").exists():
@@ -194,8 +299,9 @@ def untrained_drafter(config: PipelineConfig, out_dir: Path, data_dir: Path, hid
     staging = out_dir / "untrained.staging"
     shutil.rmtree(staging, ignore_errors=True)
     # Initialising needs no accelerator: always on CPU, one process.
-    cmd = training_command(config, data_dir, hidden_dir, d2t, t2d, aux_ids, target_facts, staging, 1.0, "cpu",
-                           dry_run=True)
+    cmd = training_command(
+        config, data_dir, hidden_dir, d2t, t2d, aux_ids, target_facts, staging, 1.0, "cpu", dry_run=True
+    )
     r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, EYRIE_TRAIN_DEVICE="cpu"))
     if r.returncode != 0:
         raise EyrieError(f"could not initialise the untrained drafter:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")

@@ -78,8 +78,14 @@ def _gpu_speedups() -> None:
 
         @staticmethod
         def tensor(data, *args, dtype=None, device=None, **kwargs):
-            if (not args and not kwargs and isinstance(data, (int, float)) and not isinstance(data, bool)
-                    and device is not None and torch.device(device).type == "cuda"):
+            if (
+                not args
+                and not kwargs
+                and isinstance(data, (int, float))
+                and not isinstance(data, bool)
+                and device is not None
+                and torch.device(device).type == "cuda"
+            ):
                 return torch.full((), data, dtype=dtype or torch.get_default_dtype(), device=device)
             return torch.tensor(data, *args, dtype=dtype, device=device, **kwargs)
 
@@ -94,8 +100,7 @@ def _compile_cache_beside(save_path: str | None) -> None:
     if save_path:
         from pathlib import Path
 
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                              str(Path(save_path).resolve().parent.parent / "compile-cache"))
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(save_path).resolve().parent.parent / "compile-cache"))
 
 
 def _option(argv: list[str], name: str) -> str | None:
@@ -135,7 +140,7 @@ def _pop_option(argv: list[str], name: str) -> str | None:
         return None
     i = argv.index(name)
     value = argv[i + 1]
-    del argv[i:i + 2]
+    del argv[i : i + 2]
     return value
 
 
