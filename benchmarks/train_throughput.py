@@ -1,0 +1,943 @@
+"""Train-stage throughput on one GPU: Eyrie's exact train command against the bare EAGLE-3 model step.
+
+At Kimi-K2.5 dimensions (hidden 7168, target vocabulary 163840, draft vocabulary 32000, packed 4096 tokens, TTT 3)
+this builds a synthetic run folder in the layout Eyrie's stages write, then measures, in one run:
+
+  step    the bare model step: speculators' Eagle3DraftModel at the draft geometry Eyrie builds
+          (`eyrie.train.draft_layer_config`), bf16 weights, fused AdamW, flex attention, eager loss, synthetic
+          GPU-resident inputs (as ../shared/bench/eagle3_train_step.py). `--master fp32 --clip --opt X` gives the
+          trainer's own math (fp32 weights under bf16 autocast, gradient clipping, optimizer X) on the same inputs.
+  eyrie   the command `eyrie.train.training_command()` builds from the Kimi preset pointed at the synthetic target,
+          run as Eyrie runs it (a subprocess with EYRIE_TRAIN_DEVICE), reading the hidden-state files; tokens/s
+          between logged steps after warm-up (real tokens, as speculators counts them), the time from launch to
+          the first step and where it went, GPU utilisation sampled alongside. `--optimizer` sets
+          `train.optimizer`; everything else is the preset's. `--inmem` swaps speculators' data loaders for one
+          pinned batch served from memory (same trainer, model and optimizer): the trainer without its loader.
+          A second launch on the same run folder is a retry: torch.compile's cache (`<run>/train/compile-cache`,
+          where eyrie.train_entry puts it) is then warm.
+  ab      optimizer A/B on a carried Eyrie run folder (the demo's extracted hidden states): `run_training` with
+          each optimizer, validation accuracy per position per epoch against wall-clock seconds.
+
+`all` runs gen, step and eyrie (each optimizer in --optimizers) and prints the rates and their ratio.
+Every measurement is one JSON line on stdout and in --results.
+
+Runs on a GPU machine with torch, transformers, safetensors, numpy, pyarrow and PyYAML but neither speculators nor
+vLLM and no network: speculators and its needs travel as wheels in the ignored folder `.whl/`, which
+`benchmarks/train_throughput.sh` installs into a private folder first. `--tiny` shrinks every dimension so the
+plumbing can be checked on a CPU (no pip, no GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+KIMI = dict(
+    hidden=7168,
+    vocab=163840,
+    draft_vocab=32000,
+    layers=61,
+    heads=64,
+    kv_heads=64,
+    qk_rope=64,
+    intermediate=18432,
+    aux=[2, 30, 58],
+    seq=4096,
+    row_tokens=2048,
+    mask=163839,
+)
+TINY = dict(
+    hidden=64,
+    vocab=4096,
+    draft_vocab=512,
+    layers=8,
+    heads=4,
+    kv_heads=4,
+    qk_rope=16,
+    intermediate=128,
+    aux=[2, 4, 5],
+    seq=256,
+    row_tokens=128,
+    mask=4095,
+)
+PIDS = Path("/tmp/eyrie-train-throughput-pids")
+
+
+def dims(args) -> dict:
+    return TINY if args.tiny else KIMI
+
+
+def emit(args, record: dict) -> dict:
+    record = {"ts": round(time.time(), 3), **record}
+    print(json.dumps(record), flush=True)
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    return record
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gen: target (config + the three tensors the drafter borrows), prepare/dataset, vocab, extract/hidden_states
+
+
+def target_config(d: dict, shell: bool) -> dict:
+    """Kimi-K2.5's text backbone (DeepseekV3 / kimi_k2 shape); with `shell`, inside the kimi_k25 multimodal
+    wrapper the real checkpoint has (the drafter's shape is the same either way)."""
+    text = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": d["hidden"],
+        "intermediate_size": d["intermediate"],
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": d["layers"],
+        "num_attention_heads": d["heads"],
+        "num_key_value_heads": d["kv_heads"],
+        "n_routed_experts": 384,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": d["qk_rope"],
+        "v_head_dim": 128,
+        "vocab_size": d["vocab"],
+        "max_position_embeddings": 262144,
+        "rope_theta": 50000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 64.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "routed_scaling_factor": 2.827,
+        "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "bos_token_id": 163584 % d["vocab"],
+        "eos_token_id": 163585 % d["vocab"],
+        "torch_dtype": "bfloat16",
+    }
+    if not shell:
+        return text
+    return {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": {**text, "model_type": "kimi_k2"},
+        "tie_word_embeddings": False,
+        "pad_token_id": d["mask"],
+        "torch_dtype": "bfloat16",
+    }
+
+
+def write_target(root: Path, d: dict, dev: str) -> tuple[Path, dict, str]:
+    """The synthetic target and the facts preflight would hand the train stage, resolved by Eyrie's own
+    `resolve_borrowed_weights` (no weights read). Kimi's multimodal shell when the installed transformers knows
+    it (as for the real checkpoint), else its DeepseekV3 text backbone."""
+    import torch
+    from safetensors.torch import save_file
+
+    from eyrie.config import TargetConfig
+    from eyrie.target import read_target_config, resolve_borrowed_weights
+
+    tgt = root / "target"
+    g = torch.Generator(device=dev).manual_seed(1)
+    H, V = d["hidden"], d["vocab"]
+    weights = {
+        "model.embed_tokens.weight": (torch.randn(V, H, device=dev, generator=g, dtype=torch.bfloat16) * 0.02).cpu(),
+        "lm_head.weight": (torch.randn(V, H, device=dev, generator=g, dtype=torch.bfloat16) * 0.02).cpu(),
+        "model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
+    }
+    last_err = None
+    for shell in (True, False):
+        shutil.rmtree(tgt, ignore_errors=True)
+        tgt.mkdir(parents=True)
+        prefix = "language_model." if shell else ""
+        (tgt / "config.json").write_text(json.dumps(target_config(d, shell), indent=2) + "\n")
+        save_file(
+            {prefix + k: v for k, v in weights.items()}, str(tgt / "model.safetensors"), metadata={"format": "pt"}
+        )
+        target = TargetConfig(model=str(tgt), trust_remote_code=shell)
+        try:
+            borrowed = resolve_borrowed_weights(target, read_target_config(target))
+        except Exception as err:  # noqa: BLE001  (a transformers without kimi_k25: use the text backbone)
+            last_err = err
+            continue
+        facts = {"verifier_weights": borrowed.speculators_names(), "mask_token_id": d["mask"]}
+        return tgt, facts, "kimi_k25" if shell else "deepseek_v3"
+    raise SystemExit(f"cannot resolve the synthetic target's borrowed tensors: {last_err}")
+
+
+def cmd_gen(args) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    import torch
+    import yaml
+    from safetensors.torch import save_file
+
+    from eyrie.prepare import _save_dataset
+    from eyrie.vocab import build_vocab
+
+    d = dims(args)
+    root = Path(args.root)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
+    root.mkdir(parents=True, exist_ok=True)
+    tgt, facts, shape = write_target(root, d, dev)
+    t_target = time.perf_counter() - t0
+
+    T, H, L = d["row_tokens"], d["hidden"], len(d["aux"]) + 1
+    ids = [
+        np.random.default_rng(i % args.distinct).integers(0, d["vocab"], T, dtype=np.int64) for i in range(args.rows)
+    ]
+    ds_dir = root / "prepare" / "dataset"
+    shutil.rmtree(ds_dir, ignore_errors=True)
+    _save_dataset(ds_dir, [x.tolist() for x in ids], [[1] * T for _ in ids])
+    freq: dict[int, int] = {}
+    for x in ids[: args.distinct]:
+        for a, b in zip(*(v.tolist() for v in np.unique(x, return_counts=True))):
+            freq[a] = freq.get(a, 0) + b
+    torch.save(freq, ds_dir / "token_freq.pt")
+    build_vocab(ds_dir / "token_freq.pt", d["draft_vocab"], d["vocab"], root / "vocab", key="synthetic")
+
+    # hs_<i>.safetensors as Eyrie's vLLM connector writes them: hidden_states [T, aux + 1, H] bf16, token_ids [T];
+    # rows past --distinct link to a distinct file (same bytes on disk, fewer to write)
+    hs_dir = root / "extract" / "hidden_states"
+    shutil.rmtree(hs_dir, ignore_errors=True)
+    hs_dir.mkdir(parents=True)
+    g = torch.Generator(device=dev).manual_seed(2)
+    pool = [torch.randn(T, L, H, device=dev, generator=g, dtype=torch.bfloat16).cpu() for _ in range(4)]
+
+    def write(i: int) -> None:
+        save_file(
+            {"hidden_states": pool[i % 4], "token_ids": torch.from_numpy(ids[i])}, str(hs_dir / f"hs_{i}.safetensors")
+        )
+
+    with ThreadPoolExecutor(8) as ex:
+        list(ex.map(write, range(min(args.distinct, args.rows))))
+    for i in range(args.distinct, args.rows):
+        (hs_dir / f"hs_{i}.safetensors").symlink_to(f"hs_{i % args.distinct}.safetensors")
+
+    # the Kimi preset on one GPU, pointed at the synthetic target
+    preset = yaml.safe_load((REPO / "configs" / "kimi-k2.5-tp8.yaml").read_text())
+    preset["target"].update(
+        model=str(tgt), revision=None, tensor_parallel_size=1, trust_remote_code=shape != "deepseek_v3"
+    )
+    preset["data"]["source"] = str(root / "unused.jsonl")
+    preset["extraction"]["layer_ids"] = d["aux"]
+    preset["vocab"]["draft_vocab_size"] = d["draft_vocab"]
+    preset["train"].update(devices=1, device="cpu" if args.tiny else "cuda", mask_token_id=d["mask"])
+    if args.tiny:
+        preset["train"]["max_seq_len"] = d["seq"]
+    preset.pop("promotion", None)
+    (root / "eyrie.yaml").write_text(yaml.safe_dump(preset, sort_keys=False))
+    (root / "target_facts.json").write_text(json.dumps(facts, indent=1))
+    os.sync()
+    geo = draft_geometry(root)
+    emit(
+        args,
+        {
+            "what": "gen",
+            "target_shape": shape,
+            "rows": args.rows,
+            "distinct_files": args.distinct,
+            "tokens_per_row": T,
+            "bytes_per_token": round((hs_dir / "hs_0.safetensors").stat().st_size / T, 1),
+            "target_facts": facts,
+            "draft": geo,
+            "s_target": round(t_target, 1),
+            "s_total": round(time.perf_counter() - t0, 1),
+        },
+    )
+
+
+def load(root: Path):
+    from eyrie.config import load_config
+
+    return load_config(root / "eyrie.yaml"), json.loads((root / "target_facts.json").read_text())
+
+
+def draft_geometry(root: Path) -> dict:
+    from eyrie.train import draft_layer_config
+
+    config, _ = load(root)
+    c = draft_layer_config(config.target, config.train.num_layers)
+    return {
+        "hidden": c.hidden_size,
+        "heads": c.num_attention_heads,
+        "kv_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "intermediate": c.intermediate_size,
+        "layers": c.num_hidden_layers,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# step: the bare model step at the draft geometry Eyrie builds
+
+
+def sync_probe() -> dict:
+    """Does a scalar made on the GPU wait for it? torch.tensor(number, device=cuda) (what speculators' trainer does
+    twice a step) against the torch.full that eyrie.train_entry substitutes."""
+    import torch
+
+    out = {}
+    for name, make in (
+        ("torch.tensor", lambda: torch.tensor(1.0, dtype=torch.float32, device="cuda")),
+        ("torch.full", lambda: torch.full((), 1.0, dtype=torch.float32, device="cuda")),
+    ):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            make()
+            out[name] = "no sync"
+        except RuntimeError:
+            out[name] = "synchronises"
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return out
+
+
+def cmd_step(args) -> dict:
+    import torch
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    from eyrie.train import draft_layer_config
+
+    d = dims(args)
+    config, _ = load(Path(args.root))
+    V, VD, T, TTT = d["vocab"], d["draft_vocab"], config.train.max_seq_len, config.train.ttt_steps
+    DOC = d["row_tokens"]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    tl = draft_layer_config(config.target, config.train.num_layers)
+    tl._attn_implementation = args.attn if dev == "cuda" else "sdpa"
+    H = tl.hidden_size
+    cfg = Eagle3SpeculatorConfig(
+        transformer_layer_config=tl,
+        draft_vocab_size=VD,
+        norm_before_residual=True,
+        eagle_aux_hidden_state_layer_ids=d["aux"],
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=TTT)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path="synthetic", architectures=["DeepseekV3ForCausalLM"]),
+        ),
+    )
+    with torch.device(dev):
+        model = Eagle3DraftModel(cfg)
+    model = model.to(torch.float32 if args.master == "fp32" else torch.bfloat16)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    ids = torch.randperm(V)[:VD].sort().values
+    t2d[ids] = True
+    model.load_vocab_mappings(t2d.to(dev), (ids - torch.arange(VD)).to(dev))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    fused = dev == "cuda"
+    if args.opt == "muon":
+        from speculators.train.optimizers import split_named_params_for_muon
+
+        mu, aw = split_named_params_for_muon(model)
+        opts = [
+            torch.optim.Muon(
+                [p for _, p in mu], lr=1e-4, momentum=0.95, weight_decay=0.1, ns_steps=5, adjust_lr_fn="match_rms_adamw"
+            ),
+            torch.optim.AdamW([p for _, p in aw], lr=1e-4, weight_decay=0.01, fused=fused),
+        ]
+    else:
+        opts = [torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.01, fused=fused)]
+    loss_cfg = resolve_loss_config("kl_div", "eager")
+    g = torch.Generator(device=dev).manual_seed(0)
+    hs = torch.randn(1, T, 3 * H, device=dev, dtype=torch.bfloat16, generator=g)
+    last = torch.randn(1, T, H, device=dev, dtype=torch.bfloat16, generator=g)
+    inp = torch.randint(0, V, (1, T), device=dev, generator=g)
+    doc = (torch.arange(T, device=dev) // DOC).unsqueeze(0)
+    pos = (torch.arange(T, device=dev) % DOC).unsqueeze(0)
+    mask = torch.ones(1, T, device=dev, dtype=torch.bool)
+    amp = args.master == "fp32" and dev == "cuda"
+    timing = {"fwd": 0.0, "bwd": 0.0, "opt": 0.0}
+
+    def step(profile: bool = False):
+        t = time.perf_counter()
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=amp):
+            _, loss, _ = model(
+                hs,
+                inp,
+                doc,
+                loss_mask=mask,
+                position_ids=pos,
+                verifier_last_hidden_states=last,
+                ttt_steps=TTT,
+                loss_config=loss_cfg,
+            )
+        if profile:
+            sync()
+            timing["fwd"] += time.perf_counter() - t
+            t = time.perf_counter()
+        loss.backward()
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if profile:
+            sync()
+            timing["bwd"] += time.perf_counter() - t
+            t = time.perf_counter()
+        for o in opts:
+            o.step()
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+        if profile:
+            sync()
+            timing["opt"] += time.perf_counter() - t
+
+    t_build = time.perf_counter()
+    for _ in range(3):  # includes torch.compile
+        step()
+    sync()
+    t_warm = time.perf_counter() - t_build
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+        step()
+    sync()
+    dt = (time.perf_counter() - t0) / args.iters
+    n_prof = max(1, args.iters // 4)
+    for _ in range(n_prof):  # phases, each synchronised (a separate pass so the rate above is unperturbed)
+        step(profile=True)
+    rec = {
+        "what": "step",
+        "tag": args.tag,
+        "draft": {
+            "hidden": H,
+            "heads": tl.num_attention_heads,
+            "kv_heads": tl.num_key_value_heads,
+            "head_dim": tl.head_dim,
+            "intermediate": tl.intermediate_size,
+        },
+        "seq": T,
+        "doc": DOC,
+        "ttt": TTT,
+        "attn": tl._attn_implementation,
+        "loss_impl": "eager",
+        "opt": args.opt + (" (fused AdamW)" if fused else ""),
+        "master": args.master,
+        "clip": args.clip,
+        "trainable_params_M": round(sum(p.numel() for p in trainable) / 1e6, 1),
+        "warmup_3_steps_s": round(t_warm, 1),
+        "step_ms": round(dt * 1000, 1),
+        "tokens_per_s": round(T / dt),
+        "phase_ms": {k: round(v / n_prof * 1000, 1) for k, v in timing.items()},
+        "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev == "cuda" else None,
+    }
+    if dev == "cuda":
+        rec["sync_probe"] = sync_probe()
+    return emit(args, rec)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# eyrie: the exact command training_command() builds, as run_training runs it
+
+
+STEP_RE = re.compile(r"global_step[\"']?\s*[:=]\s*(\d+)")
+NUM = r"([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?)"
+MILESTONES = {
+    "config resolved": "speculator_type=",
+    "model build started": "Loading vocab mappings",
+    "trainer built": "Starting fresh training run",
+    "epoch started": "Training epoch 1/",
+}
+
+
+class GpuSampler(threading.Thread):
+    def __init__(self, period: float = 0.5):
+        super().__init__(daemon=True)
+        self.period, self.samples, self.stop = period, [], threading.Event()
+
+    def run(self) -> None:
+        q = "utilization.gpu,power.draw,memory.used,clocks.sm"
+        while not self.stop.is_set():
+            try:
+                r = subprocess.run(
+                    ["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader,nounits"],
+                    capture_output=True,
+                    text=True,
+                    timeout=5,
+                )
+                self.samples.append((time.time(), [float(x) for x in r.stdout.strip().split("\n")[0].split(",")]))
+            except Exception:  # noqa: BLE001  (no nvidia-smi on a CPU check)
+                pass
+            self.stop.wait(self.period)
+
+    def summary(self, t0: float, t1: float) -> dict | None:
+        s = [v for t, v in self.samples if t0 <= t <= t1]
+        if not s:
+            return None
+        out = {}
+        for i, c in enumerate(["util_gpu_pct", "power_W", "mem_used_MiB", "sm_clock_MHz"]):
+            xs = sorted(v[i] for v in s)
+            out[c] = {"mean": round(sum(xs) / len(xs), 1), "min": xs[0], "max": xs[-1]}
+        out["samples"] = len(s)
+        return out
+
+
+def metric(line: str, key: str) -> float | None:
+    m = re.search(re.escape(key) + r"[\"']?\s*[:=]\s*" + NUM, line)
+    return float(m.group(1)) if m else None
+
+
+def eyrie_command(args, root: Path, optimizer: str) -> tuple[list[str], Path, dict]:
+    from eyrie.prepare import load_seq_lens
+    from eyrie.train import steps_per_epoch, training_command
+    from eyrie.vocab import mapping_paths
+
+    config, facts = load(root)
+    config = config.model_copy(update={"train": config.train.model_copy(update={"optimizer": optimizer})})
+    device = "cpu" if args.tiny else "cuda"
+    # the same checkpoint frequency run_training passes (one GPU)
+    spe = steps_per_epoch(load_seq_lens(root / "prepare"), config.train.max_seq_len, 1 - config.train.val_fraction)
+    every = config.train.save_every_steps
+    freq = 1.0 if not every or every >= spe else max(every / spe, 1 / spe)
+    d2t, t2d = mapping_paths(root / "vocab", config.vocab.draft_vocab_size)
+    save_path = root / "train" / f"bench-{optimizer}" / "checkpoints"
+    if not args.keep_checkpoints:  # a fresh start (a kept folder would resume); the compile cache beside it stays
+        shutil.rmtree(save_path.parent, ignore_errors=True)
+    cmd = training_command(
+        config,
+        root / "prepare" / "dataset",
+        root / "extract" / "hidden_states",
+        d2t,
+        t2d,
+        list(config.extraction.layer_ids),
+        facts,
+        save_path,
+        freq,
+        device,
+    )
+    return (
+        cmd,
+        save_path,
+        {
+            "device": device,
+            "steps_per_epoch": spe,
+            "checkpoint_freq": freq,
+            "log_every_steps": config.train.log_every_steps,
+            "optimizer": optimizer,
+        },
+    )
+
+
+def _inmem_entry(argv: list[str]) -> None:
+    """Eyrie's train entry with speculators' data loaders replaced by one collated, pinned batch served from
+    memory (same model, optimizer, trainer loop and host-to-device copy): the trainer without its loader."""
+    import math
+
+    import torch
+    from speculators.train import cli
+    from speculators.train.data import CollateFn
+
+    class MemoryLoader:
+        batch_sampler = None
+
+        def __init__(self, batch: dict, n: int):
+            self.batch, self.n = batch, n
+
+        def __len__(self) -> int:
+            return self.n
+
+        def __iter__(self):
+            for _ in range(self.n):
+                yield dict(self.batch)
+
+    def loaders(
+        *,
+        data_path,
+        total_seq_len,
+        hidden_states_dtype,
+        hidden_size,
+        num_target_layers,
+        preprocess,
+        train_data_ratio=0.9,
+        **_,
+    ):
+        from datasets import load_from_disk
+
+        ds = load_from_disk(data_path).with_format(None)
+        lens = list(ds["seq_len"])
+        g = torch.Generator().manual_seed(0)
+        samples, used, i = [], 0, 0
+        while used < total_seq_len:
+            t = lens[i % len(lens)]
+            hs = torch.randn(t, num_target_layers + 1, hidden_size, generator=g).to(hidden_states_dtype)
+            samples.append(
+                {
+                    "hidden_states": hs[:, :-1].flatten(1),
+                    "input_ids": torch.tensor(ds[i]["input_ids"]),
+                    "verifier_last_hidden_states": hs[:, -1],
+                    "loss_mask": torch.tensor(ds[i]["loss_mask"]),
+                    "lengths": torch.tensor([t]),
+                    "position_ids": torch.arange(t),
+                }
+            )
+            used += t
+            i += 1
+        batch = CollateFn(
+            total_seq_len,
+            hidden_size,
+            num_target_layers=num_target_layers,
+            dtype=hidden_states_dtype,
+            preprocess=preprocess,
+        )(samples)
+        if torch.cuda.is_available():
+            batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        n_train = int(len(lens) * train_data_ratio)
+        steps = max(1, math.ceil(sum(min(x, total_seq_len) for x in lens[:n_train]) / total_seq_len))
+        return MemoryLoader(batch, steps), MemoryLoader(batch, 2)
+
+    cli.create_train_val_loaders = loaders
+    from eyrie.train_entry import main
+
+    main(argv)
+
+
+def cmd_eyrie(args, optimizer: str | None = None) -> dict:
+    optimizer = optimizer or args.optimizer
+    root = Path(args.root)
+    cmd, save_path, info = eyrie_command(args, root, optimizer)
+    if args.inmem:
+        i = cmd.index("eyrie.train_entry")
+        cmd = [cmd[0], str(Path(__file__).resolve()), "_inmem_entry", *cmd[i + 1 :]]
+        info["loader"] = "one pinned batch from memory (speculators' loaders replaced)"
+    env = dict(os.environ, EYRIE_TRAIN_DEVICE=info["device"], PYTHONUNBUFFERED="1", COLUMNS="2000")
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # eyrie.train_entry's default: <run>/train/compile-cache
+    compile_cache = root / "train" / "compile-cache"
+    cache_files_before = sum(1 for _ in compile_cache.rglob("*")) if compile_cache.exists() else 0
+    log_path = Path(args.log_dir) / f"train_{optimizer}{'_' + args.tag if args.tag else ''}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    sampler = GpuSampler()
+    sampler.start()
+    t_start = time.time()
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        bufsize=1,
+        text=True,
+        errors="replace",
+    )
+    with open(PIDS, "a") as f:  # the shell wrapper kills these process groups if anything is left behind
+        f.write(f"{proc.pid}\n")
+
+    def on_term(signum, frame):  # `timeout` stops this driver: take the trainer (its own session) down too
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        finally:
+            raise SystemExit(f"stopped by signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    lines: queue.Queue = queue.Queue()
+
+    def reader() -> None:
+        for ln in proc.stdout:
+            lines.put((time.time(), ln))
+        lines.put((time.time(), None))
+
+    threading.Thread(target=reader, daemon=True).start()
+    steps: list[tuple[float, int, float | None]] = []  # (arrival, global_step, real tokens in that step)
+    marks: dict[str, float] = {}
+    window_start = None
+    deadline = t_start + args.startup_s
+    with open(log_path, "w") as log:
+        log.write("===== " + " ".join(cmd) + "\n")
+        while time.time() < deadline:
+            try:
+                now, line = lines.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            log.write(line)
+            for name, text in MILESTONES.items():
+                if name not in marks and text in line:
+                    marks[name] = round(now - t_start, 1)
+            m = STEP_RE.search(line)
+            if m and "profile" in line:
+                tps, ms = metric(line, "tokens_per_s"), metric(line, "step_ms")
+                steps.append((now, int(m.group(1)), tps * ms / 1000 if tps is not None and ms else None))
+                if window_start is None and int(m.group(1)) >= args.warmup_steps:
+                    window_start = now
+                    deadline = now + args.window_s
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        time.sleep(1.0)
+        while True:
+            try:
+                _, line = lines.get_nowait()
+            except queue.Empty:
+                break
+            if line:
+                log.write(line)
+    proc.wait()
+    sampler.stop.set()
+    out = {
+        "what": "eyrie",
+        "tag": args.tag,
+        **info,
+        "cmd": cmd,
+        "log": str(log_path),
+        "compile_cache_files_before": cache_files_before,
+        "startup_milestones_s": marks,
+        "logged_steps": len(steps),
+    }
+    try:  # every setting as speculators resolves the argv train_entry hands it
+        from speculators.train.config import TrainConfig
+
+        argv = cmd[cmd.index("_inmem_entry" if args.inmem else "eyrie.train_entry") + 1 :]
+        i = argv.index("--eyrie-verifier-weights")
+        flat = TrainConfig.resolve(argv[:i] + argv[i + 2 :]).flatten()
+        out["resolved"] = {
+            k: flat.get(k)
+            for k in (
+                "optimizer",
+                "lr",
+                "muon_lr",
+                "log_freq",
+                "draft_attn_impl",
+                "loss_implementation",
+                "num_workers",
+                "prefetch_factor",
+                "hidden_states_dtype",
+                "total_seq_len",
+                "ttt_steps",
+            )
+        }
+    except Exception as err:  # noqa: BLE001
+        out["resolved"] = f"could not resolve: {err}"
+    if steps:
+        out["first_step_s"] = round(steps[0][0] - t_start, 1)
+    win = [s for s in steps if window_start is not None and s[0] >= window_start]
+    if len(win) >= 2:
+        (t0, s0, _), (t1, s1, _) = win[0], win[-1]
+        toks = [x for _, _, x in win if x]
+        tok_step = sum(toks) / len(toks) if toks else float("nan")
+        out["window"] = {
+            "steps": s1 - s0,
+            "s": round(t1 - t0, 2),
+            "tokens_per_step": round(tok_step, 1),
+            "steps_per_s": round((s1 - s0) / (t1 - t0), 3),
+            "tokens_per_s": round((s1 - s0) * tok_step / (t1 - t0)),
+            "gpu": sampler.summary(t0, t1),
+        }
+        out["tokens_per_s"] = out["window"]["tokens_per_s"]
+    else:
+        out["error_tail"] = log_path.read_text(errors="replace").splitlines()[-30:]
+    return emit(args, out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ab: optimizer A/B on a carried Eyrie run folder (validation accuracy per position against wall-clock)
+
+
+def cmd_ab(args) -> None:
+    from eyrie.config import load_config
+    from eyrie.prepare import load_seq_lens
+    from eyrie.train import run_training
+    from eyrie.vocab import mapping_paths
+
+    run = Path(args.ab_run).resolve()
+    base = load_config(Path(args.ab_config))
+    report = json.loads((run / "preflight.json").read_text())  # what the pipeline hands the train stage
+    facts, aux = report["target_facts"], report["aux_layer_ids"]
+    d2t, t2d = mapping_paths(run / "vocab", base.vocab.draft_vocab_size)
+    for opt in args.optimizers.split(","):
+        train = base.train.model_copy(
+            update={
+                "optimizer": opt,
+                "epochs": args.ab_epochs,
+                "device": args.ab_device,
+                **({"lr": args.ab_lr} if args.ab_lr else {}),
+            }
+        )
+        config = base.model_copy(
+            update={
+                "train": train,
+                "target": base.target.model_copy(update={"model": str(Path(args.ab_target).resolve())}),
+            }
+        )
+        out = Path(args.root) / "ab" / opt
+        shutil.rmtree(out, ignore_errors=True)
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        os.environ["COLUMNS"] = "2000"  # one log line per record
+        t0 = time.time()
+        manifest = run_training(
+            config,
+            out,
+            "k",
+            run / "prepare" / "dataset",
+            run / "extract" / "hidden_states",
+            d2t,
+            t2d,
+            aux,
+            facts,
+            load_seq_lens(run / "prepare"),
+            log=lambda m: None,
+        )
+        wall = time.time() - t0
+        # speculators keeps val_metrics.json only for epochs that improved the validation loss; its log has
+        # every epoch's. Seconds: from run_training's call to the epoch's checkpoint.
+        log = (out / "k" / "train.log").read_text(errors="replace")
+        vals = [
+            dict((k, float(v)) for k, v in re.findall(r"val/(\w+?)_epoch=" + NUM, block))
+            for block in re.split(r"Validation epoch \d+/\d+ started", log)[1:]
+        ]
+        start = t0
+        rows = []
+        for h in manifest["history"]:
+            ck = out / "k" / "checkpoints" / str(h["epoch"]) / "model.safetensors"
+            v = vals[h["epoch"]] if h["epoch"] < len(vals) else {}
+            rows.append(
+                {
+                    "epoch": h["epoch"],
+                    "s": round(ck.stat().st_mtime - start, 1),
+                    "loss": v.get("loss"),
+                    **{k: round(x, 4) for k, x in v.items() if k.startswith("full_acc")},
+                }
+            )
+        emit(
+            args,
+            {
+                "what": "ab",
+                "optimizer": opt,
+                "lr": train.lr,
+                "device": manifest["device"],
+                "epochs": args.ab_epochs,
+                "wall_s": round(wall, 1),
+                "global_step": manifest["global_step"],
+                "epochs_table": rows,
+            },
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def cmd_all(args) -> None:
+    root = Path(args.root)
+    if not (root / "eyrie.yaml").exists() or args.regen:
+        cmd_gen(args)
+    # the bare step in its own process, so none of its GPU memory is held while the trainer runs
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "step",
+        "--root",
+        str(root),
+        "--results",
+        args.results,
+        "--iters",
+        str(args.iters),
+        "--tag",
+        "bare",
+    ] + (["--tiny"] if args.tiny else [])
+    r = subprocess.run(argv, capture_output=True, text=True)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode or not lines:
+        raise SystemExit(f"the bare step failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    bare = json.loads(lines[-1])
+    print(lines[-1], flush=True)
+    runs = [cmd_eyrie(args, opt) for opt in args.optimizers.split(",")]
+    emit_summary(args, bare, runs)
+
+
+def emit_summary(args, bare: dict, runs: list[dict]) -> None:
+    summary = {"what": "summary", "bare_step_tokens_per_s": bare["tokens_per_s"]}
+    for r in runs:
+        tag = f"eyrie_{r['optimizer']}"
+        summary[tag + "_tokens_per_s"] = r.get("tokens_per_s")
+        summary[tag + "_ratio_to_bare"] = (
+            round(r["tokens_per_s"] / bare["tokens_per_s"], 3) if r.get("tokens_per_s") else None
+        )
+        summary[tag + "_first_step_s"] = r.get("first_step_s")
+        summary[tag + "_compile_cache_warm"] = r["compile_cache_files_before"] > 0
+    emit(args, summary)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_inmem_entry":
+        _inmem_entry(sys.argv[2:])
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["all", "gen", "step", "eyrie", "ab"])
+    p.add_argument(
+        "--root",
+        default=os.path.expanduser("~/eyrie-train-throughput"),
+        help="run folder (put it on a disk, not tmpfs)",
+    )
+    p.add_argument("--results", default="")
+    p.add_argument("--log-dir", default="/tmp/eyrie-train-throughput-logs")
+    p.add_argument("--tiny", action="store_true", help="tiny dimensions: a CPU check of the plumbing")
+    p.add_argument("--tag", default="")
+    p.add_argument("--regen", action="store_true")
+    # gen
+    p.add_argument("--rows", type=int, default=3000)
+    p.add_argument("--distinct", type=int, default=64, help="distinct hidden-state files (others are links)")
+    # step
+    p.add_argument("--opt", default="adamw", choices=["adamw", "muon"])
+    p.add_argument("--master", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--clip", action="store_true")
+    p.add_argument("--attn", default="simple_flex_attention")
+    p.add_argument("--iters", type=int, default=20)
+    # eyrie
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
+    p.add_argument("--optimizers", default="adamw,muon")
+    p.add_argument("--warmup-steps", type=int, default=50, help="first logged step of the timed window")
+    p.add_argument("--window-s", type=float, default=45.0)
+    p.add_argument("--startup-s", type=float, default=300.0)
+    p.add_argument("--keep-checkpoints", action="store_true")
+    p.add_argument("--inmem", action="store_true", help="the trainer fed one batch from memory (no loader)")
+    # ab
+    p.add_argument("--ab-run", default="runs/gpu-ab/run")
+    p.add_argument("--ab-config", default="runs/gpu-ab/demo.yaml")
+    p.add_argument("--ab-target", default="runs/gpu-ab/target")
+    p.add_argument("--ab-epochs", type=int, default=10)
+    p.add_argument("--ab-device", default="cuda")
+    p.add_argument("--ab-lr", type=float, default=0.0, help="train.lr for every A/B run (default: the config's)")
+    args = p.parse_args()
+    if args.what == "step":
+        cmd_step(args)
+    elif args.what == "eyrie":
+        cmd_eyrie(args)
+    else:
+        {"all": cmd_all, "gen": cmd_gen, "ab": cmd_ab}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()
