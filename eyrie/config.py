@@ -172,7 +172,7 @@ class PipelineConfig(_Section):
     promotion: PromotionConfig = PromotionConfig()
 
     @model_validator(mode="after")
-    def _check(self) -> "PipelineConfig":
+    def _check(self) -> PipelineConfig:
         ids = self.extraction.layer_ids
         if ids is not None:
             if len(ids) == 0:
