@@ -109,3 +109,14 @@ def test_fingerprint_stable_and_section_specific(tmp_path):
     assert c.fingerprint("data", "target") == a.fingerprint("data", "target")
     assert c.fingerprint("train") != a.fingerprint("train")
     assert c.fingerprint() != a.fingerprint()
+
+
+def test_tiny_choices_are_the_tiny_targets():
+    """The config's `tiny` choices (a Literal, so the Prefect form offers them) are exactly what eyrie.tiny builds."""
+    from typing import get_args
+
+    from eyrie.config import TargetConfig
+    from eyrie.tiny import TINY_TARGETS
+
+    choices = next(a for a in get_args(TargetConfig.model_fields["tiny"].annotation) if a is not type(None))
+    assert set(get_args(choices)) == set(TINY_TARGETS)

@@ -89,6 +89,19 @@ REFUSALS = {
 }
 
 
+def _eyrie_run(config: Path, run: Path) -> subprocess.CompletedProcess:
+    """`eyrie run` as a user types it; it must fail as a usage error (exit 2)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-dir", str(run)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert out.returncode == 2, (out.stdout + out.stderr)[-3000:]
+    return out
+
+
 def _vllm_processes_for(run: Path) -> list[str]:
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if "vllm" in line and str(run) in line]
@@ -113,14 +126,7 @@ def test_run_refuses_before_any_server_starts(case, tmp_path):
     target, config_keys = make(tmp_path)
     config, _ = write_config(tmp_path / "config.yaml", target, **config_keys)
     run = tmp_path / "run"
-    out = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-dir", str(run)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert out.returncode == 2, (out.stdout + out.stderr)[-3000:]
+    out = _eyrie_run(config, run)
     assert "eyrie: error: preflight failed" in out.stderr and "no weights were loaded" in out.stderr
     assert all(m in out.stderr for m in messages), out.stderr[-3000:]
     assert json.loads((run / "preflight.json").read_text())["failures"]
@@ -136,14 +142,7 @@ def test_nothing_held_out_is_refused_before_extraction(tmp_path, tiny_llama):
     there, not after extraction and training."""
     config, _ = write_config(tmp_path / "config.yaml", tiny_llama, data={"eval_fraction": 0.0})
     run = tmp_path / "run"
-    out = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-dir", str(run)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert out.returncode == 2, (out.stdout + out.stderr)[-3000:]
+    out = _eyrie_run(config, run)
     assert "no held-out conversations to evaluate on" in out.stderr and "--until train" in out.stderr
     assert (run / "prepare" / "manifest.json").exists()  # prepare's work is kept for the next run
     assert not (run / "extract").exists() and _vllm_processes_for(run) == []
