@@ -16,7 +16,7 @@ import json
 import os
 import re
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from eyrie.config import TargetConfig
@@ -214,9 +214,6 @@ class BorrowedWeights:
             names["lm_head.weight"] = self.lm_head
         return names
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 def _safetensors_header_names(path: Path) -> list[str]:
     with open(path, "rb") as f:
@@ -352,12 +349,7 @@ def resolve_borrowed_weights(target: TargetConfig, cfg: dict, names: list[str] |
         if key is None:
             missing.append(f"{what} `{module_name}`")
         found[what] = loaded.get(key) if key else None
-    if (
-        missing
-        and "output head" in wanted
-        and missing == [f"output head `{wanted['output head']}`"]
-        and getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "tie_word_embeddings", False)
-    ):
+    if missing == [f"output head `{wanted.get('output head')}`"] and model.config.get_text_config().tie_word_embeddings:
         missing, found["output head"] = [], None  # a tied head that the checkpoint does not store
     if missing:
         raise TargetError(
