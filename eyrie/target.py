@@ -12,6 +12,7 @@ resolved; the trainer is handed the resolved names, so nothing is guessed after 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -160,8 +161,6 @@ def weights_fingerprint(path: Path) -> str:
     """One safetensors file's identity without reading it all: its header (every tensor's name, dtype, shape and
     offset), its size, and 16 evenly spaced 64 KiB samples of its data (1 MiB per file, so a fine-tune of the same
     architecture, which changes nearly every weight, gets a new identity; hashing terabytes would take hours)."""
-    import hashlib
-
     h = hashlib.sha256()
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -215,13 +214,6 @@ class BorrowedWeights:
         return names
 
 
-def _safetensors_header_names(path: Path) -> list[str]:
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    return [k for k in header if k != "__metadata__"]
-
-
 def checkpoint_tensor_names(target: TargetConfig) -> list[str]:
     """Every tensor name in the target's checkpoint, from its safetensors index or headers (no tensor is read)."""
     if not is_local_target(target):
@@ -239,7 +231,13 @@ def checkpoint_tensor_names(target: TargetConfig) -> list[str]:
             f"{folder} has no safetensors weights (no model.safetensors.index.json or *.safetensors): "
             "convert the checkpoint to safetensors, which vLLM and speculators read"
         )
-    return [n for f in files for n in _safetensors_header_names(f)]
+    from safetensors import safe_open  # reads each file's header only
+
+    names = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as opened:
+            names += list(opened.keys())
+    return names
 
 
 def _meta_model(target: TargetConfig, cfg: dict):
