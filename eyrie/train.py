@@ -3,7 +3,8 @@
 The same command runs on CPU (demo, CI: `python -m eyrie.train_entry` with EYRIE_TRAIN_DEVICE=cpu) and on N GPUs
 (`torchrun --nproc-per-node N -m eyrie.train_entry`). Checkpoints go to `train/<key>/checkpoints` in speculators'
 layout (one folder per epoch, sub-epoch ones with `training_state.json`); a re-run with the same key resumes from
-the newest one, so a killed or retried training task continues from its saved step instead of starting over.
+the newest whole one (eyrie/checkpoints.py), so a killed or retried training task continues from its saved step
+instead of starting over.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from eyrie.checkpoints import newest_whole_checkpoint, recover
 from eyrie.config import PipelineConfig, TargetConfig
 from eyrie.errors import EyrieError
 from eyrie.store import atomic_write_json, read_json, sha256_json
@@ -49,12 +51,6 @@ def steps_per_epoch(seq_lens: list[int], total_seq_len: int, train_ratio: float)
     """Approximate packed batches per epoch (speculators packs samples up to total_seq_len tokens)."""
     n = int(len(seq_lens) * train_ratio)
     return max(1, math.ceil(sum(min(s, total_seq_len) for s in seq_lens[:n]) / total_seq_len))
-
-
-def newest_checkpoint(save_path: Path) -> Path | None:
-    """The highest numbered epoch folder speculators wrote (it resumes from the same one)."""
-    epochs = [p for p in save_path.glob("*") if p.is_dir() and p.name.isdigit() and (p / "model.safetensors").exists()]
-    return max(epochs, key=lambda p: int(p.name)) if epochs else None
 
 
 def draft_layer_config(target: TargetConfig, num_layers: int):
@@ -228,7 +224,9 @@ def run_training(
     # speculators saves `interrupted/` on SIGTERM but never resumes from it (it resumes from the newest numbered
     # checkpoint, as Eyrie reports); left there, it only draws a warning on every later launch.
     shutil.rmtree(save_path / "interrupted", ignore_errors=True)
-    resumed_from = newest_checkpoint(save_path)
+    for note in recover(save_path):
+        log(note)
+    resumed_from = newest_whole_checkpoint(save_path)
     state = read_json(resumed_from / "training_state.json") if resumed_from else None
     log(
         f"training on {device} ({spe} steps/epoch, checkpoint every {freq:g} epoch)"
@@ -247,7 +245,7 @@ def run_training(
             f"training exited with code {rc}; checkpoints so far are kept in {save_path} and the "
             f"next run resumes from them. End of {log_path}:\n{tail}"
         )
-    final = newest_checkpoint(save_path)
+    final = newest_whole_checkpoint(save_path)
     if final is None:
         raise EyrieError(f"training finished but wrote no checkpoint under {save_path}")
     state = read_json(final / "training_state.json") or {}

@@ -5,7 +5,8 @@ speculators 0.9.0 assumes an accelerator (the device it moves the model and batc
 loader memory, `torch.accelerator.synchronize`, and the autocast device type), so the demo and CI train the same
 way a GPU node does. On GPUs it changes three things that cost time and nothing else: AdamW runs fused, steps that
 are not logged do not synchronise the GPU, and data-loader workers (which only read files) never initialise CUDA.
-torch.compile's cache goes beside the run's checkpoints, so a retry or resume finds its kernels compiled.
+torch.compile's cache goes beside the run's checkpoints, so a retry or resume finds its kernels compiled. Every
+save keeps the whole checkpoint it overwrites until the new one is whole (eyrie/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -107,6 +108,38 @@ def _option(argv: list[str], name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv[:-1] else None
 
 
+def _keep_the_last_whole_checkpoint() -> None:
+    """speculators overwrites `<epoch>/` in place on each save of that epoch. Rank 0 renames the whole folder aside
+    first and deletes it once the new save is whole, so a kill mid-save leaves a whole checkpoint to resume from
+    (eyrie.checkpoints.recover puts it back). The fault point sits between the weights and the training state."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from speculators.train import trainer
+
+    from eyrie.checkpoints import set_aside_previous, settle_save
+    from eyrie.faults import fault_point
+
+    save = trainer.Trainer.maybe_save_checkpoint
+    save_state = trainer.Trainer._save_training_state
+
+    def maybe_save_checkpoint(self, epoch, local_step=0):
+        folder = Path(self.checkpointer.path) / str(epoch)
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        if rank0 and isinstance(epoch, int):
+            set_aside_previous(folder)
+        save(self, epoch, local_step=local_step)
+        if rank0 and isinstance(epoch, int):
+            settle_save(folder)
+
+    def _save_training_state(self, epoch, local_step):
+        fault_point(f"train.before-state.step{self.global_step}")
+        save_state(self, epoch, local_step)
+
+    trainer.Trainer.maybe_save_checkpoint = maybe_save_checkpoint
+    trainer.Trainer._save_training_state = _save_training_state
+
+
 def _load_verifier_weights_by(names: dict[str, str]) -> None:
     """speculators asks its loader for the verifier's `embed_tokens.weight`, `lm_head.weight` and
     `model.norm.weight` and matches them by suffix and a few aliases, so a target with other names (GPT-NeoX's
@@ -151,6 +184,7 @@ def main(argv: list[str]) -> None:
     if names:
         _load_verifier_weights_by(json.loads(names))
     _train_in_float32()
+    _keep_the_last_whole_checkpoint()
     if os.environ.get("EYRIE_TRAIN_DEVICE") == "cpu":
         _run_on_cpu()
     else:

@@ -6,8 +6,9 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
+from eyrie.checkpoints import newest_whole_checkpoint
 from eyrie.config import PipelineConfig
-from eyrie.train import newest_checkpoint, run_training, untrained_drafter
+from eyrie.train import run_training, untrained_drafter
 from eyrie.vocab import build_vocab
 from tasks.caching import BY_KEY
 
@@ -25,7 +26,7 @@ def _watch_progress(save_path: Path, total_epochs: int, stop: threading.Event) -
     """Move the UI's progress bar as speculators writes epoch checkpoints."""
     artifact = create_progress_artifact(0.0, description="train: epochs checkpointed")
     while not stop.wait(10):
-        last = newest_checkpoint(save_path)
+        last = newest_whole_checkpoint(save_path)
         if last is not None:
             update_progress_artifact(artifact, min(100.0, 100.0 * (int(last.name) + 1) / total_epochs))
 

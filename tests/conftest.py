@@ -171,6 +171,35 @@ def write_config(path: Path, target: Path, tiny: str | None = None, **kw):
     return path, config
 
 
+def synthetic_training_inputs(config, root: Path):
+    """The train stage's inputs without a vLLM server: prepared data, Eyrie-format hidden-state files with random
+    states, and the draft vocabulary maps. Returns (preflight report, run_training's positional inputs, seq_lens).
+    That real hidden states match transformers is test_extraction_correctness.py's subject."""
+    import torch
+    from safetensors.torch import save_file
+
+    from eyrie.preflight import run_preflight
+    from eyrie.prepare import load_dataset_rows, load_seq_lens, prepare
+    from eyrie.vocab import build_vocab, mapping_paths
+
+    report = run_preflight(config, root / "run", serve=False)
+    prepared = root / "prepare"
+    prepare(config.target, config.data, prepared)
+    hidden = root / "hidden_states"
+    hidden.mkdir(parents=True)
+    seq_lens = load_seq_lens(prepared)
+    g = torch.Generator().manual_seed(0)
+    for i, ids in enumerate(load_dataset_rows(prepared, 0, len(seq_lens))):
+        states = torch.randn(len(ids), len(report.captured_layer_ids), report.hidden_size, generator=g)
+        save_file(
+            {"hidden_states": states.bfloat16(), "token_ids": torch.tensor(ids)}, str(hidden / f"hs_{i}.safetensors")
+        )
+    size = config.vocab.draft_vocab_size
+    build_vocab(prepared / "dataset" / "token_freq.pt", size, report.vocab_size, root / "vocab", "v")
+    d2t, t2d = mapping_paths(root / "vocab", size)
+    return report, (prepared / "dataset", hidden, d2t, t2d, report.aux_layer_ids, report.target_facts), seq_lens
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # vLLM servers: every folder a test starts a server in is registered here and stopped at the end of the session
 # at the latest, whatever happened (fixtures stop their own servers earlier).

@@ -4,8 +4,8 @@ training step and export on the real trainer.
 Preflight's verdict is a row per architecture: accepted ones name their EAGLE-3 path and the checkpoint tensors the
 drafter borrows; refused ones give their reason. For each accepted architecture, speculators' trainer then builds a
 drafter from exactly the tensors preflight resolved (checked bit for bit against the target's checkpoint), trains a
-step and the export checks it. Hidden states are synthetic here: that they match transformers is
-tests/test_extraction_correctness.py's subject, on the same targets.
+step and the export checks it. Hidden states are synthetic here (conftest.synthetic_training_inputs): that they
+match transformers is tests/test_extraction_correctness.py's subject, on the same targets.
 """
 
 from __future__ import annotations
@@ -16,15 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, build_tiny_target, config_dict
-from safetensors.torch import load_file, save_file
+from conftest import REPO, build_tiny_target, config_dict, synthetic_training_inputs
+from safetensors.torch import load_file
 
 from eyrie.config import parse_config
 from eyrie.export import export_drafter
 from eyrie.preflight import run_preflight
-from eyrie.prepare import load_dataset_rows, load_seq_lens, prepare
 from eyrie.train import run_training, untrained_drafter
-from eyrie.vocab import build_vocab, mapping_paths
 
 README = REPO / "README.md"
 
@@ -86,34 +84,14 @@ def test_matrix_table_in_readme():
     assert table in README.read_text(), "README's compatibility matrix differs from preflight's verdicts:\n" + table
 
 
-def _synthetic_hidden_states(prepared: Path, hidden: Path, n_captured: int, hidden_size: int) -> None:
-    """Eyrie-format files (speculators' layout) for every prepared sample, with random states."""
-    hidden.mkdir(parents=True)
-    g = torch.Generator().manual_seed(0)
-    for i, ids in enumerate(load_dataset_rows(prepared, 0, 6)):
-        save_file(
-            {
-                "hidden_states": torch.randn(len(ids), n_captured, hidden_size, generator=g).bfloat16(),
-                "token_ids": torch.tensor(ids),
-            },
-            str(hidden / f"hs_{i}.safetensors"),
-        )
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", TRAIN_STEP)
 def test_drafter_borrows_the_resolved_tensors_and_trains(kind, tmp_path):
     target = build_tiny_target(kind)
     config = _config(target, train={"epochs": 1, "max_seq_len": 256}, vocab={"draft_vocab_size": 128})
-    report = run_preflight(config, tmp_path / "run", serve=False)
-    prepared = tmp_path / "prepare"
-    prepare(config.target, config.data, prepared)
-    hidden = tmp_path / "hidden_states"
-    _synthetic_hidden_states(prepared, hidden, len(report.captured_layer_ids), report.hidden_size)
-    build_vocab(prepared / "dataset" / "token_freq.pt", 128, report.vocab_size, tmp_path / "vocab", "v")
-    d2t, t2d = mapping_paths(tmp_path / "vocab", 128)
-    inputs = (prepared / "dataset", hidden, d2t, t2d, report.aux_layer_ids, report.target_facts)
+    report, inputs, seq_lens = synthetic_training_inputs(config, tmp_path)
+    t2d = inputs[3]
 
     # Untrained (speculators' --dry-run): its embedding and head rows are the target's own tensors, bit for bit.
     fresh = load_file(str(untrained_drafter(config, tmp_path / "train", *inputs) / "model.safetensors"))
@@ -124,7 +102,7 @@ def test_drafter_borrows_the_resolved_tensors_and_trains(kind, tmp_path):
     head = source[names.get("lm_head.weight", names["embed_tokens.weight"])]
     assert torch.equal(fresh["lm_head.weight"].float(), head[keep].float())
 
-    trained = run_training(config, tmp_path / "train", "k", *inputs, load_seq_lens(prepared), log=print)
+    trained = run_training(config, tmp_path / "train", "k", *inputs, seq_lens, log=print)
     assert trained["global_step"] and trained["global_step"] > 0
     exported = export_drafter(
         Path(trained["checkpoint"]), tmp_path / "export", str(target), report.aux_layer_ids, report.hidden_size, "e"
