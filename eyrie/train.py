@@ -21,7 +21,7 @@ from eyrie.checkpoints import newest_whole_checkpoint, recover
 from eyrie.config import PipelineConfig, TargetConfig
 from eyrie.errors import EyrieError
 from eyrie.store import atomic_write_json, read_json, sha256_json
-from eyrie.target import context_limit, load_hf_config, read_target_config, text_config
+from eyrie.target import context_limit, load_hf_config, read_target_config, target_identity, text_config
 
 
 def resolve_device(config: PipelineConfig) -> str:
@@ -280,9 +280,20 @@ def epoch_metrics(save_path: Path) -> list[dict]:
     return rows
 
 
+def untrained_key(config: PipelineConfig, vocab_key: str, aux_ids: list[int]) -> str:
+    """What an untrained drafter is made of: the target (its config and the tensors it borrows), the draft
+    vocabulary, the captured layers, and the drafter's own shape and seed."""
+    t = config.train
+    shape = {"num_layers": t.num_layers, "ttt_steps": t.ttt_steps, "max_seq_len": t.max_seq_len, "seed": t.seed}
+    return sha256_json(
+        {"target": target_identity(config.target), "vocab": vocab_key, "aux": aux_ids, "drafter": shape}
+    )[:16]
+
+
 def untrained_drafter(
     config: PipelineConfig,
     out_dir: Path,
+    key: str,
     data_dir: Path,
     hidden_dir: Path,
     d2t: Path,
@@ -290,11 +301,12 @@ def untrained_drafter(
     aux_ids: list[int],
     target_facts: dict,
 ) -> Path:
-    """A freshly initialised drafter of the same shape (speculators' --dry-run): the evaluation baseline."""
-    path = out_dir / "untrained"
+    """A freshly initialised drafter of the same shape (speculators' --dry-run): the evaluation baseline, kept
+    under its key (`untrained_key`), so a changed target, vocabulary or drafter shape gets a new one."""
+    path = out_dir / f"untrained-{key}"
     if (path / "model.safetensors").exists():
         return path
-    staging = out_dir / "untrained.staging"
+    staging = out_dir / f"untrained-{key}.staging"
     shutil.rmtree(staging, ignore_errors=True)
     # Initialising needs no accelerator: always on CPU, one process.
     cmd = training_command(

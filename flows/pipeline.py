@@ -99,7 +99,8 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         trained = unless_missing(train_task, run.manifest("train"), tkey)(
             config, str(run.train), tkey, *data, load_seq_lens(run.prepare), warm
         )
-        untrained = untrained_drafter_task(config, str(run.train), *data) if with_untrained else None
+        ukey = untrained_key(config, vkey, aux)
+        untrained = untrained_drafter_task(config, str(run.train), ukey, *data) if with_untrained else None
         if until == "train":
             return {"run_dir": str(run.root), "checkpoint": trained["checkpoint"], "untrained": untrained}
 
@@ -120,7 +121,7 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         if rival:
             drafters.append(("current", str(rival), run.evaluate / "server-current", rival.name))
         if untrained:
-            drafters.append(("untrained", untrained, run.evaluate / "server-untrained", ekey))
+            drafters.append(("untrained", untrained, run.evaluate / "server-untrained", ukey))
         results = []
         for label, drafter, server_dir, identity in drafters:
             key = sha256_json([label, identity, config.evaluate.model_dump(), prompts])[:16]

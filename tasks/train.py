@@ -78,6 +78,7 @@ def train_task(
 def untrained_drafter_task(
     config: PipelineConfig,
     out_dir: str,
+    key: str,
     data_dir: str,
     hidden_dir: str,
     d2t: str,
@@ -87,6 +88,6 @@ def untrained_drafter_task(
 ) -> str:
     return str(
         untrained_drafter(
-            config, Path(out_dir), Path(data_dir), Path(hidden_dir), Path(d2t), Path(t2d), aux_ids, target_facts
+            config, Path(out_dir), key, Path(data_dir), Path(hidden_dir), Path(d2t), Path(t2d), aux_ids, target_facts
         )
     )

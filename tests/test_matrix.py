@@ -94,7 +94,7 @@ def test_drafter_borrows_the_resolved_tensors_and_trains(kind, tmp_path):
     t2d = inputs[3]
 
     # Untrained (speculators' --dry-run): its embedding and head rows are the target's own tensors, bit for bit.
-    fresh = load_file(str(untrained_drafter(config, tmp_path / "train", *inputs) / "model.safetensors"))
+    fresh = load_file(str(untrained_drafter(config, tmp_path / "train", "u", *inputs) / "model.safetensors"))
     names = report.target_facts["verifier_weights"]
     source = load_file(str(target / "model.safetensors"))
     keep = torch.from_numpy(np.load(t2d)).bool()

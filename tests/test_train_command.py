@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from conftest import config_dict
 
 from eyrie.config import parse_config
 from eyrie.errors import ConfigError
-from eyrie.train import training_command
+from eyrie.train import training_command, untrained_key
 
 FACTS = {
     "verifier_weights": {
@@ -159,3 +160,19 @@ def test_compile_cache_goes_beside_the_run_unless_set(monkeypatch, tmp_path):
     assert train_entry._option(["--save-path", "x", "--seed", "0"], "--save-path") == "x"
     assert train_entry._option(["--seed"], "--save-path") is None
     assert json.dumps(FACTS)  # the facts the command is built from are plain JSON
+
+
+def test_the_untrained_baseline_is_keyed_by_what_shapes_it(tiny_llama, tmp_path):
+    """A changed drafter shape, vocabulary, captured layers or target gives a new untrained drafter; a change that
+    shapes nothing (the learning rate, the epochs) keeps the one already made."""
+    base = config_dict(tiny_llama)
+    key = untrained_key(parse_config(base), "vocab-a", [2, 4, 5])
+    assert key == untrained_key(parse_config({**base, "train": {"lr": 0.5, "epochs": 9}}), "vocab-a", [2, 4, 5])
+    assert key != untrained_key(parse_config({**base, "train": {"num_layers": 2}}), "vocab-a", [2, 4, 5])
+    assert key != untrained_key(parse_config(base), "vocab-b", [2, 4, 5])
+    assert key != untrained_key(parse_config(base), "vocab-a", [1, 3, 5])
+    other = tmp_path / "target"
+    shutil.copytree(tiny_llama, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "initializer_range": 0.5}))  # another target
+    assert key != untrained_key(parse_config(config_dict(other)), "vocab-a", [2, 4, 5])
