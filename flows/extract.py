@@ -118,3 +118,13 @@ def extract_flow(
         "keys": [plan.keys[s.name] for s in plan.shards],
         "node": node,
     }
+
+
+@flow(name="eyrie-extract", task_runner=ThreadPoolTaskRunner(max_workers=2))
+def extract_run_flow(config: PipelineConfig, run_dir: str, report: dict | None = None) -> dict:
+    """Extraction alone (the eyrie-extract/production deployment): every shard of a prepared run folder, holding
+    the run folder's lock as the pipeline does, so it never writes beside a pipeline run or another extraction on
+    the same folder. (The pipeline runs `extract_flow` under its own lock; a fan-out node's share runs under its
+    parent's.)"""
+    with RunFolder(run_dir).lock():
+        return extract_flow(config, run_dir, report)

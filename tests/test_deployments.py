@@ -183,7 +183,7 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
         assert d.job_variables["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "60", name
     pipeline = state1["deployments"][PIPELINE]
     assert pipeline.entrypoint == "flows/pipeline.py:pipeline_flow"
-    assert state1["deployments"][EXTRACT].entrypoint == "flows/extract.py:extract_flow"
+    assert state1["deployments"][EXTRACT].entrypoint == "flows/extract.py:extract_run_flow"
     assert state1["deployments"][NODE].entrypoint == "flows/extract.py:extract_flow"
     assert state1["deployments"][FANOUT].entrypoint == "flows/fanout.py:extract_fanout_flow"
     assert state1["deployments"][FANOUT].parameters == {"queues": ["gpu-node-1", "gpu-node-2"]}

@@ -14,6 +14,7 @@ import pytest
 import requests
 from conftest import REPO, register_server_folder, stop_server, write_config
 
+from eyrie.errors import RunFolderError
 from eyrie.extract import load_checked, sample_path
 from eyrie.prepare import load_dataset_rows, load_shards
 from eyrie.store import RunFolder, read_json
@@ -127,6 +128,19 @@ def test_second_run_on_a_folder_in_use_is_refused(tmp_path, tiny_llama):
     assert out.returncode != 0
     assert f"run folder {run.root} is in use by pid {os.getpid()}" in out.stdout + out.stderr
     assert not (run.root / "prepare").exists()  # it did nothing before refusing
+
+
+def test_the_extraction_deployment_takes_the_run_folders_lock(tmp_path, tiny_llama):
+    """eyrie-extract/production's flow, started on a folder a pipeline run holds, is refused before it reads or
+    starts anything (its body runs here without the Prefect engine: the lock is what is tested)."""
+    from flows.extract import extract_run_flow
+
+    _, config = write_config(tmp_path / "config.yaml", tiny_llama, max_samples=8, shard_size=8)
+    run = RunFolder(tmp_path / "run")
+    with run.lock():
+        with pytest.raises(RunFolderError, match=f"run folder {run.root} is in use by pid {os.getpid()}"):
+            extract_run_flow.fn(config, str(run.root))
+    assert not run.extract.exists()
 
 
 def _fill(folder: Path) -> Path:
