@@ -11,16 +11,13 @@ One run makes the server match this file and deployments/prefect.yaml:
 - work pool `eyrie-control` (type process, no limit) and its queue `control`, for the fan-out's parent
   (eyrie-extract-fanout), which holds no GPU and waits for the nodes: in the GPU pool it would take one of the
   nodes' pool slots;
-- global concurrency limit `eyrie-gpu` with one slot per GPU queue (2): `concurrency("eyrie-gpu", occupy=1,
-  strict=True)` in a flow (flows/pipeline.py's `gpu_slot()`, with EYRIE_GPU_LIMIT set) fails instead of running
-  unlimited if the limit is missing, and lets pipeline runs on different nodes run at once;
 - automation "Crash zombie flows" (Prefect's documented one): a flow run that sent a heartbeat and then neither
   another heartbeat nor a terminal state within ZOMBIE_WITHIN is set to CRASHED, which also frees its
   deployment's concurrency slot;
 - the deployments of deployments/prefect.yaml, through `prefect deploy --all --prefect-file` (run from the
   repository root, because entrypoints are relative to it).
 
-Running it again changes nothing: the pools, queues, limit and automation are written only when they differ from
+Running it again changes nothing: the pools, queues and automation are written only when they differ from
 what is wanted (limits and descriptions changed by hand are put back); the deployments are upserted by name and
 their schedule by slug (only their `updated` timestamps move), so every id and every setting stays the same. A
 queue in these pools that this setup does not manage (other than Prefect's `default`) is reported, not deleted.
@@ -82,8 +79,6 @@ POOLS: dict[str, dict[str, Any]] = {
 }
 # The flows that hold no GPU, so run from the control pool; every other flow runs from the GPU pool.
 CONTROL_ENTRYPOINTS = {"flows/fanout.py:extract_fanout_flow"}
-GPU_LIMIT = "eyrie-gpu"
-GPU_LIMIT_SLOTS = len(GPU_QUEUES)  # one per node: each node's queue (limit 1) keeps it to one run
 ZOMBIE_AUTOMATION = "Crash zombie flows"
 # prefect.yaml sets PREFECT_FLOWS_HEARTBEAT_FREQUENCY=60 for flow runs (Prefect 3.7's default is 180 s): a run is
 # declared a zombie after about ten missed heartbeats, or three at the default frequency. Prefect's docs pair 30 s
@@ -303,25 +298,6 @@ async def ensure_work_queues(client, log) -> None:
                 )
 
 
-async def ensure_global_limit(client, log) -> None:
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
-    from prefect.exceptions import ObjectNotFound
-
-    try:
-        gcl = await client.read_global_concurrency_limit_by_name(GPU_LIMIT)
-    except ObjectNotFound:
-        await client.create_global_concurrency_limit(
-            GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=GPU_LIMIT_SLOTS)
-        )
-        log(f"created global concurrency limit {GPU_LIMIT!r} (limit {GPU_LIMIT_SLOTS})")
-        return
-    if gcl.limit != GPU_LIMIT_SLOTS or not gcl.active:
-        await client.update_global_concurrency_limit(
-            GPU_LIMIT, GlobalConcurrencyLimitUpdate(limit=GPU_LIMIT_SLOTS, active=True)
-        )
-        log(f"updated global concurrency limit {GPU_LIMIT!r} to limit {GPU_LIMIT_SLOTS}, active")
-
-
 def _same_automation(existing, desired) -> bool:
     from prefect.events.schemas.automations import AutomationCore
 
@@ -507,7 +483,6 @@ async def setup(prefect_file: Path = PREFECT_FILE, deploy: bool = True, log=prin
         before = await snapshot(client, full_names)
         await ensure_work_pools(client, log)
         await ensure_work_queues(client, log)
-        await ensure_global_limit(client, log)
         await ensure_zombie_automation(client, log)
     if deploy:
         run_prefect_deploy(prefect_file, log)

@@ -4,15 +4,12 @@
 
 from __future__ import annotations
 
-import os
-from contextlib import ExitStack, nullcontext
 from itertools import islice
 from pathlib import Path
 from typing import Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.concurrency.sync import concurrency
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import EyrieError
@@ -23,7 +20,7 @@ from eyrie.server import ServerSpec
 from eyrie.stages import UNTIL
 from eyrie.store import RunFolder, remove_staging, sha256_json
 from eyrie.target import is_local_target
-from eyrie.train import train_key
+from eyrie.train import train_key, untrained_key
 from eyrie.vocab import mapping_paths, vocab_key
 from flows.extract import extract_flow
 from tasks.caching import unless_missing
@@ -39,7 +36,7 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
     log = get_run_logger()
     run = RunFolder(run_dir)
     run.ensure()
-    with run.lock(), ExitStack() as gpu:
+    with run.lock():
         # Holding the lock, no writer is in flight here: a temporary file left by an atomic write is from a crash.
         removed = remove_staging(run.root)
         if removed:
@@ -63,7 +60,6 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
             )
         if until == "prepare":
             return {"run_dir": str(run.root), "prepared": str(run.prepare / "dataset")}
-        gpu.enter_context(gpu_slot())  # the GPU node's slot, taken only once every check has passed
         extracted = extract_flow(config, str(run.root), report)
         if until == "extract":
             return {
@@ -155,13 +151,6 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
     create_markdown_artifact(_summary_markdown(config, outputs, summary), key="run-summary")
     log.info(f"outputs: {outputs}")
     return outputs
-
-
-def gpu_slot():
-    """On a production server (EYRIE_GPU_LIMIT names the global concurrency limit `deployments.setup` creates), hold
-    the GPU node's one slot; strict, so a missing limit is an error and never silently unlimited."""
-    limit = os.environ.get("EYRIE_GPU_LIMIT")
-    return concurrency(limit, occupy=1, strict=True) if limit else nullcontext()
 
 
 def _summary_markdown(config: PipelineConfig, outputs: dict, summary: dict) -> str:

@@ -25,10 +25,9 @@ NODE = "eyrie-extract/node"
 FANOUT = "eyrie-extract-fanout/production"
 DEPLOYMENTS = (PIPELINE, EXTRACT, NODE, FANOUT)
 GPU_POOL, CONTROL_POOL = "eyrie-gpu", "eyrie-control"
-# pool: (pool concurrency limit, {queue: queue concurrency limit}). The GPU pool's limit and the global limit's slots
-# are the number of GPU queues: one run per node, the nodes side by side.
+# pool: (pool concurrency limit, {queue: queue concurrency limit}). The GPU pool's limit is the number of GPU queues:
+# one run per node, the nodes side by side.
 POOLS = {GPU_POOL: (2, {"gpu-node-1": 1, "gpu-node-2": 1}), CONTROL_POOL: (None, {"control": None})}
-GPU_SLOTS = 2
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +82,6 @@ async def _read_back(server) -> dict:
         queues = {
             (p, q): await c.read_work_queue_by_name(q, work_pool_name=p) for p, (_, qs) in POOLS.items() for q in qs
         }
-        gcl = await c.read_global_concurrency_limit_by_name("eyrie-gpu")
         automations = [a for a in await c.read_automations() if a.name == "Crash zombie flows"]
         deployments = {n: await c.read_deployment_by_name(n) for n in DEPLOYMENTS}
         counts = {
@@ -97,7 +95,6 @@ async def _read_back(server) -> dict:
     return {
         "pools": pools,
         "queues": queues,
-        "gcl": gcl,
         "automations": automations,
         "deployments": deployments,
         "counts": counts,
@@ -113,7 +110,6 @@ def _ids(state: dict) -> dict:
     return {
         "pools": {n: p.id for n, p in state["pools"].items()},
         "queues": {n: q.id for n, q in state["queues"].items()},
-        "gcl": state["gcl"].id,
         "automations": sorted(a.id for a in state["automations"]),
         "deployments": {n: d.id for n, d in state["deployments"].items()},
         "deployment_limits": {
@@ -152,8 +148,10 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
             assert queue.work_pool_id == pool.id and queue.concurrency_limit == q_limit, (name, q)
     # Besides Prefect's `default` queue, each pool holds only its own queues.
     assert state1["counts"]["work_queues"] == {p: len(qs) + 1 for p, (_, qs) in POOLS.items()}
-    # Global concurrency limit for `concurrency("eyrie-gpu", strict=True)`: one slot per GPU node.
-    assert state1["gcl"].limit == GPU_SLOTS and state1["gcl"].active
+    # No global concurrency limit besides the deployments' own (`deployment:<id>`): the queues keep one run per node.
+    assert state1["counts"]["global_concurrency_limits"] == sum(
+        d.global_concurrency_limit is not None for d in state1["deployments"].values()
+    )
     # The zombie-run automation, exactly once: heartbeats missing -> CRASHED.
     assert len(state1["automations"]) == 1
     zombie = state1["automations"][0]
@@ -248,7 +246,7 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
     # edited queues' limits and the global limit, deactivated it, paused the automation and created a second copy
     # of it
     async def drift():
-        from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate, WorkPoolUpdate
+        from prefect.client.schemas.actions import WorkPoolUpdate
 
         from deployments.setup import zombie_automation
 
@@ -258,21 +256,19 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
             await c.update_work_queue(state1["queues"][GPU_POOL, "gpu-node-2"].id, concurrency_limit=3)
             await c.update_work_queue(state1["queues"][GPU_POOL, "gpu-node-1"].id, concurrency_limit=None)
             await c.update_work_queue(state1["queues"][CONTROL_POOL, "control"].id, concurrency_limit=5)
-            await c.update_global_concurrency_limit("eyrie-gpu", GlobalConcurrencyLimitUpdate(limit=1, active=False))
             await c.pause_automation(zombie.id)
             return await c.create_automation(zombie_automation())
 
     duplicate = asyncio.run(drift())
     drifted = asyncio.run(_read_back(prefect_server))
     assert drifted["pools"][GPU_POOL].concurrency_limit is None  # the edits took
-    assert drifted["pools"][CONTROL_POOL].concurrency_limit == 1 and drifted["gcl"].active is False
+    assert drifted["pools"][CONTROL_POOL].concurrency_limit == 1
     third, third_log = _run_setup(prefect_server, "--no-deploy")
     state3 = asyncio.run(_read_back(prefect_server))
     for name, (limit, queues) in POOLS.items():
         assert state3["pools"][name].concurrency_limit == limit, name
         for q, q_limit in queues.items():
             assert state3["queues"][name, q].concurrency_limit == q_limit, (name, q)
-    assert state3["gcl"].limit == GPU_SLOTS and state3["gcl"].active
     assert [a.id for a in state3["automations"]] == [zombie.id] and state3["automations"][0].enabled
     assert _ids(state3) == _ids(state1) and state3["counts"] == state1["counts"]
     assert sorted(third_log) == sorted(
