@@ -10,6 +10,8 @@ export HF_HOME := $(CURDIR)/.cache/hf
 export VLLM_CACHE_ROOT := $(CURDIR)/.cache/vllm
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/.cache/inductor
 export PREFECT_HOME := $(CURDIR)/.cache/prefect
+# Prefect 3.7 keeps task results in ~/.prefect/storage whatever PREFECT_HOME says: keep them beside it.
+export PREFECT_RESULTS_LOCAL_STORAGE_PATH := $(CURDIR)/.cache/prefect/storage
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 export HF_HUB_OFFLINE := 1

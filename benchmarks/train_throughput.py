@@ -6,15 +6,28 @@ this builds a synthetic run folder in the layout Eyrie's stages write, then meas
   step    the bare model step: speculators' Eagle3DraftModel at the draft geometry Eyrie builds
           (`eyrie.train.draft_layer_config`), bf16 weights, fused AdamW, flex attention, eager loss, synthetic
           GPU-resident inputs (as ../shared/bench/eagle3_train_step.py). `--master fp32 --clip --opt X` gives the
-          trainer's own math (fp32 weights under bf16 autocast, gradient clipping, optimizer X) on the same inputs.
+          trainer's own math (fp32 weights under bf16 autocast, gradient clipping, optimizer X) on the same inputs;
+          `--trainer-norms` adds the two norms speculators' CLI turns on for eagle3, `--shifted-docs` packs the
+          documents as the trainer's batches hold them (2047 tokens each after the shift, then padding, so their
+          boundaries miss flex attention's 128-token blocks), `--eyrie-patches` applies eyrie.train_entry's
+          sync-free accuracy and loss scalars. `--iters` steps are timed (20: a 2 s burst; the trainer's window is
+          20-25 s at the GPU's sustained clock).
   eyrie   the command `eyrie.train.training_command()` builds from the Kimi preset pointed at the synthetic target,
           run as Eyrie runs it (a subprocess with EYRIE_TRAIN_DEVICE), reading the hidden-state files; tokens/s
           between logged steps after warm-up (real tokens, as speculators counts them), the time from launch to
-          the first step and where it went, GPU utilisation sampled alongside. `--optimizer` sets
-          `train.optimizer`; everything else is the preset's. `--inmem` swaps speculators' data loaders for one
-          pinned batch served from memory (same trainer, model and optimizer): the trainer without its loader.
-          A second launch on the same run folder is a retry: torch.compile's cache (`<run>/train/compile-cache`,
-          where eyrie.train_entry puts it) is then warm.
+          the first step and where it went, GPU utilisation, clocks and CPU load sampled alongside. The same argv
+          goes through `_bench_entry` (`--exact`: the command itself), whose hooks change nothing the trainer
+          does: start-up marks (imports, build, loaders, first batch, first step), the loop's wait for each batch,
+          host time per step and collector pauses every 25 steps, and with `--profile START,STEPS` a
+          torch.profiler window analysed by `analyse_trace` (GPU busy and idle, kernel time by kind, host syncs,
+          the largest idle gaps and what the training thread did meanwhile; the trace comes back gzipped).
+          `--off NAME` turns off one of eyrie.train_entry's GPU switches (GPU_FEED, SYNC_FREE_METRICS, ...).
+          `--optimizer` sets `train.optimizer`; everything else is the preset's. `--inmem` swaps speculators' data
+          loaders for one pinned batch served from memory (same trainer, model and optimizer): the trainer without
+          its loader. A second launch on the same run folder is a retry: torch.compile's cache
+          (`<run>/train/compile-cache`, where eyrie.train_entry puts it) is then warm.
+  loader  speculators' train loader as Eyrie's command configures it, drained with no model: batches/s it can
+          deliver (with eyrie.train_entry's GPU patches, `--off` as above).
   ab      optimizer A/B on a carried Eyrie run folder (the demo's extracted hidden states): `run_training` with
           each optimizer, validation accuracy per position per epoch against wall-clock seconds.
 
@@ -329,6 +342,11 @@ def cmd_step(args) -> dict:
 
     from eyrie.train import draft_layer_config
 
+    if args.eyrie_patches:  # eyrie.train_entry's changes to the model's step: no data-dependent syncs
+        import eyrie.train_entry as entry
+
+        entry._accuracy_without_sync()
+        entry._loss_scalars_without_sync()
     d = dims(args)
     config, _ = load(Path(args.root))
     V, VD, T, TTT = d["vocab"], d["draft_vocab"], config.train.max_seq_len, config.train.ttt_steps
@@ -342,6 +360,9 @@ def cmd_step(args) -> dict:
         transformer_layer_config=tl,
         draft_vocab_size=VD,
         norm_before_residual=True,
+        # what speculators' CLI turns on for eagle3 (the trainer's model); the bare step leaves them off
+        norm_before_fc=args.trainer_norms,
+        norm_output=args.trainer_norms,
         eagle_aux_hidden_state_layer_ids=d["aux"],
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3",
@@ -379,6 +400,12 @@ def cmd_step(args) -> dict:
     doc = (torch.arange(T, device=dev) // DOC).unsqueeze(0)
     pos = (torch.arange(T, device=dev) % DOC).unsqueeze(0)
     mask = torch.ones(1, T, device=dev, dtype=torch.bool)
+    if args.shifted_docs:  # the trainer's packed batch: each row loses a token to the shift, the rest is padding
+        n = T // DOC
+        doc = torch.cat([torch.full((DOC - 1,), i) for i in range(n)] + [torch.full((T - n * (DOC - 1),), -1)])
+        pos = torch.cat([torch.arange(1, DOC) for _ in range(n)] + [torch.zeros(T - n * (DOC - 1), dtype=torch.long)])
+        doc, pos = doc.unsqueeze(0).to(dev), pos.unsqueeze(0).to(dev)
+        mask = doc != -1
     amp = args.master == "fp32" and dev == "cuda"
     timing = {"fwd": 0.0, "bwd": 0.0, "opt": 0.0}
 
@@ -454,9 +481,33 @@ def cmd_step(args) -> dict:
         "phase_ms": {k: round(v / n_prof * 1000, 1) for k, v in timing.items()},
         "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev == "cuda" else None,
     }
+    rec["trainer_norms"] = args.trainer_norms
+    rec["shifted_docs"] = args.shifted_docs
+    rec["eyrie_patches"] = args.eyrie_patches
     if dev == "cuda":
         rec["sync_probe"] = sync_probe()
+    if args.profile and dev == "cuda":  # the same analysis as the trainer's profiled window
+        n = int(args.profile.split(",")[-1])
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof:
+            for _ in range(n):
+                step()
+            sync()
+        trace = Path(args.log_dir) / f"trace_step_{args.tag or 'step'}.json"
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
+        rec["profile"] = {"steps": n, **analyse_trace(trace)}
+        gzip_trace(trace)
     return emit(args, rec)
+
+
+def gzip_trace(trace: Path, name: str | None = None) -> None:
+    import gzip
+
+    with open(trace, "rb") as f, gzip.open(trace.with_name((name or trace.stem) + ".json.gz"), "wb", 6) as g:
+        shutil.copyfileobj(f, g)
+    trace.unlink()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -477,6 +528,7 @@ class GpuSampler(threading.Thread):
     def __init__(self, period: float = 0.5):
         super().__init__(daemon=True)
         self.period, self.samples, self.stop = period, [], threading.Event()
+        self.cpu: list = []
 
     def run(self) -> None:
         q = "utilization.gpu,power.draw,memory.used,clocks.sm"
@@ -491,6 +543,7 @@ class GpuSampler(threading.Thread):
                 self.samples.append((time.time(), [float(x) for x in r.stdout.strip().split("\n")[0].split(",")]))
             except Exception:  # noqa: BLE001  (no nvidia-smi on a CPU check)
                 pass
+            self.cpu.append((time.time(), cpu_times()))
             self.stop.wait(self.period)
 
     def summary(self, t0: float, t1: float) -> dict | None:
@@ -502,7 +555,20 @@ class GpuSampler(threading.Thread):
             xs = sorted(v[i] for v in s)
             out[c] = {"mean": round(sum(xs) / len(xs), 1), "min": xs[0], "max": xs[-1]}
         out["samples"] = len(s)
+        c = [v for t, v in self.cpu if t0 <= t <= t1 and v]
+        if len(c) >= 2:  # all cores together, from /proc/stat
+            out["cpu_busy_frac"] = round((c[-1][0] - c[0][0]) / max(1, c[-1][1] - c[0][1]), 3)
         return out
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all cores, from /proc/stat."""
+    try:
+        v = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return sum(v) - idle, sum(v)
 
 
 def metric(line: str, key: str) -> float | None:
@@ -551,14 +617,33 @@ def eyrie_command(args, root: Path, optimizer: str) -> tuple[list[str], Path, di
     )
 
 
-def _inmem_entry(argv: list[str]) -> None:
-    """Eyrie's train entry with speculators' data loaders replaced by one collated, pinned batch served from
-    memory (same model, optimizer, trainer loop and host-to-device copy): the trainer without its loader."""
+BENCH_MARK = "eyrie-bench"  # "<BENCH_MARK> <name> <unix time>" and "<BENCH_MARK>-json {...}" lines in the trainer log
+
+
+def _mark(name: str) -> None:
+    print(f"{BENCH_MARK} {name} {time.time():.3f}", flush=True)
+
+
+def _memory_loaders(
+    *,
+    data_path,
+    total_seq_len,
+    hidden_states_dtype,
+    hidden_size,
+    num_target_layers,
+    preprocess,
+    train_data_ratio=0.9,
+    **_,
+):
+    """speculators' loaders replaced by one collated, pinned batch served from memory (same model, optimizer,
+    trainer loop and host-to-device copy): the trainer without its loader."""
     import math
 
     import torch
-    from speculators.train import cli
+    from datasets import load_from_disk
     from speculators.train.data import CollateFn
+
+    import eyrie.train_entry as entry
 
     class MemoryLoader:
         batch_sampler = None
@@ -570,69 +655,389 @@ def _inmem_entry(argv: list[str]) -> None:
             return self.n
 
         def __iter__(self):
-            for _ in range(self.n):
-                yield dict(self.batch)
+            batches = (dict(self.batch) for _ in range(self.n))
+            if entry.GPU_FEED and torch.cuda.is_available():  # as eyrie.train_entry feeds speculators' loaders
+                return entry._copied_ahead(batches, torch.device("cuda", 0))
+            return batches
 
-    def loaders(
-        *,
-        data_path,
+    ds = load_from_disk(data_path).with_format(None)
+    lens = list(ds["seq_len"])
+    g = torch.Generator().manual_seed(0)
+    samples, used, i = [], 0, 0
+    while used < total_seq_len:
+        t = lens[i % len(lens)]
+        hs = torch.randn(t, num_target_layers + 1, hidden_size, generator=g).to(hidden_states_dtype)
+        samples.append(
+            {
+                "hidden_states": hs[:, :-1].flatten(1),
+                "input_ids": torch.tensor(ds[i]["input_ids"]),
+                "verifier_last_hidden_states": hs[:, -1],
+                "loss_mask": torch.tensor(ds[i]["loss_mask"]),
+                "lengths": torch.tensor([t]),
+                "position_ids": torch.arange(t),
+            }
+        )
+        used += t
+        i += 1
+    batch = CollateFn(
         total_seq_len,
-        hidden_states_dtype,
         hidden_size,
-        num_target_layers,
-        preprocess,
-        train_data_ratio=0.9,
-        **_,
-    ):
-        from datasets import load_from_disk
+        num_target_layers=num_target_layers,
+        dtype=hidden_states_dtype,
+        preprocess=preprocess,
+    )(samples)
+    if torch.cuda.is_available():
+        batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    n_train = int(len(lens) * train_data_ratio)
+    steps = max(1, math.ceil(sum(min(x, total_seq_len) for x in lens[:n_train]) / total_seq_len))
+    return MemoryLoader(batch, steps), MemoryLoader(batch, 2)
 
-        ds = load_from_disk(data_path).with_format(None)
-        lens = list(ds["seq_len"])
-        g = torch.Generator().manual_seed(0)
-        samples, used, i = [], 0, 0
-        while used < total_seq_len:
-            t = lens[i % len(lens)]
-            hs = torch.randn(t, num_target_layers + 1, hidden_size, generator=g).to(hidden_states_dtype)
-            samples.append(
-                {
-                    "hidden_states": hs[:, :-1].flatten(1),
-                    "input_ids": torch.tensor(ds[i]["input_ids"]),
-                    "verifier_last_hidden_states": hs[:, -1],
-                    "loss_mask": torch.tensor(ds[i]["loss_mask"]),
-                    "lengths": torch.tensor([t]),
-                    "position_ids": torch.arange(t),
+
+def _bench_entry(argv: list[str]) -> None:
+    """Eyrie's train entry (`eyrie.train_entry.main`, the same argv) with measuring hooks that change nothing it
+    does: marks of where start-up time goes, the time the training thread waits for each batch, host time per step
+    and, with `profile`, a torch.profiler window over a few steps, analysed (`analyse_trace`) and written beside
+    the log. Options come as JSON in EYRIE_BENCH: inmem (the loaders replaced by `_memory_loaders`), profile
+    ([first step, steps]), off (eyrie.train_entry switches turned off), out (folder for the trace and summary)."""
+    opts = json.loads(os.environ.pop("EYRIE_BENCH", "{}"))
+    _mark("entry")
+    import eyrie.train_entry as entry  # light: its imports come inside main()
+
+    for name in opts.get("off", []):
+        assert isinstance(getattr(entry, name), bool), name
+        setattr(entry, name, False)
+    if entry.FORKSERVER_WORKERS and os.environ.get("EYRIE_TRAIN_DEVICE") != "cpu":
+        entry._start_worker_server()  # where main() starts it, before the heavy imports (again there: a no-op)
+    import torch
+
+    _mark("torch imported")
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.train import cli, trainer
+
+    _mark("speculators imported")
+    if opts.get("inmem"):
+        cli.create_train_val_loaders = _memory_loaders
+
+    def timed(owner, attr: str, name: str) -> None:
+        fn = getattr(owner, attr)
+
+        def wrapper(*a, **k):
+            _mark(name + " start")
+            try:
+                return fn(*a, **k)
+            finally:
+                _mark(name + " end")
+
+        setattr(owner, attr, wrapper)
+
+    timed(cli, "parse_vocab_mappings", "vocab")
+    timed(cli, "build_draft_model", "build")  # inside eyrie's wrappers (GPU device, float32), which main() adds
+    timed(Eagle3DraftModel, "load_verifier_weights", "verifier weights")
+    timed(cli, "create_train_val_loaders", "loaders")
+    timed(trainer.Trainer, "__init__", "trainer init")
+    cuda = torch.cuda.is_available()
+    profile = opts.get("profile")
+    out = Path(opts.get("out") or ".")
+    stats = {"wait_s": 0.0, "batches": 0}
+
+    class TimedLoader:
+        """The train loader as the loop sees it, timing each wait for the next batch."""
+
+        def __init__(self, loader):
+            self._loader = loader
+
+        def __getattr__(self, name):
+            return getattr(self._loader, name)
+
+        def __len__(self) -> int:
+            return len(self._loader)
+
+        def __iter__(self):
+            it = iter(self._loader)
+            while True:
+                t = time.perf_counter()
+                with torch.profiler.record_function("eyrie-bench.next_batch"):
+                    try:
+                        batch = next(it)
+                    except StopIteration:
+                        return
+                stats["wait_s"] += time.perf_counter() - t
+                stats["batches"] += 1
+                if stats["batches"] == 1:
+                    _mark("first batch")
+                yield batch
+
+    train_epoch = trainer.Trainer.train_epoch
+
+    gc_pause = {"n": [0, 0, 0], "s": [0.0, 0.0, 0.0], "t": 0.0}
+
+    def on_gc(phase: str, info: dict) -> None:  # the collector's pauses, by generation
+        if phase == "start":
+            gc_pause["t"] = time.perf_counter()
+        else:
+            gc_pause["n"][info["generation"]] += 1
+            gc_pause["s"][info["generation"]] += time.perf_counter() - gc_pause["t"]
+
+    import gc
+
+    gc.callbacks.append(on_gc)
+
+    def train_epoch_measured(self, epoch, *args, step_callback=None, **kwargs):
+        prof = None
+        last = {"t": time.perf_counter(), "step": self.global_step, "wait": 0.0, "gc": [0, 0.0]}
+
+        def after_step() -> None:
+            nonlocal prof
+            if step_callback is not None:  # eyrie.train_entry's own, outside this one
+                step_callback()
+            n = self.global_step
+            if n == 1:
+                if cuda:
+                    torch.cuda.synchronize()
+                _mark("first step done")
+            if profile and n == profile[0] and cuda:
+                prof = torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                )
+                prof.start()
+            if prof is not None and n == profile[0] + profile[1]:
+                prof.stop()
+                trace = out / f"trace_{os.getpid()}.json"
+                prof.export_chrome_trace(str(trace))
+                prof = None
+                summary = {"steps": profile[1], "first_step": profile[0], **analyse_trace(trace)}
+                print(f"{BENCH_MARK}-json " + json.dumps({"profile": summary}), flush=True)
+                last.update(
+                    t=time.perf_counter(), step=n, wait=stats["wait_s"], gc=[gc_pause["n"][2], sum(gc_pause["s"])]
+                )
+            if n % 25 == 0 and n > last["step"]:
+                dt = time.perf_counter() - last["t"]
+                feed = {
+                    "step": n,
+                    "host_ms_per_step": round(dt * 1000 / (n - last["step"]), 1),
+                    "loader_wait_ms_per_step": round((stats["wait_s"] - last["wait"]) * 1000 / (n - last["step"]), 1),
+                    "gc_gen2_passes": gc_pause["n"][2] - last["gc"][0],
+                    "gc_pause_ms": round((sum(gc_pause["s"]) - last["gc"][1]) * 1000, 1),
                 }
-            )
-            used += t
-            i += 1
-        batch = CollateFn(
-            total_seq_len,
-            hidden_size,
-            num_target_layers=num_target_layers,
-            dtype=hidden_states_dtype,
-            preprocess=preprocess,
-        )(samples)
-        if torch.cuda.is_available():
-            batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        n_train = int(len(lens) * train_data_ratio)
-        steps = max(1, math.ceil(sum(min(x, total_seq_len) for x in lens[:n_train]) / total_seq_len))
-        return MemoryLoader(batch, steps), MemoryLoader(batch, 2)
+                print(f"{BENCH_MARK}-json " + json.dumps({"feed": feed}), flush=True)
+                last.update(
+                    t=time.perf_counter(), step=n, wait=stats["wait_s"], gc=[gc_pause["n"][2], sum(gc_pause["s"])]
+                )
 
-    cli.create_train_val_loaders = loaders
-    from eyrie.train_entry import main
+        loader = self.train_loader
+        self.train_loader = TimedLoader(loader)
+        try:
+            return train_epoch(self, epoch, *args, step_callback=after_step, **kwargs)
+        finally:
+            self.train_loader = loader
 
-    main(argv)
+    trainer.Trainer.train_epoch = train_epoch_measured
+    entry.main(argv)
+
+
+def analyse_trace(path: Path, gap_ms: float = 0.3) -> dict:
+    """Where a torch.profiler window's time went on the GPU: the span from the first to the last GPU activity,
+    the time some kernel or copy ran (busy), kernel time by kind, the largest kernels, and the GPU's idle gaps with
+    what the training thread was doing on the host meanwhile (the ops that overlap each gap most)."""
+    events = json.loads(path.read_text()).get("traceEvents", [])
+    xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    gpu = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e)
+        for e in xs
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    if not gpu:
+        return {"error": "no GPU activity in the trace"}
+    busy, gaps = 0.0, []
+    cur_s, cur_e = gpu[0][0], gpu[0][1]
+    for s, e, _ in gpu[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gaps.append((cur_e, s))
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = max(e for _, e, _ in gpu) - gpu[0][0]
+
+    def kind(name: str, cat: str) -> str:
+        n = name.lower()
+        if cat != "kernel":
+            return cat + (" HtoD" if "htod" in n else " DtoH" if "dtoh" in n else " DtoD" if "dtod" in n else "")
+        for k, pats in (
+            ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90")),
+            ("flex attention", ("flex", "triton_tem")),
+            ("fused adam", ("fused_adam",)),
+            ("foreach (clip, zero)", ("multi_tensor", "foreach")),
+            ("triton fused", ("triton",)),
+        ):
+            if any(x in n for x in pats):
+                return k
+        return "other"
+
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, list] = {}
+    streams: dict[str, float] = {}
+    for s, e, ev in gpu:
+        k = kind(ev.get("name", ""), ev["cat"])
+        by_kind[k] = by_kind.get(k, 0.0) + (e - s)
+        row = by_name.setdefault(ev.get("name", "?")[:90], [0, 0.0])
+        row[0] += 1
+        row[1] += e - s
+        sid = str(ev.get("args", {}).get("stream", ev.get("tid")))
+        streams[sid] = streams.get(sid, 0.0) + (e - s)
+    host = [e for e in xs if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")]
+    per_tid: dict = {}  # the training thread: the one that launches the most kernels
+    for e in host:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "aunch" in e.get("name", ""):
+            per_tid[e.get("tid")] = per_tid.get(e.get("tid"), 0) + 1
+    main_tid = max(per_tid, key=lambda t: per_tid[t]) if per_tid else None
+    main = [e for e in host if e.get("tid") == main_tid]
+    sync_names = ("Synchronize", "cudaMemcpy ", "cudaMalloc", "cudaFree", "cudaHostAlloc", "cudaHostRegister")
+    syncs: dict[str, list] = {}
+    for e in host:
+        name = e.get("name", "")
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and (
+            any(x in name for x in sync_names) or name == "cudaMemcpy"
+        ):
+            row = syncs.setdefault(f"{name} (tid {e.get('tid')})", [0, 0.0])
+            row[0] += 1
+            row[1] += float(e["dur"])
+    big = sorted((g for g in gaps if (g[1] - g[0]) / 1000 >= gap_ms), key=lambda g: g[0] - g[1])
+    gap_rows = []
+    for g0, g1 in big[:15]:
+        overlap: dict[str, float] = {}
+        for e in main:
+            s, t = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+            o = min(t, g1) - max(s, g0)
+            if o > 0:
+                overlap[e.get("name", "?")[:70]] = overlap.get(e.get("name", "?")[:70], 0.0) + o
+        gap_rows.append(
+            {
+                "at_ms": round((g0 - gpu[0][0]) / 1000, 2),
+                "ms": round((g1 - g0) / 1000, 2),
+                "host_ops": {k: round(v / 1000, 2) for k, v in sorted(overlap.items(), key=lambda kv: -kv[1])[:4]},
+            }
+        )
+    ms = lambda us: round(us / 1000, 2)  # noqa: E731
+    return {
+        "span_ms": ms(span),
+        "busy_ms": ms(busy),
+        "busy_frac": round(busy / span, 3) if span else None,
+        "idle_gaps": {
+            f">={gap_ms}ms": [
+                sum(1 for g in gaps if (g[1] - g[0]) / 1000 >= gap_ms),
+                ms(sum(g[1] - g[0] for g in gaps if (g[1] - g[0]) / 1000 >= gap_ms)),
+            ],
+            "all": [len(gaps), ms(sum(g[1] - g[0] for g in gaps))],
+        },
+        "gpu_ms_by_kind": {k: ms(v) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "gpu_ms_by_stream": {k: ms(v) for k, v in streams.items()},
+        "training_thread": main_tid,
+        "top_kernels": [[n, c, ms(t)] for n, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]],
+        "host_sync_calls": {k: [c, ms(t)] for k, (c, t) in sorted(syncs.items(), key=lambda kv: -kv[1][1])[:12]},
+        "largest_gaps": gap_rows,
+    }
+
+
+def cmd_loader(args) -> dict:
+    """speculators' train loader exactly as Eyrie's command configures it (workers, prefetch, pinned memory, with
+    eyrie.train_entry's GPU patches unless --off), drained with no model: the batches per second that reading the
+    files, collating and (with GPU_FEED) the copy to the GPU can deliver on their own."""
+    import argparse
+
+    import torch
+    from hs_connectors import HiddenStatesBackend
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train import dataloader
+    from speculators.train.config import TrainConfig
+
+    import eyrie.train_entry as entry
+
+    d = dims(args)
+    cmd, _, _ = eyrie_command(args, Path(args.root), args.optimizer)
+    argv = cmd[cmd.index("eyrie.train_entry") + 1 :]
+    i = argv.index("--eyrie-verifier-weights")
+    a = argparse.Namespace(**TrainConfig.resolve(argv[:i] + argv[i + 2 :]).flatten())
+    for name in args.off:
+        setattr(entry, name, False)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        entry._gpu_speedups()
+    transfer = HiddenStatesBackend.registry[a.hidden_states_backend].from_train_args(a, a.data_path)
+    t0 = time.perf_counter()
+    train, _ = dataloader.create_train_val_loaders(
+        data_path=a.data_path,
+        total_seq_len=a.total_seq_len,
+        hidden_states_dtype=getattr(torch, a.hidden_states_dtype),
+        transfer=transfer,
+        vllm_endpoint=a.vllm_endpoint,
+        on_missing=a.on_missing,
+        verifier_name_or_path=a.verifier_name_or_path,
+        request_timeout=a.request_timeout,
+        max_retries=a.max_retries,
+        generation_validation_retries=a.generation_validation_retries,
+        max_consecutive_generation_failures=a.max_consecutive_generation_failures,
+        hidden_size=d["hidden"],
+        num_target_layers=len(d["aux"]),
+        num_workers=a.num_workers,
+        prefetch_factor=a.prefetch_factor,
+        preprocess=shift_batch,
+        train_data_ratio=a.train_data_ratio,
+        seed=a.seed,
+    )
+    sampler = GpuSampler()
+    sampler.start()
+    skip, n, tokens, t_first, t_start = 8, 0, 0, None, 0.0
+    for batch in train:
+        n += 1
+        if n == 1:
+            t_first = time.perf_counter() - t0
+        if n == skip:
+            if cuda:
+                torch.cuda.synchronize()
+            t_start, w0 = time.perf_counter(), time.time()
+        elif n > skip:
+            tokens += int((batch["document_ids"] != -1).sum())
+        if n >= skip + args.loader_batches:
+            break
+    if cuda:
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t_start
+    sampler.stop.set()
+    del train
+    return emit(
+        args,
+        {
+            "what": "loader",
+            "tag": args.tag,
+            "workers": a.num_workers,
+            "prefetch_factor": a.prefetch_factor,
+            "off": args.off,
+            "s_to_first_batch": round(t_first or 0.0, 1),
+            "batches": n - skip,
+            "batches_per_s": round((n - skip) / dt, 2),
+            "tokens_per_s": round(tokens / dt),
+            "host": sampler.summary(w0, time.time()),
+        },
+    )
 
 
 def cmd_eyrie(args, optimizer: str | None = None) -> dict:
     optimizer = optimizer or args.optimizer
     root = Path(args.root)
     cmd, save_path, info = eyrie_command(args, root, optimizer)
-    if args.inmem:
-        i = cmd.index("eyrie.train_entry")
-        cmd = [cmd[0], str(Path(__file__).resolve()), "_inmem_entry", *cmd[i + 1 :]]
-        info["loader"] = "one pinned batch from memory (speculators' loaders replaced)"
     env = dict(os.environ, EYRIE_TRAIN_DEVICE=info["device"], PYTHONUNBUFFERED="1", COLUMNS="2000")
+    if not args.exact:  # the same argv through eyrie.train_entry.main, with _bench_entry's measuring hooks
+        i = cmd.index("eyrie.train_entry")
+        cmd = [cmd[0], str(Path(__file__).resolve()), "_bench_entry", *cmd[i + 1 :]]
+        bench = {"inmem": args.inmem, "off": args.off, "out": str(Path(args.log_dir).resolve())}
+        if args.profile:
+            bench["profile"] = [int(x) for x in args.profile.split(",")]
+        env["EYRIE_BENCH"] = json.dumps(bench)
+        info["hooks"] = bench
+    if args.inmem:
+        info["loader"] = "one pinned batch from memory (speculators' loaders replaced)"
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # eyrie.train_entry's default: <run>/train/compile-cache
     compile_cache = root / "train" / "compile-cache"
     cache_files_before = sum(1 for _ in compile_cache.rglob("*")) if compile_cache.exists() else 0
@@ -671,6 +1076,8 @@ def cmd_eyrie(args, optimizer: str | None = None) -> dict:
     threading.Thread(target=reader, daemon=True).start()
     steps: list[tuple[float, int, float | None]] = []  # (arrival, global_step, real tokens in that step)
     marks: dict[str, float] = {}
+    bench_marks: dict[str, float] = {}
+    bench_json: dict[str, list] = {}
     window_start = None
     deadline = t_start + args.startup_s
     with open(log_path, "w") as log:
@@ -686,6 +1093,12 @@ def cmd_eyrie(args, optimizer: str | None = None) -> dict:
             for name, text in MILESTONES.items():
                 if name not in marks and text in line:
                     marks[name] = round(now - t_start, 1)
+            if line.startswith(BENCH_MARK + " "):  # _bench_entry's marks carry their own clock
+                name, _, at = line[len(BENCH_MARK) + 1 :].strip().rpartition(" ")
+                bench_marks.setdefault(name, round(float(at) - t_start, 1))
+            elif line.startswith(BENCH_MARK + "-json "):
+                for k, v in json.loads(line.split(" ", 1)[1]).items():
+                    bench_json.setdefault(k, []).append(v)
             m = STEP_RE.search(line)
             if m and "profile" in line:
                 tps, ms = metric(line, "tokens_per_s"), metric(line, "step_ms")
@@ -707,6 +1120,8 @@ def cmd_eyrie(args, optimizer: str | None = None) -> dict:
                 log.write(line)
     proc.wait()
     sampler.stop.set()
+    for trace in Path(args.log_dir).glob(f"trace_{proc.pid}.json"):
+        gzip_trace(trace, f"trace_{optimizer}{'_' + args.tag if args.tag else ''}")
     out = {
         "what": "eyrie",
         "tag": args.tag,
@@ -715,12 +1130,14 @@ def cmd_eyrie(args, optimizer: str | None = None) -> dict:
         "log": str(log_path),
         "compile_cache_files_before": cache_files_before,
         "startup_milestones_s": marks,
+        "startup_marks_s": bench_marks,
         "logged_steps": len(steps),
+        **{k: v if k == "feed" else v[-1] for k, v in bench_json.items()},
     }
     try:  # every setting as speculators resolves the argv train_entry hands it
         from speculators.train.config import TrainConfig
 
-        argv = cmd[cmd.index("_inmem_entry" if args.inmem else "eyrie.train_entry") + 1 :]
+        argv = cmd[cmd.index("eyrie.train_entry" if args.exact else "_bench_entry") + 1 :]
         i = argv.index("--eyrie-verifier-weights")
         flat = TrainConfig.resolve(argv[:i] + argv[i + 2 :]).flatten()
         out["resolved"] = {
@@ -891,11 +1308,11 @@ def emit_summary(args, bare: dict, runs: list[dict]) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "_inmem_entry":
-        _inmem_entry(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "_bench_entry":
+        _bench_entry(sys.argv[2:])
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["all", "gen", "step", "eyrie", "ab"])
+    p.add_argument("what", choices=["all", "gen", "step", "eyrie", "loader", "ab"])
     p.add_argument(
         "--root",
         default=os.path.expanduser("~/eyrie-train-throughput"),
@@ -915,6 +1332,9 @@ def main() -> None:
     p.add_argument("--clip", action="store_true")
     p.add_argument("--attn", default="simple_flex_attention")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--trainer-norms", action="store_true", help="norm_before_fc and norm_output, as the trainer")
+    p.add_argument("--shifted-docs", action="store_true", help="documents as the trainer packs them (2047 + pad)")
+    p.add_argument("--eyrie-patches", action="store_true", help="eyrie.train_entry's sync-free metrics and loss")
     # eyrie
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
     p.add_argument("--optimizers", default="adamw,muon")
@@ -922,7 +1342,11 @@ def main() -> None:
     p.add_argument("--window-s", type=float, default=45.0)
     p.add_argument("--startup-s", type=float, default=300.0)
     p.add_argument("--keep-checkpoints", action="store_true")
+    p.add_argument("--loader-batches", type=int, default=60, help="loader: batches timed after 8 of warm-up")
     p.add_argument("--inmem", action="store_true", help="the trainer fed one batch from memory (no loader)")
+    p.add_argument("--exact", action="store_true", help="Eyrie's command itself, without _bench_entry's hooks")
+    p.add_argument("--profile", default="", help="START,STEPS: a torch.profiler window from step START")
+    p.add_argument("--off", action="append", default=[], help="an eyrie.train_entry switch to turn off (GPU_FEED, ...)")
     # ab
     p.add_argument("--ab-run", default="runs/gpu-ab/run")
     p.add_argument("--ab-config", default="runs/gpu-ab/demo.yaml")
@@ -935,6 +1359,8 @@ def main() -> None:
         cmd_step(args)
     elif args.what == "eyrie":
         cmd_eyrie(args)
+    elif args.what == "loader":
+        cmd_loader(args)
     else:
         {"all": cmd_all, "gen": cmd_gen, "ab": cmd_ab}[args.what](args)
 

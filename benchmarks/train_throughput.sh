@@ -4,6 +4,9 @@
 # disk-backed filesystem, and kills any trainer left behind. From the repository root:
 #
 #   bash benchmarks/train_throughput.sh all                 # gen, bare step, Eyrie's command with adamw and muon
+#   bash benchmarks/train_throughput.sh all --optimizers adamw --iters 250  # bare step over as long as the window
+#   bash benchmarks/train_throughput.sh eyrie --tag stock --off GPU_FEED --profile 30,3  # one switch off, profiled
+#   bash benchmarks/train_throughput.sh loader              # the loader alone
 #   bash benchmarks/train_throughput.sh eyrie --optimizer adamw --tag retry   # again: compile cache now warm
 #   bash benchmarks/train_throughput.sh step --master fp32 --clip --opt adamw # the trainer's own math
 #   bash benchmarks/train_throughput.sh ab --ab-epochs 10   # optimizer A/B on a carried demo run (runs/gpu-ab/)
@@ -22,8 +25,10 @@ OUT=${OUT:-/tmp/eyrie-train-throughput-out}
 PY=${PY:-python3}
 mkdir -p "$OUT/logs"
 if ! "$PY" -c "import speculators" 2>/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/eyrie-site \
-    .whl/*.whl || exit 1
+  if [ ! -d /tmp/eyrie-site/speculators ]; then  # once per machine
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/eyrie-site \
+      .whl/*.whl || exit 1
+  fi
   export PYTHONPATH=/tmp/eyrie-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # eyrie itself, for the trainer subprocess and its workers

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from eyrie.errors import ConfigError
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class _Section(BaseModel):
@@ -54,6 +58,23 @@ class TargetConfig(_Section):
         description="vLLM max_model_len; at least data.max_length + 1 (extraction generates one token "
         "after the longest sample). Defaults to data.max_length + 1.",
     )
+    vllm_version: str | None = Field(
+        None,
+        description="PEP 440 version specifier the installed vLLM must meet for this target (e.g. '>=0.18'); "
+        "preflight refuses another version, naming the installed one.",
+    )
+
+    @field_validator("vllm_version")
+    @classmethod
+    def _specifier(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                SpecifierSet(v)
+            except InvalidSpecifier:
+                raise ValueError(
+                    f"{v!r} is not a version specifier: write one like '>=0.18' or '>=0.18,<0.40'"
+                ) from None
+        return v
 
 
 class DataConfig(_Section):
@@ -90,18 +111,96 @@ class ExtractionConfig(_Section):
     request_timeout_s: float = Field(600, gt=0)
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     enforce_eager: bool = True
-    server_args: list[str] = Field(default_factory=list, description="Extra vLLM server arguments.")
+    server_args: list[str] = Field(
+        default_factory=list,
+        description="Extra vLLM server arguments, for extraction and for the export and evaluation servers; "
+        "preflight parses them with the installed vLLM's own parser, and refuses a flag Eyrie passes itself.",
+    )
+    server_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables for the vLLM server processes (extraction, export, evaluation), over "
+        "Eyrie's own environment; part of the server's identity, so a change starts a new server. Preflight "
+        "refuses a VLLM_* name the installed vLLM does not know, or a value it cannot read.",
+    )
     min_free_disk_gib: float = Field(1.0, ge=0, description="Head-room kept free after the estimated output.")
     verify_checksums: bool = Field(
         True,
-        description="Re-hash every hidden-state file against its manifest on each "
-        "run, so a file changed after its shard completed is redone, "
-        "never trained on (costs a read of all hidden states).",
+        description="Re-hash a hidden-state file whose stat (size, mtime, inode) changed since its manifest "
+        "recorded it, so a file changed after its shard completed is redone, never trained on. Unchanged files "
+        "are trusted by stat and never read; false trusts a changed file of the recorded size. `eyrie verify` "
+        "re-hashes every file.",
     )
     keep_server_after_failure: bool = Field(
         True,
         description="Leave the server up when a shard fails, so a retry "
         "reuses the loaded target (`eyrie stop-server`).",
+    )
+
+    @field_validator("server_env", mode="before")
+    @classmethod
+    def _env(cls, v):
+        if not isinstance(v, dict):
+            return v  # pydantic names the wrong type
+        out = {}
+        for name, value in v.items():
+            if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not an environment variable name (letters, digits, '_')")
+            if name == "VLLM_API_KEY":
+                raise ValueError(
+                    "VLLM_API_KEY must not be written in the config: set extraction.api_key_env to the name of "
+                    "a variable that holds the key"
+                )
+            # YAML reads `1800` as a number: an environment holds its text. A bool has no single spelling.
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise ValueError(f'{name}: {value!r} is not a string or number: quote it (e.g. "1" or "true")')
+            out[name] = str(value)
+        return out
+
+
+class TemperatureShare(_Section):
+    temperature: float = Field(ge=0, le=2, description="A sampling temperature (0: greedy).")
+    weight: float = Field(gt=0, description="Its share of the conversations (weights need not sum to 1).")
+
+
+class RegenerateConfig(_Section):
+    """The target rewrites every assistant turn before extraction (on-policy data), on the extraction server."""
+
+    enabled: bool = Field(
+        False,
+        description="Regenerate the prepared conversations' assistant turns with the target before extraction; "
+        "extraction, vocab and training then read the regenerated data.",
+    )
+    temperature: float = Field(0.0, ge=0, le=2, description="Sampling temperature of every answer (0: greedy).")
+    temperature_mix: list[TemperatureShare] | None = Field(
+        None,
+        min_length=1,
+        description="A per-conversation temperature mix instead of `temperature`: each conversation is answered "
+        "at one of these temperatures, drawn by weight from a hash of `seed` and the conversation.",
+    )
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (1: off), at temperatures above 0.")
+    seed: int = Field(
+        0, description="Seeds the temperature draw and each request's sampling, so a re-run samples the same way."
+    )
+    max_tokens: int = Field(
+        2048,
+        ge=1,
+        description="Most tokens per answer. An answer that reaches it is length-capped: the row ends with it, "
+        "and `length_capped` says whether such rows are kept.",
+    )
+    length_capped: Literal["keep", "drop"] = Field(
+        "keep",
+        description="keep: train on rows whose last answer hit max_tokens (every token is still the target's own); "
+        "drop: leave them out. Counted either way in regenerate/stats.json.",
+    )
+    concurrency: int = Field(
+        16,
+        ge=1,
+        description="Conversations in flight per shard (each sends its turns one after another). The server "
+        "runs at most its --max-num-seqs at once.",
+    )
+    request_timeout_s: float = Field(1800, gt=0, description="Seconds one answer may take.")
+    retries: int = Field(
+        2, ge=0, description="Retries of a request that got no answer or a server error (5xx), 2, 4, 8 s apart."
     )
 
 
@@ -137,12 +236,48 @@ class TrainConfig(_Section):
         description="Log (and time) a training step every N steps. Logged steps synchronise the GPU; "
         "the others do not.",
     )
+    stop_on_plateau: bool = Field(
+        False,
+        description="Stop once validation stops improving: after plateau_patience epochs without raising the "
+        "predicted acceptance length (1 + the sum of per-position validation accuracies) by plateau_min_delta. "
+        "train.epochs is then the most epochs it may run.",
+    )
+    plateau_patience: int = Field(2, ge=1, description="Epochs without improvement before a plateau stop.")
+    plateau_min_delta: float = Field(
+        0.01, ge=0, description="The smallest rise of the predicted acceptance length that counts as improvement."
+    )
+    still_improving_warning: float = Field(
+        0.02,
+        ge=0,
+        description="Warn in the run summary when the last epoch still raised the predicted acceptance length "
+        "by more than this: the drafter is likely undertrained.",
+    )
 
 
 class EvaluateConfig(_Section):
     num_speculative_tokens: int = Field(3, ge=1)
     num_prompts: int = Field(32, ge=1)
     max_tokens: int = Field(64, ge=1)
+    sweep_draft_tokens: int | None = Field(
+        None,
+        ge=2,
+        le=10,
+        description="Also answer 'how many draft tokens?': serve the trained drafter drafting this many (one "
+        "more target load) for the acceptance length at every k up to it, and the target alone (one more) for "
+        "output tokens per second with and without the drafter; a table and a plot. Unset: off.",
+    )
+    throughput_concurrency: list[PositiveInt] = Field(
+        [1, 8],
+        min_length=1,
+        description="Concurrencies at which the draft-token sweep measures output tokens per second.",
+    )
+    max_train_serve_gap: float = Field(
+        0.15,
+        gt=0,
+        le=1,
+        description="Flag the run when, at any draft position, the trained drafter's validation accuracy and the "
+        "acceptance measured in vLLM differ by more than this.",
+    )
     untrained_baseline: Literal["auto", "always", "never"] = Field(
         "auto",
         description="Also measure an untrained drafter of the same shape (one more target load). auto: only "
@@ -165,6 +300,7 @@ class PipelineConfig(_Section):
     name: str = "eyrie"
     target: TargetConfig
     data: DataConfig
+    regenerate: RegenerateConfig = RegenerateConfig()
     extraction: ExtractionConfig = ExtractionConfig()
     vocab: VocabConfig = VocabConfig()
     train: TrainConfig = TrainConfig()

@@ -32,3 +32,21 @@ class DiskFullError(ExtractionError):
 
 class RunFolderError(EyrieError):
     pass
+
+
+class RegenerationError(EyrieError):
+    pass
+
+
+class ServerUnavailable(RegenerationError):
+    """The server did not answer (refused, timed out, aborted the request): the shard fails and is retried; the
+    row is never counted as dropped for it."""
+
+
+class RequestRejected(RegenerationError):
+    """The server answered this request with an error (after retries, for a 5xx): the row is counted by reason."""
+
+    def __init__(self, status: int, text: str):
+        super().__init__(f"vLLM answered {status}: {text[:300]}")
+        self.status = status
+        self.text = text

@@ -2,7 +2,8 @@
 
 Files follow speculators' format (`hs_<i>.safetensors` with `hidden_states` [T, n_layers, H] and `token_ids` [T],
 i the row index in the prepared dataset), all in one folder, so speculators' own loader reads them. The shard's
-manifest, written last and atomically, records every file's checksum: it is the proof the shard is complete.
+manifest, written last and atomically, records every file's checksum: it is the proof the shard is complete. It also
+records each file's stat (size, mtime_ns, inode), so a later run trusts an unchanged file without reading it.
 """
 
 from __future__ import annotations
@@ -23,12 +24,16 @@ from eyrie import FORMAT_VERSION
 from eyrie.errors import DiskFullError, ExtractionError
 from eyrie.faults import fault_point
 from eyrie.prepare import Shard, load_dataset_rows
-from eyrie.store import atomic_write_json, fsync_path, read_json, sha256_file, sha256_json
+from eyrie.store import (
+    atomic_write_json,
+    fsync_path,
+    read_json,
+    sample_name,
+    sample_path,
+    sha256_file,
+    sha256_json,
+)
 from eyrie.target import target_identity
-
-
-def sample_path(hidden_dir: Path, index: int) -> Path:
-    return hidden_dir / f"hs_{index}.safetensors"
 
 
 def shard_key(target_id: str, captured_ids: list[int], shard: Shard) -> str:
@@ -66,20 +71,81 @@ def load_checked(path: Path, token_ids: list[int], num_layers: int, hidden_size:
     check_sample(data, token_ids, num_layers, hidden_size)
 
 
-def shard_complete(manifest_path: Path, key: str, hidden_dir: Path, verify_checksums: bool = False) -> bool:
-    """True when the manifest matches `key` and every file it lists is there (and, optionally, unchanged)."""
+def stat_record(st: os.stat_result) -> dict:
+    """What a manifest keeps of a file's stat. Not ctime: backup tools that restore access times change it, and every
+    file would be re-hashed after each backup."""
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+
+
+def stat_trusted(rec: dict, st: os.stat_result, manifest_mtime_ns: int) -> bool:
+    """True when the file's stat is the one its manifest recorded, so its bytes are the ones hashed then.
+
+    The recorded mtime must also be older than the manifest itself: a file rewritten in the same tick of the
+    filesystem's clock as its stat was taken keeps that mtime (git's "racily clean" entries), so such a file is
+    re-hashed instead. `write_manifest` makes that rare."""
+    return rec.get("stat") == stat_record(st) and rec["stat"]["mtime_ns"] < manifest_mtime_ns
+
+
+def file_record(path: Path, tokens: int) -> dict:
+    """One file's manifest entry. The stat is taken before hashing, so a write that lands while it is hashed shows
+    as a newer mtime and is re-hashed, not trusted (except a write within the same clock tick as the stat: nothing
+    writes a hidden-state file once it is in place, under the run lock)."""
+    st = path.stat()
+    return {"bytes": st.st_size, "sha256": sha256_file(path), "tokens": tokens, "stat": stat_record(st)}
+
+
+def write_manifest(path: Path, manifest: dict, wait_s: float = 2.0) -> None:
+    """Write a shard manifest whose own mtime is later than every mtime it records (see `stat_trusted`): on a
+    filesystem with a coarse clock, wait for its next tick (milliseconds; 1-2 s on the coarsest) and write again.
+    Past `wait_s` (a file stamped in the future by a skewed clock) the newest files are just re-hashed next time."""
+    newest = max((r["stat"]["mtime_ns"] for r in manifest["files"].values() if r.get("stat")), default=0)
+    deadline, delay = time.monotonic() + wait_s, 0.001
+    while True:
+        atomic_write_json(path, manifest)
+        if path.stat().st_mtime_ns > newest or time.monotonic() >= deadline:
+            return
+        time.sleep(delay)
+        delay = min(delay * 2, 0.25)
+
+
+def _mtime_ns(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def shard_complete(manifest_path: Path, key: str, hidden_dir: Path, rehash_changed: bool = True) -> bool:
+    """True when the manifest matches `key` and every file it lists is there, of its recorded size and unchanged.
+
+    A file whose stat is the recorded one is trusted without being read, so a cached run reads no hidden-state
+    bytes. A file whose stat changed (copied, touched, rewritten, or listed by a manifest that kept no stat) is
+    re-hashed against its recorded sha256 when `rehash_changed`, else trusted by its size; one found intact gets its
+    new stat recorded, so the next run trusts it again. Bit rot and writes that keep size, mtime and inode are
+    caught only by reading everything: `eyrie verify` (eyrie/verify.py)."""
+    manifest_mtime = _mtime_ns(manifest_path)  # before reading: a manifest replaced meanwhile only costs re-hashes
     m = read_json(manifest_path)
-    if not m or m.get("key") != key:
+    if manifest_mtime is None or not m or m.get("key") != key:
         return False
+    fresh = {}
+    folder = os.fspath(hidden_dir)
     for idx, rec in m["files"].items():
-        p = sample_path(hidden_dir, int(idx))
+        p = os.path.join(folder, sample_name(int(idx)))  # a str, not a Path: this loop runs once per sample
         try:
-            if p.stat().st_size != rec["bytes"]:
-                return False
+            st = os.stat(p)
         except OSError:
             return False
-        if verify_checksums and sha256_file(p) != rec["sha256"]:
+        if st.st_size != rec["bytes"]:
             return False
+        if not rehash_changed or stat_trusted(rec, st, manifest_mtime):
+            continue
+        if sha256_file(Path(p)) != rec["sha256"]:
+            return False
+        fresh[idx] = stat_record(st)
+    if fresh:
+        for idx, s in fresh.items():
+            m["files"][idx]["stat"] = s
+        write_manifest(manifest_path, m)
     return True
 
 
@@ -105,21 +171,29 @@ def extract_shard(
     timeout_s: float = 600,
     progress: Callable[[int, int], None] | None = None,
     log=print,
-    verify_checksums: bool = True,
+    rehash_changed: bool = True,
 ) -> dict:
     """Make every sample of `shard` valid on disk and write its manifest; returns the manifest.
 
     Samples already on disk and valid (from an interrupted attempt) are kept; only missing or bad ones are sent.
+    `rehash_changed`: see `shard_complete`. `client` None: the shard must be complete already (no server runs).
     """
-    if shard_complete(manifest_path, key, hidden_dir, verify_checksums):
+    if shard_complete(manifest_path, key, hidden_dir, rehash_changed):
         return read_json(manifest_path) or {}
+    if client is None:
+        raise ExtractionError(
+            f"{shard.name}: no complete manifest at {manifest_path} and no server was started for it (the shard was "
+            "complete when the run began, so its files changed since): run again"
+        )
     fault_point(f"extract.{shard.name}")
+    old_mtime = _mtime_ns(manifest_path) or 0
     old = read_json(manifest_path) or {}
     recorded = old.get("files", {}) if old.get("key") == key else {}
     manifest_path.unlink(missing_ok=True)  # a stale manifest must not vouch for files about to change
     hidden_dir.mkdir(parents=True, exist_ok=True)
     rows = load_dataset_rows(prepare_dir, shard.start, shard.stop)
     todo = []
+    known: dict[str, dict] = {}  # records of kept files whose checksum is known: not hashed again for the manifest
     for offset, ids in enumerate(rows):
         idx = shard.start + offset
         p = sample_path(hidden_dir, idx)
@@ -127,9 +201,16 @@ def extract_shard(
             try:
                 # A file the manifest vouched for must be byte-identical (zeros or flipped bits pass the other
                 # checks); a file from an interrupted attempt must be whole, finite and for these tokens.
-                if str(idx) in recorded and sha256_file(p) != recorded[str(idx)]["sha256"]:
-                    raise ValueError("changed since its shard completed (checksum differs)")
+                rec = recorded.get(str(idx))
+                if rec:
+                    st = p.stat()
+                    if not stat_trusted(rec, st, old_mtime):
+                        if sha256_file(p) != rec["sha256"]:
+                            raise ValueError("changed since its shard completed (checksum differs)")
+                        rec = {**rec, "stat": stat_record(st)}
                 load_checked(p, ids, num_layers, hidden_size)
+                if rec:
+                    known[str(idx)] = rec
                 continue
             except ValueError as err:
                 log(f"{shard.name}: redoing sample {idx} ({err})")
@@ -195,8 +276,10 @@ def extract_shard(
     fsync_path(hidden_dir)
     files = {}
     for offset, ids in enumerate(rows):
+        name = str(shard.start + offset)
         p = sample_path(hidden_dir, shard.start + offset)
-        files[str(shard.start + offset)] = {"bytes": p.stat().st_size, "sha256": sha256_file(p), "tokens": len(ids)}
+        rec = known.get(name)
+        files[name] = rec if rec and rec["stat"] == stat_record(p.stat()) else file_record(p, len(ids))
     seconds = time.perf_counter() - t0
     tokens = sum(len(ids) for _, ids in todo)
     manifest = {
@@ -214,7 +297,7 @@ def extract_shard(
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 1) if todo and seconds > 0 else None,
     }
-    atomic_write_json(manifest_path, manifest)
+    write_manifest(manifest_path, manifest)
     return manifest
 
 
@@ -265,10 +348,8 @@ class ExtractionPlan:
     def manifest_path(self, shard: Shard) -> Path:
         return self.run.shard_manifests / f"{shard.name}.json"
 
-    def is_complete(self, shard: Shard, verify_checksums: bool = False) -> bool:
-        return shard_complete(
-            self.manifest_path(shard), self.keys[shard.name], self.run.hidden_states, verify_checksums
-        )
+    def is_complete(self, shard: Shard, rehash_changed: bool = False) -> bool:
+        return shard_complete(self.manifest_path(shard), self.keys[shard.name], self.run.hidden_states, rehash_changed)
 
-    def pending(self, verify_checksums: bool = False) -> list[Shard]:
-        return [s for s in self.shards if not self.is_complete(s, verify_checksums)]
+    def pending(self, rehash_changed: bool = False) -> list[Shard]:
+        return [s for s in self.shards if not self.is_complete(s, rehash_changed)]

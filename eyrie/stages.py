@@ -15,6 +15,7 @@ class Stage:
 
 STAGES = (
     Stage("prepare", until=True, in_run_folder=True),
+    Stage("regenerate", until=True, in_run_folder=True),  # only with regenerate.enabled
     Stage("extract", until=True, in_run_folder=True),
     Stage("vocab", until=False, in_run_folder=True),
     Stage("train", until=True, in_run_folder=True),

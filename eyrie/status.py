@@ -6,29 +6,51 @@ from __future__ import annotations
 import time
 
 from eyrie.prepare import load_shards
+from eyrie.regenerate import extraction_source
+from eyrie.regenerate import stage_status as regenerate_progress
 from eyrie.server import VllmServer, server_folders, serving_server_folders
 from eyrie.stages import RUN_FOLDER_STAGES
-from eyrie.store import RunFolder, read_json
+from eyrie.store import RunFolder, read_json, sample_path
+from eyrie.verify import Listed, shard_files, stage_files, stat_problem
 
 
 def run_status(run: RunFolder) -> dict:
+    """Each stage's and shard's state. A manifest counts only with the files it lists: each is stat'ed (present,
+    and of its recorded size where the manifest records one); nothing is read or hashed (`eyrie verify` does)."""
     out: dict = {"run_dir": str(run.root), "stages": {}, "shards": {}}
-    shards = load_shards(run.prepare)
+    shards = load_shards(extraction_source(run))  # the regenerated data's, when that is what was extracted
     for stage in RUN_FOLDER_STAGES:
         if stage == "extract":
-            done = 0
+            done = damaged = 0
             for s in shards:
-                if read_json(run.shard_manifests / f"{s.name}.json"):
-                    done += 1
-                    out["shards"][s.name] = "done"
+                path = run.shard_manifests / f"{s.name}.json"
+                m = read_json(path)
+                if m:
+                    listed = shard_files(run, path, m)
+                    bad = _stat_problems(listed)
+                    if bad:
+                        damaged += 1
+                        out["shards"][s.name] = (
+                            f"damaged: {len(bad)} of {len(listed)} listed files missing or of another size "
+                            f"({bad[0]}); the next run extracts them again"
+                        )
+                    else:
+                        done += 1
+                        out["shards"][s.name] = "done"
                     continue
-                partial = sum((run.hidden_states / f"hs_{i}.safetensors").exists() for i in range(s.start, s.stop))
+                partial = sum(sample_path(run.hidden_states, i).exists() for i in range(s.start, s.stop))
                 out["shards"][s.name] = f"partial {partial}/{s.stop - s.start}" if partial else "pending"
             out["stages"][stage] = (
-                "not started" if not shards else "done" if done == len(shards) else f"{done}/{len(shards)} shards"
+                "not started"
+                if not shards
+                else "done"
+                if done == len(shards)
+                else f"{done}/{len(shards)} shards" + (f" ({damaged} damaged)" if damaged else "")
             )
+        elif stage == "regenerate" and not read_json(run.manifest(stage)):
+            out["stages"][stage] = regenerate_progress(run)
         else:
-            out["stages"][stage] = "done" if read_json(run.manifest(stage)) else "not started"
+            out["stages"][stage] = _stage_state(run, stage)
     out["server"] = server_status(VllmServer(run.extract))
     # Nodes sharing the run folder (fanned-out extraction) each have their own server.
     out["node_servers"] = {f.name: server_status(VllmServer(f)) for f in server_folders(run.extract)[1:]}
@@ -37,6 +59,26 @@ def run_status(run: RunFolder) -> dict:
         f.relative_to(run.root).as_posix(): server_status(VllmServer(f)) for f in serving_server_folders(run.root)
     }
     return out
+
+
+def _stat_problems(listed: list[Listed]) -> list[str]:
+    return [f"{item.path.name} {problem}" for item in listed if (problem := stat_problem(item)[1])]
+
+
+def _stage_state(run: RunFolder, stage: str) -> str:
+    m = read_json(run.manifest(stage))
+    if not m:
+        return "not started"
+    try:
+        bad = _stat_problems(stage_files(run, stage, m))
+    except KeyError:
+        return "done (its files are not checked: eyrie.verify.STAGE_FILE_DIRS does not say where they are)"
+    if not bad:
+        return "done"
+    return (
+        f"damaged: {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}; `eyrie verify --run-dir {run.root}` "
+        "removes its manifest, so the next run redoes the stage"
+    )
 
 
 def server_status(server: VllmServer) -> str:
@@ -68,7 +110,7 @@ def server_status(server: VllmServer) -> str:
 
 def format_status(status: dict) -> str:
     lines = [f"run folder: {status['run_dir']}"]
-    lines += [f"  {stage:<9} {state}" for stage, state in status["stages"].items()]
+    lines += [f"  {stage:<10} {state}" for stage, state in status["stages"].items()]
     if status["shards"]:
         lines.append("shards:")
         lines += [f"  {name}  {state}" for name, state in status["shards"].items()]

@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -75,13 +75,27 @@ def read_json(path: Path) -> Any | None:
         return None
 
 
-def remove_staging(folder: Path) -> int:
-    """Delete temporary files left by writes in flight at a crash; returns how many."""
+def sample_name(index: int) -> str:
+    """Sample `index`'s hidden-state file name, as speculators' loader expects it."""
+    return f"hs_{index}.safetensors"
+
+
+def sample_path(hidden_dir: Path, index: int) -> Path:
+    return hidden_dir / sample_name(index)
+
+
+def remove_staging(folder: Path, skip: Iterable[Path] = ()) -> int:
+    """Delete the temporary files (`.<name>.<random>.tmp`) left by atomic writes in flight at a crash; returns how
+    many. Folders in `skip` are not walked: pass those no atomic write targets (`RunFolder.write_once_folders`), so
+    a run folder with 200,000 hidden-state files is not listed on every run."""
+    skipped = {os.path.abspath(p) for p in skip}
     n = 0
-    if folder.exists():
-        for p in folder.rglob(".*.tmp"):
-            p.unlink(missing_ok=True)
-            n += 1
+    for parent, dirs, names in os.walk(os.path.abspath(folder)):
+        dirs[:] = [d for d in dirs if os.path.join(parent, d) not in skipped]
+        for name in names:
+            if name.startswith(".") and name.endswith(".tmp"):
+                Path(parent, name).unlink(missing_ok=True)
+                n += 1
     return n
 
 
@@ -109,6 +123,13 @@ class RunFolder:
     @property
     def shard_manifests(self) -> Path:
         return self.extract / "shards"
+
+    @property
+    def write_once_folders(self) -> tuple[Path, ...]:
+        """Folders whose files only ever arrive whole, by rename: no atomic write (no temporary file of ours) happens
+        in them, so `remove_staging` need not walk them. Hidden states are renamed in from the extraction server's
+        staging folder, which `eyrie.extract.clean_staging` cleans."""
+        return (self.hidden_states,)
 
     @property
     def vocab(self) -> Path:

@@ -17,9 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from eyrie.checkpoints import newest_whole_checkpoint, recover
+from eyrie.checkpoints import is_whole, newest_whole_checkpoint, recover
 from eyrie.config import PipelineConfig, TargetConfig
 from eyrie.errors import EyrieError
+from eyrie.progress import PLATEAU, epoch_validation, history, still_improving
 from eyrie.store import atomic_write_json, read_json, sha256_json
 from eyrie.target import context_limit, load_hf_config, read_target_config, target_identity, text_config
 
@@ -171,6 +172,8 @@ def training_command(
         args += ["--mask-token-id", str(target_facts["mask_token_id"])]
     if device == "cpu":  # no Triton, no flex attention kernels, no bf16 autocast benefit on CPU
         args += ["--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32", "--num-workers", "0"]
+    if t.stop_on_plateau:
+        args += ["--eyrie-plateau", f"{t.plateau_patience},{t.plateau_min_delta}"]
     if warm_start is not None:
         args += ["--from-pretrained", str(warm_start)]
     else:
@@ -227,6 +230,10 @@ def run_training(
     for note in recover(save_path):
         log(note)
     resumed_from = newest_whole_checkpoint(save_path)
+    plateau = read_json(save_path / PLATEAU)
+    if plateau:  # stopped on a plateau before its manifest was written: nothing left to train
+        log(f"training stopped on a validation plateau at epoch {plateau.get('epoch')}; not relaunched")
+        return _train_manifest(config, out_dir, key, save_path, device, work / "train.log", resumed_from)
     state = read_json(resumed_from / "training_state.json") if resumed_from else None
     log(
         f"training on {device} ({spe} steps/epoch, checkpoint every {freq:g} epoch)"
@@ -245,10 +252,21 @@ def run_training(
             f"training exited with code {rc}; checkpoints so far are kept in {save_path} and the "
             f"next run resumes from them. End of {log_path}:\n{tail}"
         )
+    return _train_manifest(config, out_dir, key, save_path, device, log_path, resumed_from)
+
+
+def _train_manifest(
+    config: PipelineConfig, out_dir: Path, key: str, save_path: Path, device: str, log_path: Path, resumed_from
+) -> dict:
     final = newest_whole_checkpoint(save_path)
     if final is None:
         raise EyrieError(f"training finished but wrote no checkpoint under {save_path}")
+    rows = history(save_path)
+    plateau = read_json(save_path / PLATEAU)
+    if plateau and plateau.get("best_epoch") is not None and is_whole(save_path / str(plateau["best_epoch"])):
+        final = save_path / str(plateau["best_epoch"])  # the plateau's last epochs were no better
     state = read_json(final / "training_state.json") or {}
+    improving = None if plateau else still_improving(rows, config.train.still_improving_warning)
     manifest = {
         "stage": "train",
         "key": key,
@@ -257,27 +275,14 @@ def run_training(
         "epochs": config.train.epochs,
         "global_step": state.get("global_step"),
         "resumed_from": str(resumed_from) if resumed_from else None,
-        "val_metrics": read_json(final / "val_metrics.json"),
+        "val_metrics": epoch_validation(final),
+        "stopped_on_plateau": plateau,
+        "warnings": [improving] if improving else [],
         "log": str(log_path),
-        "history": epoch_metrics(save_path),
+        "history": rows,
     }
     atomic_write_json(out_dir / "manifest.json", manifest)
     return manifest
-
-
-def epoch_metrics(save_path: Path) -> list[dict]:
-    rows = []
-    for p in sorted((p for p in save_path.glob("*") if p.name.isdigit()), key=lambda p: int(p.name)):
-        m = read_json(p / "val_metrics.json") or {}
-        s = read_json(p / "training_state.json") or {}
-        rows.append(
-            {
-                "epoch": int(p.name),
-                "global_step": s.get("global_step"),
-                **{k: round(v, 5) for k, v in m.items() if isinstance(v, (int, float))},
-            }
-        )
-    return rows
 
 
 def untrained_key(config: PipelineConfig, vocab_key: str, aux_ids: list[int]) -> str:

@@ -1,4 +1,5 @@
-"""The `eyrie` command: run the flow, run only the checks, show a run folder's state, stop its servers."""
+"""The `eyrie` command: run the flow, run only the checks, show a run folder's state, verify its files, stop its
+servers."""
 
 from __future__ import annotations
 
@@ -51,6 +52,14 @@ def _status(args) -> int:
     return 0
 
 
+def _verify(args) -> int:
+    from eyrie.verify import verify_run
+
+    report = verify_run(args.run_dir, workers=args.workers, report_only=args.report_only)
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
 def _stop_server(args) -> int:
     from eyrie.server import VllmServer, run_server_folders
     from eyrie.store import RunFolder
@@ -81,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="each stage's and shard's state from the manifests on disk")
     s.add_argument("--run-dir", required=True)
     s.set_defaults(func=_status)
+    v = sub.add_parser(
+        "verify",
+        help="re-hash every file the manifests list; remove damaged ones so the next run redoes them (exit 1)",
+    )
+    v.add_argument("--run-dir", required=True)
+    v.add_argument("--workers", type=int, help="files hashed at a time (default: 2 per CPU, at most 32)")
+    v.add_argument("--report-only", action="store_true", help="change nothing, only report")
+    v.set_defaults(func=_verify)
     k = sub.add_parser("stop-server", help="stop every vLLM server of a run folder (extraction, export, evaluation)")
     k.add_argument("--run-dir", required=True)
     k.set_defaults(func=_stop_server)

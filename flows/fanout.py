@@ -23,6 +23,7 @@ from eyrie.errors import ExtractionError
 from eyrie.extract import ExtractionPlan
 from eyrie.preflight import PreflightReport
 from eyrie.prepare import load_shards
+from eyrie.regenerate import extraction_source
 from eyrie.store import RunFolder
 from tasks.caching import unless_missing
 from tasks.preflight import preflight_task
@@ -54,9 +55,11 @@ def extract_fanout_flow(
         pkey = compute_prepare_key(config)
         prepared = unless_missing(prepare_task, run.manifest("prepare"), pkey)(config, str(run.prepare), pkey)
         report = preflight_task(config, str(run.root), tokens=prepared["stats"]["tokens"])
-        plan = ExtractionPlan(config, run, PreflightReport(**report), load_shards(run.prepare))
-        verify = config.extraction.verify_checksums
-        shares = split_shards([s.name for s in plan.pending(verify)], queues)
+        # Regeneration is not fanned out: with regenerate.enabled the run folder must hold it (`eyrie run --until
+        # regenerate`), and the nodes extract the regenerated data.
+        plan = ExtractionPlan(config, run, PreflightReport(**report), load_shards(extraction_source(run, config)))
+        rehash = config.extraction.verify_checksums
+        shares = split_shards([s.name for s in plan.pending(rehash)], queues)
         log.info(
             f"{len(plan.shards)} shards; to extract: "
             + (", ".join(f"{len(names)} on {q}" for q, names in shares.items()) or "none")
@@ -85,7 +88,7 @@ def extract_fanout_flow(
                 + "; ".join(failed)
                 + ". Retry this flow run: finished shards are kept and only the rest are sent out."
             )
-        missing = [s.name for s in plan.shards if not plan.is_complete(s, verify)]
+        missing = [s.name for s in plan.shards if not plan.is_complete(s, rehash)]
         if missing:
             raise ExtractionError(
                 f"every node run completed, yet {len(missing)} shards lack a complete manifest "

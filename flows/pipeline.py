@@ -1,6 +1,6 @@
-"""The end-to-end DAG: target -> preflight -> prepare -> preflight (disk) -> extract -> vocab -> train -> export
--> evaluate (the trained drafter, and the current one or an untrained one of the same shape) -> promote (with
-`promotion.dir`: the trained drafter becomes `current` if it is at least as good)."""
+"""The end-to-end DAG: target -> preflight -> prepare -> preflight (disk) -> regenerate (with regenerate.enabled)
+-> extract -> vocab -> train -> export -> evaluate (the trained drafter, and the current one or an untrained one of
+the same shape) -> promote (with `promotion.dir`: the trained drafter becomes `current` if it is at least as good)."""
 
 from __future__ import annotations
 
@@ -13,18 +13,22 @@ from prefect.artifacts import create_markdown_artifact
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import EyrieError
+from eyrie.evaluate import gap_warning
 from eyrie.hub import pin_revisions
 from eyrie.prepare import is_hub_source, iter_eval_prompts, load_seq_lens
 from eyrie.promote import choose_base, current_version
-from eyrie.server import ServerSpec
+from eyrie.regenerate import extraction_source
+from eyrie.server import ServerSpec, VllmServer
 from eyrie.stages import UNTIL
-from eyrie.store import RunFolder, remove_staging, sha256_json
+from eyrie.store import RunFolder, read_json, remove_staging, sha256_json
 from eyrie.target import is_local_target
 from eyrie.train import train_key, untrained_key
 from eyrie.vocab import mapping_paths, vocab_key
 from flows.extract import extract_flow
+from flows.regenerate import regenerate_flow
 from tasks.caching import unless_missing
-from tasks.evaluate import evaluate_task, export_task, promote_task, report_task
+from tasks.evaluate import draft_tokens_task, evaluate_task, export_task, promote_task, report_task
+from tasks.extract import stop_server_task
 from tasks.preflight import preflight_task
 from tasks.prepare import compute_prepare_key, ensure_target, prepare_task
 from tasks.train import train_task, untrained_drafter_task, vocab_task
@@ -38,7 +42,8 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
     run.ensure()
     with run.lock():
         # Holding the lock, no writer is in flight here: a temporary file left by an atomic write is from a crash.
-        removed = remove_staging(run.root)
+        # Not walked: the hidden states (one file per sample), where no atomic write happens.
+        removed = remove_staging(run.root, skip=run.write_once_folders)
         if removed:
             log.info(f"removed {removed} temporary files left by an interrupted run")
         ensure_target(config)
@@ -60,11 +65,27 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
             )
         if until == "prepare":
             return {"run_dir": str(run.root), "prepared": str(run.prepare / "dataset")}
+        # What extraction, vocab and training read: the regenerated conversations, or the prepared ones.
+        regenerated = None
+        if config.regenerate.enabled:
+            # On the extraction server, left up for extraction to reuse: the target loads once for both stages.
+            regenerated = regenerate_flow(config, str(run.root), report, keep_server=until != "regenerate")
+            # The disk check again, on the regenerated data's length (seconds; nothing loads).
+            report = preflight_task(config, str(run.root), tokens=regenerated["stats"]["tokens"], serve=serve)
+        elif until == "regenerate":
+            raise EyrieError("--until regenerate needs `regenerate: {enabled: true}` in the config")
+        data_dir = extraction_source(run, config)  # the folder extraction reads, and vocab and training after it
+        data_manifest = read_json(data_dir / "manifest.json")
+        if until == "regenerate":
+            return {"run_dir": str(run.root), "regenerated": str(data_dir / "dataset")}
         extracted = extract_flow(config, str(run.root), report)
+        if regenerated and regenerated["server_up"] and VllmServer(Path(regenerated["server_dir"])).state:
+            stop_server_task(regenerated["server_dir"])  # left up for extraction, which had nothing to extract
         if until == "extract":
             return {
                 "run_dir": str(run.root),
                 "prepared": str(run.prepare / "dataset"),
+                "data": str(data_dir / "dataset"),
                 "hidden_states": extracted["hidden_states"],
                 "shards": extracted["shards"],
             }
@@ -78,13 +99,13 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
             # re-run trains the same way even after its own drafter was promoted.
             base = choose_base(run.train / "warm_start.json", sha256_json([pkey, extracted["keys"]]), current)
             warm = str(base) if base else None
-        vkey = vocab_key(prepared, dvs, report["vocab_size"], warm)
-        token_freq = str(run.prepare / "dataset" / "token_freq.pt")
+        vkey = vocab_key(data_manifest, dvs, report["vocab_size"], warm)
+        token_freq = str(data_dir / "dataset" / "token_freq.pt")
         unless_missing(vocab_task, run.manifest("vocab"), vkey)(
             token_freq, dvs, report["vocab_size"], str(run.vocab), vkey, warm
         )
         d2t, t2d = (str(p) for p in mapping_paths(run.vocab, dvs))
-        data = (str(run.prepare / "dataset"), str(run.hidden_states), d2t, t2d, aux, report["target_facts"])
+        data = (str(data_dir / "dataset"), str(run.hidden_states), d2t, t2d, aux, report["target_facts"])
         tkey = train_key(config, extracted["keys"], vkey, aux, warm)
         spec = ServerSpec.from_config(config, num_speculative_tokens=config.evaluate.num_speculative_tokens)
         ekey = sha256_json([tkey, aux, spec.fingerprint()])[:16]
@@ -93,7 +114,7 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         baseline = config.evaluate.untrained_baseline
         with_untrained = baseline == "always" or (baseline == "auto" and rival is None)
         trained = unless_missing(train_task, run.manifest("train"), tkey)(
-            config, str(run.train), tkey, *data, load_seq_lens(run.prepare), warm
+            config, str(run.train), tkey, *data, load_seq_lens(data_dir), warm
         )
         ukey = untrained_key(config, vkey, aux)
         untrained = untrained_drafter_task(config, str(run.train), ukey, *data) if with_untrained else None
@@ -119,15 +140,43 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         if untrained:
             drafters.append(("untrained", untrained, run.evaluate / "server-untrained", ukey))
         results = []
+        sweep = config.evaluate.sweep_draft_tokens
         for label, drafter, server_dir, identity in drafters:
             key = sha256_json([label, identity, config.evaluate.model_dump(), prompts])[:16]
             out = run.evaluate / f"{label}.json"
+            # The trained drafter's server also measures throughput when the draft-token sweep needs it.
+            concurrency = config.evaluate.throughput_concurrency if sweep and label == "trained" else None
             results.append(
                 unless_missing(evaluate_task, out, key)(
-                    label, drafter, spec, str(server_dir), prompts, config.evaluate.max_tokens, str(out), key, timeout
+                    label,
+                    drafter,
+                    spec,
+                    str(server_dir),
+                    prompts,
+                    config.evaluate.max_tokens,
+                    str(out),
+                    key,
+                    timeout,
+                    concurrency,
                 )
             )
-        summary = report_task(results, str(run.evaluate))
+        evaluation = report_task(
+            results, str(run.evaluate), trained["val_metrics"], config.evaluate.max_train_serve_gap
+        )
+        if sweep:
+            skey = sha256_json(["draft-tokens", results[0]["key"], sweep])[:16]
+            evaluation["draft_tokens"] = unless_missing(draft_tokens_task, run.evaluate / "draft_tokens.json", skey)(
+                exported["drafter"],
+                spec,
+                str(run.evaluate),
+                prompts,
+                config.evaluate.max_tokens,
+                skey,
+                timeout,
+                sweep,
+                results[0],
+            )
+        summary = evaluation["results"]
         promotion = None
         if promo_dir:
             promotion = promote_task(
@@ -146,14 +195,36 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         **{f"{label}_acceptance_length": r["acceptance_length"] for label, r in summary.items() if label != "trained"},
         "hidden_states": extracted["hidden_states"],
         "evaluation": str(run.evaluate),
+        "draft_tokens_plot": evaluation.get("draft_tokens", {}).get("plot"),
         "promotion": promotion,
+        # What the team should read before shipping: undertraining, training that does not predict serving.
+        "warnings": [*trained.get("warnings", []), *filter(None, [gap_warning(evaluation["train_serve_gap"])])],
     }
-    create_markdown_artifact(_summary_markdown(config, outputs, summary), key="run-summary")
+    for warning in outputs["warnings"]:
+        log.warning(warning)
+    create_markdown_artifact(
+        _summary_markdown(config, outputs, summary, evaluation["train_serve_gap"], evaluation.get("draft_tokens")),
+        key="run-summary",
+    )
     log.info(f"outputs: {outputs}")
     return outputs
 
 
-def _summary_markdown(config: PipelineConfig, outputs: dict, summary: dict) -> str:
+def _draft_token_markdown(report: dict | None) -> list[str]:
+    if not report:
+        return []
+    lines = ["How many draft tokens (acceptance length for k, from one server drafting the most):", ""]
+    lines += ["| k | acceptance length | acceptance at k |", "|---|---|---|"]
+    lines += [f"| {r['k']} | {r['acceptance_length']} | {r['acceptance_at_k']} |" for r in report["draft_tokens"]]
+    keys = list(report["throughput"][0])
+    lines += ["", "Output tokens per second:", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in report["throughput"]]
+    return [*lines, "", f"Plot: `{report['plot']}`.", ""]
+
+
+def _summary_markdown(
+    config: PipelineConfig, outputs: dict, summary: dict, gap: dict, draft_tokens: dict | None = None
+) -> str:
     promotion = outputs["promotion"]
     serving = promotion["current"] if promotion and promotion["promoted"] else outputs["drafter"]
     return "\n".join(
@@ -169,6 +240,20 @@ def _summary_markdown(config: PipelineConfig, outputs: dict, summary: dict) -> s
                 for label, r in summary.items()
             ),
             "",
+            f"Training predicts serving within {gap['bound']} per position (validation accuracy vs acceptance in "
+            "vLLM):",
+            "",
+            "| position | validation | served | gap |",
+            "|---|---|---|---|",
+            *(
+                f"| {r['position']} | {r['validation']} | {r['served']} | {r['gap']}"
+                f"{' (over the bound)' if r['position'] in gap['flagged'] else ''} |"
+                for r in gap["rows"]
+            ),
+            "",
+            *_draft_token_markdown(draft_tokens),
+            *(f"**Warning:** {w}" for w in outputs["warnings"]),
+            *([""] if outputs["warnings"] else []),
             *(
                 [
                     f"Promotion: {'promoted' if promotion['promoted'] else 'not promoted'}, {promotion['reason']} "

@@ -49,18 +49,22 @@ def extract_shard_task(
     hidden_size: int,
     concurrency: int,
     timeout_s: float,
-    verify_checksums: bool = True,
+    rehash_changed: bool = True,
 ) -> dict:
     log = get_run_logger()
-    if base_url is None:
-        raise RuntimeError(f"{shard.name} has no complete manifest but no server was started for it")
-    client = ServerClient(base_url, os.environ.get(api_key_env) if api_key_env else None, max(10, concurrency))
-    artifact = create_progress_artifact(0.0, description=f"extract {shard.name}")
+    # No server: the flow found this shard complete and Prefect had no cache record of it (a new PREFECT_HOME or
+    # result storage); extract_shard returns its manifest after the same stat check, or fails if it is not.
+    client = (
+        ServerClient(base_url, os.environ.get(api_key_env) if api_key_env else None, max(10, concurrency))
+        if base_url
+        else None
+    )
     shown = [0.0]
+    artifact = create_progress_artifact(0.0, description=f"extract {shard.name}") if client else None
 
     def progress(done: int, total: int) -> None:
         pct = 100.0 * done / max(total, 1)
-        if pct - shown[0] >= 5 or done == total:  # one API call per 5%, not per sample
+        if artifact and (pct - shown[0] >= 5 or done == total):  # one API call per 5%, not per sample
             shown[0] = pct
             update_progress_artifact(artifact, pct)
 
@@ -77,7 +81,7 @@ def extract_shard_task(
         timeout_s,
         progress=progress,
         log=log.info,
-        verify_checksums=verify_checksums,
+        rehash_changed=rehash_changed,
     )
     log.info(f"{shard.name}: {manifest['extracted_samples']} extracted, {manifest['reused_samples']} reused")
     return {k: v for k, v in manifest.items() if k != "files"}

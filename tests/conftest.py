@@ -171,6 +171,33 @@ def write_config(path: Path, target: Path, tiny: str | None = None, **kw):
     return path, config
 
 
+class HubDatasetRepo:
+    """A dataset repo in the hub cache's own layout (`datasets--org--name/{refs,snapshots}`), one snapshot per
+    commit, as `huggingface_hub` leaves it after downloads of several revisions; `point_main_at` moves `main`, as a
+    push to the hub would. Offline (HF_HUB_OFFLINE=1), Eyrie resolves and reads it as it would the hub."""
+
+    def __init__(self, snapshots: dict[str, dict[str, str]]):
+        import uuid
+
+        from huggingface_hub import constants
+
+        self.repo = f"eyrie-test/chat-{uuid.uuid4().hex[:8]}"
+        self.root = Path(constants.HF_HUB_CACHE) / f"datasets--{self.repo.replace('/', '--')}"
+        for commit, files in snapshots.items():
+            snap = self.root / "snapshots" / commit
+            snap.mkdir(parents=True)
+            for name, text in files.items():
+                (snap / name).write_text(text)
+        (self.root / "refs").mkdir()
+        self.point_main_at(next(iter(snapshots)))
+
+    def point_main_at(self, commit: str) -> None:
+        (self.root / "refs" / "main").write_text(commit)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
 def synthetic_training_inputs(config, root: Path):
     """The train stage's inputs without a vLLM server: prepared data, Eyrie-format hidden-state files with random
     states, and the draft vocabulary maps. Returns (preflight report, run_training's positional inputs, seq_lens).

@@ -78,6 +78,29 @@ def test_non_loopback_host_needs_api_key_env(tmp_path):
     assert ok.extraction.api_key_env == "EYRIE_KEY"
 
 
+def test_server_env_and_vllm_version(tmp_path):
+    """extraction.server_env holds text (YAML numbers become it); names, a key written into the config, a bool, and
+    target.vllm_version's specifier are checked when the config loads."""
+    data = config_dict(tmp_path / "t", extraction={"server_env": {"VLLM_X": 1800, "NCCL_Y": "1", "F": 0.5}})
+    data["target"]["vllm_version"] = ">=0.18,<1"
+    config = parse_config(data)
+    assert config.extraction.server_env == {"VLLM_X": "1800", "NCCL_Y": "1", "F": "0.5"}
+    assert config.target.vllm_version == ">=0.18,<1"
+    refused = {
+        "NOT-A-NAME": ("1", "not an environment variable name"),
+        "VLLM_API_KEY": ("k", "extraction.api_key_env"),
+        "VLLM_FLAG": (True, "quote it"),
+        "VLLM_LIST": ([1], "quote it"),
+    }
+    for name, (value, why) in refused.items():
+        msg = _error(config_dict(tmp_path / "t", extraction={"server_env": {name: value}}))
+        assert "`extraction.server_env`" in msg and why in msg, msg
+    data = config_dict(tmp_path / "t")
+    data["target"]["vllm_version"] = "0.18+"
+    msg = _error(data)
+    assert "`target.vllm_version`" in msg and "not a version specifier" in msg
+
+
 def test_load_config_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.yaml")

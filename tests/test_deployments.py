@@ -19,6 +19,8 @@ import yaml
 from conftest import REPO
 from prefect_server import http_status, running_prefect_server
 
+from eyrie.stages import UNTIL
+
 PIPELINE = "eyrie-pipeline/production"
 EXTRACT = "eyrie-extract/production"
 NODE = "eyrie-extract/node"
@@ -190,7 +192,7 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
     schema = pipeline.parameter_openapi_schema
     assert schema["properties"]["config"]["$ref"] == "#/definitions/PipelineConfig"
     assert set(schema["required"]) == {"config", "run_dir"}
-    assert schema["properties"]["until"]["enum"] == ["prepare", "extract", "train", "evaluate"]
+    assert schema["properties"]["until"]["enum"] == list(UNTIL)
 
     # The weekly schedule: Sunday 03:00 UTC, inactive, carrying the production preset unchanged.
     assert len(pipeline.schedules) == 1

@@ -4,6 +4,7 @@ valid samples and redoes only missing or damaged ones, and server settings that 
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from eyrie.extract import (
 )
 from eyrie.prepare import load_dataset_rows, load_shards, prepare
 from eyrie.server import ServerSpec
+from eyrie.store import atomic_write_json
 from eyrie.vllm_plugin import CONNECTOR_NAME
 
 LAYERS, HIDDEN = 4, 8
@@ -87,19 +89,19 @@ def test_shard_written_validated_and_vouched_for(prepared, tmp_path):
     for offset, ids in enumerate(rows):
         load_checked(sample_path(hidden, shard.start + offset), ids, LAYERS, HIDDEN)
     assert not list((tmp_path / "staging").iterdir())  # every staging file was moved into place
-    assert shard_complete(manifest, "k1", hidden, verify_checksums=True)
+    assert shard_complete(manifest, "k1", hidden, rehash_changed=True)
     assert not shard_complete(manifest, "other-key", hidden)
     # A finished shard is not sent again.
     again = FakeClient(tmp_path / "staging")
     _run(prepared, tmp_path, again)
     assert again.sent == []
-    # Same size, different bytes: only the checksum notices.
+    # Same size, different bytes: its stat changed, so it is re-hashed, and only the checksum notices.
     p = sample_path(hidden, 7)
     data = bytearray(p.read_bytes())
     data[-1] ^= 0xFF
     p.write_bytes(bytes(data))
-    assert shard_complete(manifest, "k1", hidden)
-    assert not shard_complete(manifest, "k1", hidden, verify_checksums=True)
+    assert shard_complete(manifest, "k1", hidden, rehash_changed=False)  # trusted by its size
+    assert not shard_complete(manifest, "k1", hidden, rehash_changed=True)
 
 
 def test_resume_keeps_valid_samples_and_redoes_bad_ones(prepared, tmp_path):
@@ -115,7 +117,7 @@ def test_resume_keeps_valid_samples_and_redoes_bad_ones(prepared, tmp_path):
     assert sorted(client.sent) == sorted([rows[0], rows[2]])
     assert m["reused_samples"] == 4 and m["extracted_samples"] == 2
     assert {i: sample_path(hidden, i).stat().st_mtime_ns for i in kept} == kept
-    assert shard_complete(manifest, "k1", hidden, verify_checksums=True)
+    assert shard_complete(manifest, "k1", hidden, rehash_changed=True)
     # A changed key (other layers, other target) invalidates the manifest and redoes the shard's bookkeeping.
     _, _, _, m2 = _run(prepared, tmp_path, FakeClient(tmp_path / "staging"), key="k2")
     assert m2["key"] == "k2" and m2["reused_samples"] == 6
@@ -207,10 +209,148 @@ def test_file_changed_after_completion_is_detected_and_regenerated(prepared, tmp
         victim.write_bytes(good[: len(good) // 2])
     else:
         victim.write_bytes(b"")
-    assert not shard_complete(manifest, "k1", hidden, verify_checksums=True)
+    assert not shard_complete(manifest, "k1", hidden, rehash_changed=True)
     sent_before = len(client.sent)
     _, _, _, second = _run(prepared, tmp_path, client)
     assert len(client.sent) == sent_before + 1  # only the damaged sample is asked for again
     assert second["extracted_samples"] == 1 and second["reused_samples"] == 5
     assert victim.read_bytes() == good
-    assert shard_complete(manifest, "k1", hidden, verify_checksums=True)
+    assert shard_complete(manifest, "k1", hidden, rehash_changed=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A cached check trusts a file by its stat (size, mtime_ns, inode) and reads nothing; a changed stat means a re-hash
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """The hidden-state files opened for reading, through Python's open or safetensors' loader."""
+    import builtins
+    import io
+
+    import eyrie.extract
+
+    seen: list[str] = []
+    real_open, real_load = builtins.open, eyrie.extract.load_file
+
+    def spy_open(file, *args, **kw):
+        if str(file).endswith(".safetensors"):
+            seen.append(Path(file).name)
+        return real_open(file, *args, **kw)
+
+    def spy_load(file, *args, **kw):
+        seen.append(Path(file).name)
+        return real_load(file, *args, **kw)
+
+    monkeypatch.setattr(builtins, "open", spy_open)
+    monkeypatch.setattr(io, "open", spy_open)
+    monkeypatch.setattr(eyrie.extract, "load_file", spy_load)
+    return seen
+
+
+def _manifest_json(path: Path) -> dict:
+    import json
+
+    return json.loads(path.read_text())
+
+
+def test_cached_check_reads_no_hidden_state_bytes(prepared, tmp_path, reads):
+    client = FakeClient(tmp_path / "staging")
+    shard, hidden, manifest, m = _run(prepared, tmp_path, client)
+    # Every file's stat is recorded, and the manifest is newer than every file it vouches for.
+    for idx, rec in m["files"].items():
+        st = sample_path(hidden, int(idx)).stat()
+        assert rec["stat"] == {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+        assert rec["stat"]["mtime_ns"] < manifest.stat().st_mtime_ns
+    reads.clear()
+    before = (manifest.stat().st_ino, manifest.stat().st_mtime_ns)
+    assert shard_complete(manifest, "k1", hidden, rehash_changed=True)
+    _run(prepared, tmp_path, client)  # the task itself, on a Prefect cache miss: returns the manifest as it is
+    assert reads == []
+    assert (manifest.stat().st_ino, manifest.stat().st_mtime_ns) == before  # nothing rewritten
+    # The control: a file whose mtime moved is read (re-hashed), and only that one.
+    victim = sample_path(hidden, shard.start + 1)
+    st = victim.stat()
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert shard_complete(manifest, "k1", hidden, rehash_changed=True)
+    assert reads == [victim.name]
+
+
+def test_touched_file_is_rehashed_once_then_trusted(prepared, tmp_path, reads):
+    shard, hidden, manifest, _ = _run(prepared, tmp_path, FakeClient(tmp_path / "staging"))
+    victim = sample_path(hidden, shard.start + 3)
+    st = victim.stat()
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns - 5 * 10**9))  # same bytes, another mtime (a copy, a touch)
+    reads.clear()
+    assert shard_complete(manifest, "k1", hidden, rehash_changed=True)
+    assert reads == [victim.name]
+    assert _manifest_json(manifest)["files"][str(shard.start + 3)]["stat"]["mtime_ns"] == victim.stat().st_mtime_ns
+    reads.clear()
+    assert shard_complete(manifest, "k1", hidden, rehash_changed=True)
+    assert reads == []  # its new stat was recorded: trusted again without a read
+
+
+def test_manifest_without_stat_is_hashed_once(prepared, tmp_path, reads):
+    """A manifest written before stats were kept: every file is hashed once, then trusted by stat."""
+    shard, hidden, manifest, m = _run(prepared, tmp_path, FakeClient(tmp_path / "staging"))
+    for rec in m["files"].values():
+        del rec["stat"]
+    atomic_write_json(manifest, m)
+    reads.clear()
+    assert shard_complete(manifest, "k1", hidden, rehash_changed=True)
+    assert sorted(reads) == sorted(sample_path(hidden, i).name for i in range(shard.start, shard.stop))
+    assert all("stat" in rec for rec in _manifest_json(manifest)["files"].values())
+    reads.clear()
+    assert shard_complete(manifest, "k1", hidden, rehash_changed=True)
+    assert reads == []
+
+
+def test_changed_bytes_with_forged_stat_caught_only_within_the_manifests_tick(prepared, tmp_path):
+    """Same size, mtime put back, same inode: the stat cannot tell. Within the clock tick the manifest was written
+    in (its mtime not newer than the file's), the file is re-hashed and the change caught; later only `eyrie verify`
+    (tests/test_verify.py) catches it."""
+    shard, hidden, manifest, _ = _run(prepared, tmp_path, FakeClient(tmp_path / "staging"))
+    victim = sample_path(hidden, shard.start + 2)
+    st = victim.stat()
+    data = bytearray(victim.read_bytes())
+    data[-2] ^= 0x40
+    with open(victim, "r+b") as f:  # in place: the inode stays
+        f.write(bytes(data))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert victim.stat().st_ino == st.st_ino and victim.stat().st_size == st.st_size
+    assert shard_complete(manifest, "k1", hidden, rehash_changed=True)  # the documented limit of a stat check
+    m_st = manifest.stat()
+    os.utime(manifest, ns=(m_st.st_atime_ns, st.st_mtime_ns))  # as if written in the file's own tick
+    assert not shard_complete(manifest, "k1", hidden, rehash_changed=True)
+
+
+def test_pending_shard_hashes_only_changed_and_new_files(prepared, tmp_path, monkeypatch):
+    """A shard redone after a sample went missing keeps its intact files without hashing them again (their stat is
+    the recorded one), re-hashes a file whose stat changed, and redoes it when its bytes differ."""
+    import eyrie.extract
+
+    client = FakeClient(tmp_path / "staging")
+    shard, hidden, manifest, _ = _run(prepared, tmp_path, client)
+    missing, victim = sample_path(hidden, shard.start), sample_path(hidden, shard.start + 4)
+    missing.unlink()
+    ids = load_dataset_rows(prepared, shard.start + 4, shard.start + 5)[0]
+    # Whole, finite and right-shaped, wrong values: only its checksum tells.
+    save_file({"hidden_states": torch.zeros_like(fake_hidden(ids)), "token_ids": torch.tensor(ids)}, str(victim))
+    hashed: list[str] = []
+    real = eyrie.extract.sha256_file
+    monkeypatch.setattr(eyrie.extract, "sha256_file", lambda p: hashed.append(Path(p).name) or real(p))
+    sent = len(client.sent)
+    _, _, _, again = _run(prepared, tmp_path, client)
+    assert len(client.sent) == sent + 2 and again["extracted_samples"] == 2 and again["reused_samples"] == 4
+    assert set(hashed) == {missing.name, victim.name}
+    assert shard_complete(manifest, "k1", hidden, rehash_changed=True)
+
+
+def test_complete_shard_needs_no_server(prepared, tmp_path):
+    """A Prefect cache miss on a complete shard (a new PREFECT_HOME) runs the task without a server: the manifest is
+    returned as it is; a shard that is not complete fails with the reason instead of a request to no server."""
+    shard, hidden, manifest, m = _run(prepared, tmp_path, FakeClient(tmp_path / "staging"))
+    assert _run(prepared, tmp_path, None)[3] == m
+    sample_path(hidden, shard.start).unlink()
+    with pytest.raises(ExtractionError, match="no server was started for it"):
+        _run(prepared, tmp_path, None)

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import shutil
-import uuid
-from pathlib import Path
 
 import pytest
-from conftest import config_dict
+from conftest import HubDatasetRepo, config_dict
 
 from eyrie.config import DataConfig, parse_config
 from eyrie.errors import ConfigError
@@ -25,24 +23,14 @@ def _row(text: str) -> dict:
 
 @pytest.fixture
 def hub_dataset():
-    """A dataset repo in the hub cache (models/datasets--org--name/{refs,snapshots}) with two snapshots; yields
-    (repo id, function that points `main` at a commit)."""
-    from huggingface_hub import constants
-
-    repo = f"eyrie-test/chat-{uuid.uuid4().hex[:8]}"
-    root = Path(constants.HF_HUB_CACHE) / f"datasets--{repo.replace('/', '--')}"
-    for commit, rows in ((COMMIT_A, ["one", "two"]), (COMMIT_B, ["one", "two", "three"])):
-        snap = root / "snapshots" / commit
-        snap.mkdir(parents=True)
-        (snap / "train.jsonl").write_text("".join(json.dumps(_row(r)) + "\n" for r in rows))
-    (root / "refs").mkdir()
-
-    def point_main_at(commit: str) -> None:
-        (root / "refs" / "main").write_text(commit)
-
-    point_main_at(COMMIT_A)
-    yield repo, point_main_at
-    shutil.rmtree(root, ignore_errors=True)
+    """A dataset repo in the hub cache with two snapshots; yields (repo id, function that points `main` at a
+    commit)."""
+    rows = {COMMIT_A: ["one", "two"], COMMIT_B: ["one", "two", "three"]}
+    repo = HubDatasetRepo(
+        {c: {"train.jsonl": "".join(json.dumps(_row(r)) + "\n" for r in texts)} for c, texts in rows.items()}
+    )
+    yield repo.repo, repo.point_main_at
+    repo.remove()
 
 
 def test_a_moving_main_changes_the_key_and_the_rows(hub_dataset):

@@ -4,7 +4,8 @@ One run folder serves every test (vLLM and training are the slow parts). The flo
 stage on the way: in prepare, vocab, export and evaluate by a fault point (`EYRIE_FAULTS=<point>=kill`, the process
 kills itself mid-stage, after that stage has written part of its output), in train from outside once a step is
 checkpointed (extraction's kill and resume has its own tests in test_flow.py). Each next run resumes. Then a last
-run must find every stage cached and start no vLLM.
+run must find every stage cached and start no vLLM. The data is a hub dataset (the hub cache's layout, offline):
+the scheduled retraining finds its `main` moved to a grown snapshot.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_DATA, REPO, build_tiny_target, register_server_folder, write_config
+import yaml
+from conftest import DEMO_DATA, REPO, HubDatasetRepo, build_tiny_target, register_server_folder, write_config
 
 from eyrie.store import read_json
 
@@ -90,16 +93,18 @@ def vllm_starts(run: Path) -> int:
 
 
 SNAPSHOT_1, SNAPSHOT_2 = 200, 248  # lines of the demo chats in the first data snapshot, and in the next one
+COMMIT_1, COMMIT_2 = "1" * 40, "2" * 40  # the dataset repo's commits holding them
 
 
-def write_snapshot(path: Path, lines: int) -> None:
-    path.write_text("".join(DEMO_DATA.read_text().splitlines(keepends=True)[:lines]))
+def snapshot(lines: int) -> dict[str, str]:
+    return {"train.jsonl": "".join(DEMO_DATA.read_text().splitlines(keepends=True)[:lines])}
 
 
 @dataclass
 class Pipeline:
     run: Path
     config: Path
+    data: HubDatasetRepo  # the source: a hub dataset whose `main` moves to COMMIT_2 for the retraining
     drafters: Path  # promotion.dir
     killed_at_step: int
     half: dict  # stage -> what the kill left of it
@@ -112,21 +117,28 @@ class Pipeline:
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory) -> Pipeline:
+def pipeline(tmp_path_factory) -> Iterator[Pipeline]:
     root = tmp_path_factory.mktemp("pipeline")
     target = build_tiny_target("tiny-llama-chat")
-    write_snapshot(root / "chats.jsonl", SNAPSHOT_1)
+    data = HubDatasetRepo({COMMIT_1: snapshot(SNAPSHOT_1), COMMIT_2: snapshot(SNAPSHOT_2)})  # main: COMMIT_1
     config, _ = write_config(
         root / "config.yaml",
         target,
         "tiny-llama-chat",
-        source=root / "chats.jsonl",
+        source=data.repo,
         max_samples=None,
         shard_size=48,
         layer_ids=[2, 4, 5],
         name="pipeline",
         train={"epochs": 3, "lr": 3e-3, "max_seq_len": 512, "save_every_steps": 4},
-        evaluate={"num_prompts": 12, "max_tokens": 32, "num_speculative_tokens": 3},
+        # The draft-token sweep (k up to 5, throughput at concurrency 1 and 4) in the first snapshot's runs only.
+        evaluate={
+            "num_prompts": 12,
+            "max_tokens": 32,
+            "num_speculative_tokens": 3,
+            "sweep_draft_tokens": 5,
+            "throughput_concurrency": [1, 4],
+        },
         promotion={"dir": str(root / "drafters")},
     )
     run = root / "run"
@@ -135,6 +147,8 @@ def pipeline(tmp_path_factory) -> Pipeline:
         run / "export" / "server-trained",
         run / "evaluate" / "server-untrained",
         run / "evaluate" / "server-current",
+        run / "evaluate" / "server-sweep",
+        run / "evaluate" / "server-target",
     ):
         register_server_folder(folder)
     half, finished = {}, {}
@@ -178,9 +192,10 @@ def pipeline(tmp_path_factory) -> Pipeline:
     starts = vllm_starts(run)
     t0 = time.monotonic()
     third_out = finish(run_flow(config, run))
-    return Pipeline(
+    yield Pipeline(
         run,
         config,
+        data,
         root / "drafters",
         step,
         half,
@@ -191,6 +206,7 @@ def pipeline(tmp_path_factory) -> Pipeline:
         starts,
         vllm_starts(run),
     )
+    data.remove()
 
 
 def test_a_kill_in_any_stage_recomputes_nothing_finished(pipeline):
@@ -228,9 +244,11 @@ def test_interrupted_stages_end_as_an_uninterrupted_run(pipeline, tmp_path):
     assert (
         sorted(cmp.left_list)
         == sorted(cmp.right_list)
-        == sorted(["dataset", "manifest.json", "eval_prompts.jsonl", "shards.json", "stats.json"])
+        == sorted(
+            ["dataset", "manifest.json", "conversations.jsonl", "eval_prompts.jsonl", "shards.json", "stats.json"]
+        )
     )
-    for name in ("eval_prompts.jsonl", "shards.json", "stats.json"):
+    for name in ("conversations.jsonl", "eval_prompts.jsonl", "shards.json", "stats.json"):
         assert (run / "prepare" / name).read_bytes() == (ref / name).read_bytes(), name
     arrows = sorted(p.name for p in (ref / "dataset").glob("*.arrow"))
     assert arrows and arrows == sorted(p.name for p in (run / "prepare" / "dataset").glob("*.arrow"))
@@ -302,6 +320,33 @@ def test_trained_drafter_beats_untrained(pipeline):
     assert trained["acceptance_length"] >= untrained["acceptance_length"] + 0.2, (trained, untrained)
 
 
+def test_training_predicts_serving(pipeline):
+    """Per draft position, the trained drafter's validation accuracy is within evaluate.max_train_serve_gap of the
+    acceptance vLLM measured on held-out prompts: the features trained on are the features served."""
+    gap = read_json(pipeline.run / "evaluate" / "manifest.json")["train_serve_gap"]
+    assert [r["position"] for r in gap["rows"]] == [1, 2, 3]
+    assert gap["flagged"] == [], gap["rows"]
+    print(f"train/serve gap: {gap['rows']}")
+
+
+def test_evaluation_answers_how_many_draft_tokens(pipeline):
+    """One server drafting 5 gives the acceptance length for k = 1..5; the target alone and the drafter at the
+    served k and at 5 give output tokens per second at each concurrency; a plot goes beside them."""
+    report = read_json(pipeline.run / "evaluate" / "draft_tokens.json")
+    trained = read_json(pipeline.run / "evaluate" / "trained.json")
+    table = report["draft_tokens"]
+    assert [r["k"] for r in table] == [1, 2, 3, 4, 5]
+    lengths = [r["acceptance_length"] for r in table]
+    assert lengths[0] > 1.0 and all(b >= a for a, b in zip(lengths, lengths[1:])), lengths
+    assert table[2]["measured_acceptance_length"] == trained["acceptance_length"]
+    assert abs(table[2]["acceptance_length"] - trained["acceptance_length"]) < 0.5  # the estimate tracks the measure
+    assert [r["concurrency"] for r in report["throughput"]] == [1, 4]
+    for row in report["throughput"]:
+        assert row["target_alone"] > 0 and row["drafter_k3"] > 0 and row["drafter_k5"] > 0, row
+    assert Path(report["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    print(f"draft tokens: {table}\nthroughput: {report['throughput']}")
+
+
 def test_second_run_is_all_cached_and_starts_no_vllm(pipeline):
     assert pipeline.starts_after_third == pipeline.starts_before_third
     for stage in ("prepare", "vocab", "train", "export", "evaluate-trained", "evaluate-untrained"):
@@ -337,13 +382,21 @@ class Retrained:
 
 @pytest.fixture(scope="module")
 def retrained(pipeline) -> Retrained:
-    """The scheduled retraining: the same config and run folder, a data file that has grown since."""
+    """The scheduled retraining: the same config and run folder, the dataset's `main` moved to a grown snapshot."""
     manifests = pipeline.run / "extract" / "shards"
     before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in manifests.glob("*.json")}
     base = (pipeline.drafters / "current").resolve()
     base_result = read_json(pipeline.run / "evaluate" / "trained.json")
-    write_snapshot(pipeline.config.parent / "chats.jsonl", SNAPSHOT_2)
+    pipeline.data.point_main_at(COMMIT_2)
+    config = yaml.safe_load(pipeline.config.read_text())
+    del config["evaluate"]["sweep_draft_tokens"]  # measured on the first snapshot; two target loads saved here
+    pipeline.config.write_text(yaml.safe_dump(config, sort_keys=False))
     return Retrained(finish(run_flow(pipeline.config, pipeline.run)), before, base, base_result)
+
+
+def test_each_run_keys_on_and_records_the_commit_main_pointed_at(pipeline, retrained):
+    assert f"data {COMMIT_1}" in pipeline.resume_out and f"data {COMMIT_2}" in retrained.out
+    assert read_json(pipeline.run / "preflight.json")["revisions"]["data"] == COMMIT_2
 
 
 def test_retraining_reuses_the_extraction_of_unchanged_shards(pipeline, retrained):

@@ -83,20 +83,112 @@ def test_production_target_passes_preflight(name, tmp_path, record_property):
     assert draft.hidden_size == hidden and draft.hidden_act == "silu" and not draft.tie_word_embeddings
 
 
-def test_kimi_preset_on_kimi_metadata(tmp_path):
-    """configs/kimi-k2.5-tp8.yaml against Kimi-K2.5's metadata: ids [2, 30, 58] plus 61, 57,352 bytes per token of
-    hidden states, TP 8 over 64 heads, and nothing else to fix but the remote-code flag the fixture cannot honour."""
+KIMI_PRESET = REPO / "configs" / "kimi-k2.5-tp8.yaml"
+
+
+def kimi_preset(tmp_path: Path) -> tuple[dict, Path]:
+    """The Kimi preset as a dict, pointed at Kimi-K2.5's metadata in `tmp_path`, and that folder."""
     import yaml
 
-    preset = yaml.safe_load((REPO / "configs" / "kimi-k2.5-tp8.yaml").read_text())
+    preset = yaml.safe_load(KIMI_PRESET.read_text())
     folder = production_target(tmp_path, "kimi-k2.5")
     preset["target"].update(model=str(folder), revision=None, trust_remote_code=False)
     preset["promotion"]["dir"] = str(tmp_path / "drafters")
     preset["extraction"]["min_free_disk_gib"] = 0
+    return preset, folder
+
+
+def test_kimi_preset_on_kimi_metadata(tmp_path):
+    """configs/kimi-k2.5-tp8.yaml against Kimi-K2.5's metadata: ids [2, 30, 58] plus 61, 57,352 bytes per token of
+    hidden states, TP 8 over 64 heads, its server arguments and variables accepted by the installed vLLM, and nothing
+    else to fix but the remote-code flag the fixture cannot honour."""
+    preset, folder = kimi_preset(tmp_path)
     report = run_preflight(parse_config(preset), tmp_path / "run", tokens=1, raise_on_failure=False, serve=False)
     assert report.failures == remote_code_failures(folder)
+    assert report.warnings == []
     assert report.captured_layer_ids == [2, 30, 58, 61] and report.max_model_len == 8192
     assert report.estimated_bytes == 4 * 7168 * 2 + 8 == 57352
+
+
+def test_kimi_preset_runs_what_is_known_to_work(monkeypatch):
+    """What published Kimi-K2.5 EAGLE-3 recipes on vLLM run extraction with, as the installed vLLM's own server
+    parser and variable registry read the preset: prefix caching and chunked prefill off, few sequences (and as
+    many requests in flight), an execute-model timeout above vLLM's default; and the version it states is met."""
+    import vllm
+    from vllm import envs
+
+    from eyrie.config import load_config
+    from eyrie.preflight import check_vllm_version, parse_server_arguments, serve_parser
+    from eyrie.server import ServerSpec
+
+    config = load_config(KIMI_PRESET)
+    assert serve_parser() is not None, "the installed vLLM's `vllm serve` parser was not found"
+    spec = ServerSpec.from_config(config, layer_ids=[2, 30, 58, 61], storage_path="/staging")
+    args = parse_server_arguments(spec.arguments(8000))
+    assert args.enable_prefix_caching is False and args.enable_chunked_prefill is False
+    assert 1 <= args.max_num_seqs <= 16 and config.extraction.concurrency == args.max_num_seqs
+    assert args.tensor_parallel_size == 8 and args.max_model_len == 8192  # Eyrie's own flags parse too
+    name = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
+    monkeypatch.delenv(name, raising=False)
+    default = envs.environment_variables[name]()
+    monkeypatch.setenv(name, config.extraction.server_env[name])
+    assert envs.environment_variables[name]() >= 4 * default  # 1800 s against vLLM's 300
+    assert check_vllm_version(config.target.vllm_version, vllm.__version__) == []
+
+
+def _bump(version: str) -> str:
+    """A requirement `version` does not meet: the next minor release or later."""
+    from packaging.version import Version
+
+    v = Version(version)
+    return f">={v.major}.{v.minor + 1}"
+
+
+# How a preset breaks against the installed vLLM -> what the one failure must name (besides vLLM's version).
+BROKEN_PRESETS = {
+    "unknown flag": (
+        lambda p: p["extraction"]["server_args"].append("--enable-prefix-cachng"),
+        ["unrecognized arguments: --enable-prefix-cachng", "--enable-prefix-cachng in extraction.server_args"],
+    ),
+    "value the flag refuses": (
+        lambda p: p["extraction"]["server_args"].append("--max-num-seqs=eight"),
+        ["argument --max-num-seqs: invalid int value: 'eight'", "--max-num-seqs in extraction.server_args"],
+    ),
+    "flag Eyrie sets from the config": (
+        lambda p: p["extraction"]["server_args"].append("--max-model-len=16384"),
+        ["sets --max-model-len, which Eyrie passes to vLLM from target.max_model_len"],
+    ),
+    "unknown variable": (
+        lambda p: p["extraction"]["server_env"].update(VLLM_EXECUTE_MODEL_TIMEOUT_SECOND="1800"),
+        ["sets VLLM_EXECUTE_MODEL_TIMEOUT_SECOND, which vLLM", "Did you mean VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS?"],
+    ),
+    "value the variable refuses": (
+        lambda p: p["extraction"]["server_env"].update(VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="30 minutes"),
+        ["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS='30 minutes'", "cannot read this value"],
+    ),
+    "unmet version": (
+        lambda p: p["target"].update(vllm_version=_bump(__import__("vllm").__version__)),
+        ["target.vllm_version asks for vLLM >="],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_PRESETS))
+def test_preflight_names_what_the_installed_vllm_lacks(case, tmp_path):
+    """A preset that asks the installed vLLM for a flag, a value, a variable or a version it does not have fails
+    preflight, before any weights load, with one failure naming the setting and the installed vLLM's version; so
+    does a server argument that would override one Eyrie sets from the config."""
+    import vllm
+
+    preset, folder = kimi_preset(tmp_path)
+    breaks, named = BROKEN_PRESETS[case]
+    breaks(preset)
+    report = run_preflight(parse_config(preset), tmp_path / "run", raise_on_failure=False, serve=False)
+    failures = [f for f in report.failures if f not in remote_code_failures(folder)]
+    assert len(failures) == 1, failures
+    version = [] if "Eyrie sets" in case else [f"vLLM {vllm.__version__}"]  # a conflict, whatever the version
+    for text in [*version, *named]:
+        assert text in failures[0], failures[0]
 
 
 def test_tensor_parallel_split_checked(tmp_path):

@@ -335,3 +335,40 @@ def test_stop_ends_the_processes_that_outlived_their_server(tmp_path, fake):
     assert cli("stop-server", "--run-dir", str(run.root)).strip().endswith("stopped 1 vLLM server(s)")
     assert not _alive(child)
     assert run_status(run)["server"] == "not running"
+
+
+def test_server_env_reaches_the_server_and_is_part_of_its_identity(tmp_path, fake, monkeypatch):
+    """extraction.server_env is set in the server's process, over Eyrie's own environment; a server whose env
+    differs is a different server (replaced, not reused), one with the same env is reused; a spec without env keeps
+    the identity it had before the setting existed, so servers started before it are still reused."""
+    from conftest import config_dict
+
+    from eyrie.config import parse_config
+    from eyrie.store import sha256_json
+
+    monkeypatch.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "300")  # Eyrie's own environment, overridden
+    env = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1800", "EYRIE_TEST_MARK": "a"}
+    config = parse_config(config_dict(tmp_path / "t", extraction={"server_env": env}))
+    spec = ServerSpec.from_config(config, layer_ids=[1, 2], storage_path=str(tmp_path / "staging"))
+    assert spec.server_env == env
+
+    def environ(pid: int) -> dict:
+        pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        return dict(p.decode().split("=", 1) for p in pairs if b"=" in p)
+
+    folder = fake.folder(tmp_path / "extract")
+    server = VllmServer(folder)
+    server.ensure(spec, startup_timeout_s=30, log=quiet)
+    first = server.state["pid"]
+    assert {k: environ(first)[k] for k in env} == env
+    server.ensure(ServerSpec(**{**spec.__dict__, "server_env": dict(env)}), startup_timeout_s=30, log=quiet)
+    assert server.state["pid"] == first  # the same settings: reused
+    changed = ServerSpec(**{**spec.__dict__, "server_env": {**env, "EYRIE_TEST_MARK": "b"}})
+    assert changed.fingerprint() != spec.fingerprint()
+    server.ensure(changed, startup_timeout_s=30, log=quiet)
+    assert server.state["pid"] != first and not _alive(first)
+    assert environ(server.state["pid"])["EYRIE_TEST_MARK"] == "b"
+
+    bare = ServerSpec(**{**spec.__dict__, "server_env": {}})
+    before = {k: v for k, v in bare.__dict__.items() if k not in ("port", "server_env")}
+    assert bare.fingerprint() == sha256_json(before)[:16]

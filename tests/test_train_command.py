@@ -114,18 +114,36 @@ def test_worker_init_is_picklable_by_name_and_touches_no_accelerator(monkeypatch
     assert called == [("threads", 1)]
 
 
+def _keep_what_gpu_speedups_replaces(monkeypatch) -> None:
+    from speculators.models.eagle3 import core, metrics
+    from speculators.train import cli, dataloader, trainer
+
+    for owner, name in (
+        (dataloader, "_worker_init_fn"),
+        (dataloader, "DataLoader"),
+        (trainer, "build_optimizers"),
+        (trainer, "torch"),
+        (trainer, "tqdm"),
+        (trainer.Trainer, "_optimizers_step"),
+        (cli, "build_draft_model"),
+        (metrics, "compute_accuracy_single_step"),
+        (core.Eagle3DraftModel, "forward"),
+    ):
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test
+
+
 def test_gpu_speedups_leave_cpu_tensors_and_optimizers_alone(monkeypatch):
     import torch
     from speculators.train import dataloader, trainer
 
     from eyrie import train_entry
 
-    for module, name in ((dataloader, "_worker_init_fn"), (trainer, "build_optimizers"), (trainer, "torch")):
-        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    _keep_what_gpu_speedups_replaces(monkeypatch)
     train_entry._gpu_speedups()
     assert dataloader._worker_init_fn is train_entry._worker_init
     view = trainer.torch
-    assert view.autocast is torch.autocast and view.nn is torch.nn and view.float32 is torch.float32
+    assert view.autocast is torch.autocast and view.nn.Linear is torch.nn.Linear and view.float32 is torch.float32
+    assert view.nn.utils.get_total_norm is torch.nn.utils.get_total_norm
     for args, kw in (
         ((3,), {"dtype": torch.float32, "device": "cpu"}),
         ((1.0,), {"dtype": torch.float32}),
@@ -145,6 +163,137 @@ def test_gpu_speedups_leave_cpu_tensors_and_optimizers_alone(monkeypatch):
     Config.optimizer = "muon"
     opts = trainer.build_optimizers(torch.nn.Sequential(torch.nn.Linear(4, 4)), Config)
     assert [type(o).__name__ for o in opts] == ["Muon", "AdamW"]
+
+
+def test_accuracy_counts_without_sync_are_speculators_counts(monkeypatch):
+    import torch
+    from speculators.models import metrics as shared
+    from speculators.models.eagle3 import metrics
+
+    from eyrie import train_entry
+
+    monkeypatch.setattr(metrics, "compute_accuracy_single_step", metrics.compute_accuracy_single_step)
+    train_entry._accuracy_without_sync()
+    g = torch.Generator().manual_seed(0)
+    for case in range(60):
+        n = int(torch.randint(1, 200, (1,), generator=g))
+        pred, target = (torch.randint(0, 3, (1, n), generator=g) for _ in range(2))
+        mask = [None, torch.randint(0, 2, (1, n), generator=g), torch.randint(0, 2, (1, n), generator=g).bool()][
+            case % 3
+        ]
+        prev = None if case % 4 == 0 else torch.randint(0, 2, (1, n), generator=g).bool()
+        prev_too = None if prev is None else prev.clone()
+        want = shared.compute_accuracy_single_step(pred, target, mask, prev)
+        got = metrics.compute_accuracy_single_step(pred, target, mask, prev_too)
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, got))
+        assert prev is None or torch.equal(prev, prev_too)  # updated in place alike
+
+
+def test_clip_handed_to_fused_adamw_makes_the_same_update(monkeypatch):
+    import copy
+    import types
+
+    import torch
+    from speculators.train import trainer
+
+    from eyrie import train_entry
+
+    _keep_what_gpu_speedups_replaces(monkeypatch)
+    train_entry._gpu_speedups()  # the trainer's view of torch, then the clip handed to the optimizer
+    for grad_scale, fused in ((100.0, True), (1e-3, True), (100.0, False)):  # clipped, not clipped, not fused
+        torch.manual_seed(0)
+        plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        folded = copy.deepcopy(plain)
+        opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=fused)
+        opt_folded = torch.optim.AdamW(folded.parameters(), lr=1e-2, fused=fused)
+        for _ in range(4):
+            x = torch.randn(5, 8)
+            for m in (plain, folded):
+                m.zero_grad()
+                (m(x).pow(2).sum() * grad_scale).backward()
+            want = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+            opt_plain.step()
+            got = trainer.torch.nn.utils.clip_grad_norm_(folded.parameters(), 1.0)
+            trainer.Trainer._optimizers_step(types.SimpleNamespace(optimizers=[opt_folded]))
+            assert torch.allclose(want, got) and not hasattr(opt_folded, "grad_scale")
+        for a, b in zip(plain.parameters(), folded.parameters()):
+            assert torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_forward_with_scalars_made_on_the_device_is_speculators_forward(monkeypatch):
+    import torch
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig, core
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig
+
+    from eyrie import train_entry
+
+    monkeypatch.setattr(core.Eagle3DraftModel, "forward", core.Eagle3DraftModel.forward)
+    layer = LlamaConfig(
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        vocab_size=256,
+        num_hidden_layers=1,
+    )
+    layer._attn_implementation = "sdpa"
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer,
+        draft_vocab_size=64,
+        norm_before_residual=True,
+        norm_before_fc=True,
+        norm_output=True,
+        eagle_aux_hidden_state_layer_ids=[1, 2, 3],
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path="x", architectures=["X"]),
+        ),
+    )
+    torch.manual_seed(0)
+    model = core.Eagle3DraftModel(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(std=0.05)
+    t2d = torch.zeros(256, dtype=torch.bool)
+    ids = torch.randperm(256)[:64].sort().values
+    t2d[ids] = True
+    model.load_vocab_mappings(t2d, ids - torch.arange(64))
+    g = torch.Generator().manual_seed(1)
+    n = 48
+    args = (
+        torch.randn(1, n, 96, generator=g),
+        torch.randint(0, 256, (1, n), generator=g),
+        torch.cat([torch.zeros(20), torch.ones(28)]).long()[None],
+    )
+    kwargs = dict(
+        loss_mask=torch.randint(0, 2, (1, n), generator=g),
+        position_ids=torch.arange(n)[None],
+        verifier_last_hidden_states=torch.randn(1, n, 32, generator=g),
+        ttt_steps=3,
+        loss_config=resolve_loss_config("kl_div", "eager"),
+    )
+
+    def run():
+        model.zero_grad()
+        tokens, loss, metrics = model(*args, **kwargs)
+        loss.backward()
+        return tokens, loss.detach(), metrics, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    want = run()
+    stock = core.Eagle3DraftModel.forward
+    train_entry._loss_scalars_without_sync()
+    assert core.Eagle3DraftModel.forward is not stock
+    got = run()
+    assert all(torch.equal(a, b) for a, b in zip(want[0], got[0])) and torch.equal(want[1], got[1])
+    assert want[2].keys() == got[2].keys()
+    assert all(torch.equal(want[2][k], got[2][k]) and want[2][k].dtype == got[2][k].dtype for k in want[2])
+    assert all(torch.equal(a, b) for a, b in zip(want[3], got[3]))
 
 
 def test_compile_cache_goes_beside_the_run_unless_set(monkeypatch, tmp_path):

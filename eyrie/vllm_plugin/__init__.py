@@ -9,6 +9,9 @@ harmless to vLLM processes that do not use Eyrie: it only registers names, lazil
 import os
 
 CONNECTOR_NAME = "EyrieHiddenStatesConnector"
+# A request whose kv_transfer_params set this to true gets no hidden-states file (the regenerate stage's generation
+# requests, sent to the extraction server): eyrie/vllm_plugin/connector.py.
+SKIP_HIDDEN_STATES = "eyrie_skip_hidden_states"
 # Test-only: comma-separated vLLM class names whose EAGLE-3 interface is hidden, in preflight and in every vLLM
 # process, to reproduce vLLMs whose classes lack it (DeepseekV3 and Kimi-K2.5 before 0.18) on the installed one.
 HIDE_EAGLE3 = "EYRIE_TEST_HIDE_EAGLE3"

@@ -4,6 +4,9 @@ vLLM's `ExampleHiddenStatesConnector` copies device-to-host through a CUDA strea
 the CPU engine on its first request ("pin_memory=True requires a CUDA or other accelerator backend"). When the KV
 cache lives on the host there is nothing to copy asynchronously: index it directly and hand the tensor to the same
 writer thread pool. On an accelerator the stock path runs unchanged.
+
+It also honours a per-request switch (`kv_transfer_params: {"eyrie_skip_hidden_states": true}`): the regenerate
+stage generates on the extraction server, and its requests need no hidden-states file.
 """
 
 from __future__ import annotations
@@ -14,11 +17,16 @@ from functools import partial
 from typing import Any
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
+    ExampleHiddenStatesConnectorMetadata,
     PendingSave,
     extract_from_kv_cache,
 )
+from vllm.v1.core.sched.output import SchedulerOutput
+
+from eyrie.vllm_plugin import SKIP_HIDDEN_STATES
 
 
 class _Done:
@@ -32,6 +40,19 @@ class _Done:
 
 
 class EyrieHiddenStatesConnector(ExampleHiddenStatesConnector):
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """As vLLM's, except that a request asking for no hidden states (generation on the extraction server, for the
+        regenerate stage) gets no file: without a recorded filename it has no lock file, `request_finished` saves
+        nothing for it and its blocks are freed at once."""
+        meta = super().build_connector_meta(scheduler_output)
+        for new_req in scheduler_output.scheduled_new_reqs:
+            extra = new_req.sampling_params.extra_args if new_req.sampling_params else None
+            if ((extra or {}).get("kv_transfer_params") or {}).get(SKIP_HIDDEN_STATES):
+                self._request_filenames.pop(new_req.req_id, None)
+                if isinstance(meta, ExampleHiddenStatesConnectorMetadata):
+                    meta.new_req_filenames.pop(new_req.req_id, None)
+        return meta
+
     def _submit_async_write(self, pending: PendingSave) -> None:
         if not self._is_tp_rank_zero:
             return

@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+
+from eyrie.config import PipelineConfig
+from eyrie.prepare import Shard
+from eyrie.regenerate import assemble, regenerate_shard, shared_tokenizer
+from eyrie.server import ServerClient
+from tasks.caching import BY_KEY
+
+
+@task(
+    name="regenerate",
+    task_run_name="regenerate-{shard.name}",
+    cache_policy=BY_KEY,
+    retries=2,
+    retry_delay_seconds=5,
+)
+def regenerate_shard_task(
+    shard: Shard, key: str, base_url: str | None, config: PipelineConfig, prepare_dir: str, stage_dir: str
+) -> dict:
+    log = get_run_logger()
+    if base_url is None:
+        raise RuntimeError(f"{shard.name} has no finished manifest but no server was started for it")
+    cfg = config.regenerate
+    api_key_env = config.extraction.api_key_env
+    client = ServerClient(base_url, os.environ.get(api_key_env) if api_key_env else None, max(10, cfg.concurrency))
+    artifact = create_progress_artifact(0.0, description=f"regenerate {shard.name}")
+    shown = [0.0]
+
+    def progress(done: int, total: int) -> None:
+        pct = 100.0 * done / max(total, 1)
+        if pct - shown[0] >= 5 or done == total:  # one API call per 5%, not per conversation
+            shown[0] = pct
+            update_progress_artifact(artifact, pct)
+
+    manifest = regenerate_shard(
+        client,
+        shared_tokenizer(config.target),
+        Path(prepare_dir),
+        Path(stage_dir),
+        shard,
+        key,
+        cfg,
+        config.data.max_length,
+        progress=progress,
+    )
+    s = manifest["stats"]
+    log.info(
+        f"{shard.name}: {s['rows_out']} of {s['rows_in']} conversations regenerated ({s['generated_tokens']} tokens"
+        f", {manifest['generated_tokens_per_s']} tokens/s), {s['length_capped']} length-capped"
+        + (f", failed: {s['failed']}" if s["failed"] else "")
+    )
+    return manifest
+
+
+@task(name="regenerate-assemble", cache_policy=BY_KEY, retries=1)
+def assemble_task(
+    stage_dir: str, prepare_dir: str, shards: list[Shard], keys: dict[str, str], key: str, config: PipelineConfig
+) -> dict:
+    manifest = assemble(Path(stage_dir), Path(prepare_dir), shards, keys, key, config.regenerate)
+    stats = manifest["stats"]
+    rows = [{"measure": k, "value": v} for k, v in stats.items() if not isinstance(v, dict)]
+    rows += [{"measure": f"failed: {k}", "value": v} for k, v in stats["failed"].items()]
+    rows += [{"measure": f"temperature {k}", "value": v} for k, v in stats["temperatures"].items()]
+    create_table_artifact(
+        rows, key="regeneration-statistics", description="regenerate: conversations answered, capped and failed"
+    )
+    return manifest
