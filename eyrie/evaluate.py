@@ -87,12 +87,20 @@ def gap_warning(gap: dict) -> str | None:
     if not gap["flagged"]:
         return None
     worst = max(gap["rows"], key=lambda r: abs(r["gap"]))
+    where = (
+        f"at draft position(s) {gap['flagged']} validation accuracy and served acceptance differ by more than "
+        f"{gap['bound']} (worst: position {worst['position']}, validation {worst['validation']} vs served "
+        f"{worst['served']})"
+    )
+    if worst["gap"] > 0:  # training promised more than vLLM delivers
+        return (
+            f"training does not predict serving: {where}. Check that serving uses the same target, layers and "
+            "dtype as extraction, and that the evaluation prompts are like the training data (regenerate the data "
+            "with the target)."
+        )
     return (
-        f"training does not predict serving: at draft position(s) {gap['flagged']} validation accuracy and served "
-        f"acceptance differ by more than {gap['bound']} (worst: position {worst['position']}, validation "
-        f"{worst['validation']} vs served {worst['served']}). Check that serving uses the same target, layers and "
-        "dtype as extraction, and that the evaluation prompts are like the training data (regenerate the data "
-        "with the target)."
+        f"serving beats validation: {where}. The held-out prompts are easier than the validation data (first "
+        "turns only, short answers), or too few drafts were measured: raise evaluate.num_prompts and max_tokens."
     )
 
 

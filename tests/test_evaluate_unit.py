@@ -29,9 +29,11 @@ def test_the_gap_is_flagged_per_position_beyond_the_bound():
     gap = train_serve_gap(val, [0.85, 0.45, 0.5], bound=0.15)
     assert [r["gap"] for r in gap["rows"]] == [0.05, 0.25, 0.1]
     assert gap["flagged"] == [2]
+    assert gap_warning(gap).startswith("training does not predict serving")
     assert "position(s) [2]" in gap_warning(gap) and "validation 0.7 vs served 0.45" in gap_warning(gap)
     # Served far better than validation is a mismatch too; within the bound, no warning.
-    assert train_serve_gap(val, [0.9, 0.9, 0.6], 0.15)["flagged"] == [2]
+    better = train_serve_gap(val, [0.9, 0.9, 0.6], 0.15)
+    assert better["flagged"] == [2] and gap_warning(better).startswith("serving beats validation")
     assert gap_warning(train_serve_gap(val, [0.88, 0.65, 0.55], 0.15)) is None
     # More served positions than trained ones (k > ttt_steps): only the positions both have are compared.
     assert len(train_serve_gap(val, [0.9, 0.7, 0.6, 0.3, 0.1], 0.15)["rows"]) == 3
