@@ -51,7 +51,9 @@ class TargetConfig(_Section):
         None, description="Build this tiny project-made target at `model` if the folder is missing (demo, tests)."
     )
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism for extraction and evaluation.")
-    dtype: Literal["bfloat16", "float16", "auto"] = "bfloat16"
+    dtype: Literal["bfloat16", "float16", "auto"] = Field(
+        "bfloat16", description="vLLM's --dtype for the target (hidden states are stored in it)."
+    )
     max_model_len: int | None = Field(
         None,
         ge=16,
@@ -79,7 +81,7 @@ class TargetConfig(_Section):
 
 class DataConfig(_Section):
     source: str = Field(description="Hub dataset id, or a local .jsonl/.json/.parquet file or folder of them.")
-    split: str = "train"
+    split: str = Field("train", description="Dataset split to read.")
     subset: str | None = Field(None, description="Hub dataset configuration name.")
     revision: str | None = Field(
         None,
@@ -88,7 +90,7 @@ class DataConfig(_Section):
         "keys prepare on that commit.",
     )
     max_length: int = Field(2048, ge=8, description="Samples are truncated to this many tokens.")
-    max_samples: int | None = Field(None, ge=1)
+    max_samples: int | None = Field(None, ge=1, description="Use at most this many training conversations.")
     shard_size: int = Field(256, ge=1, description="Samples per extraction shard (the unit of retry and resume).")
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of conversations held out for evaluation.")
 
@@ -107,10 +109,16 @@ class ExtractionConfig(_Section):
         "key. Required when host is not loopback.",
     )
     concurrency: int = Field(8, ge=1, description="Requests in flight per shard.")
-    startup_timeout_s: float = Field(1800, gt=0)
-    request_timeout_s: float = Field(600, gt=0)
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    enforce_eager: bool = True
+    startup_timeout_s: float = Field(
+        1800, gt=0, description="How long a vLLM server may take to load the target before it counts as failed."
+    )
+    request_timeout_s: float = Field(600, gt=0, description="How long one request to vLLM may take.")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="vLLM's --gpu-memory-utilization (default: vLLM's own)."
+    )
+    enforce_eager: bool = Field(
+        True, description="vLLM's --enforce-eager: no CUDA graphs (faster start-up; off for long GPU extractions)."
+    )
     server_args: list[str] = Field(
         default_factory=list,
         description="Extra vLLM server arguments, for extraction and for the export and evaluation servers; "
@@ -209,13 +217,13 @@ class VocabConfig(_Section):
 
 
 class TrainConfig(_Section):
-    epochs: int = Field(3, ge=1)
-    lr: float = Field(1e-4, gt=0)
+    epochs: int = Field(3, ge=1, description="Epochs to train (the most, with stop_on_plateau).")
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
     ttt_steps: int = Field(3, ge=1, description="Training-time-test unroll steps.")
-    max_seq_len: int = Field(2048, ge=8)
+    max_seq_len: int = Field(2048, ge=8, description="Tokens per packed training sequence.")
     save_every_steps: int = Field(0, ge=0, description="Also checkpoint every N steps (0: each epoch only).")
     devices: int = Field(1, ge=1, description="GPUs for torchrun; 1 on CPU.")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train; auto: cuda when present.")
     num_layers: int = Field(1, ge=1, description="Decoder layers in the drafter.")
     val_fraction: float = Field(0.1, gt=0, lt=1, description="Share of prepared samples speculators validates on.")
     mask_token_id: int | None = Field(
@@ -223,7 +231,7 @@ class TrainConfig(_Section):
         description="The trainer's mask token id. Default: resolved from the "
         "target's tokenizer at preflight, as speculators would.",
     )
-    seed: int = 0
+    seed: int = Field(0, description="Seed of the drafter's initialisation and the data order.")
     optimizer: Literal["adamw", "muon"] = Field(
         "adamw",
         description="speculators' optimizer: adamw (fused on GPUs), or muon (speculators' own default). adamw won the "
@@ -255,9 +263,9 @@ class TrainConfig(_Section):
 
 
 class EvaluateConfig(_Section):
-    num_speculative_tokens: int = Field(3, ge=1)
-    num_prompts: int = Field(32, ge=1)
-    max_tokens: int = Field(64, ge=1)
+    num_speculative_tokens: int = Field(3, ge=1, description="Draft tokens per step when serving the drafter.")
+    num_prompts: int = Field(32, ge=1, description="Held-out prompts to measure acceptance on.")
+    max_tokens: int = Field(64, ge=1, description="Tokens generated per evaluation prompt.")
     sweep_draft_tokens: int | None = Field(
         None,
         ge=2,
@@ -297,7 +305,7 @@ class PromotionConfig(_Section):
 
 
 class PipelineConfig(_Section):
-    name: str = "eyrie"
+    name: str = Field("eyrie", description="The run's name: the default run folder is runs/<name>.")
     target: TargetConfig
     data: DataConfig
     regenerate: RegenerateConfig = RegenerateConfig()

@@ -143,3 +143,21 @@ def test_tiny_choices_are_the_tiny_targets():
 
     choices = next(a for a in get_args(TargetConfig.model_fields["tiny"].annotation) if a is not type(None))
     assert set(get_args(choices)) == set(TINY_TARGETS)
+
+
+def test_every_config_field_has_a_description():
+    """The Prefect form shows each field's description: none may be bare."""
+    from pydantic import BaseModel
+
+    from eyrie.config import PipelineConfig
+
+    def bare(model: type[BaseModel], prefix: str = "") -> list[str]:
+        out = []
+        for name, field in model.model_fields.items():
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                out += bare(field.annotation, f"{prefix}{name}.")
+            elif not field.description:
+                out.append(prefix + name)
+        return out
+
+    assert bare(PipelineConfig) == []

@@ -108,7 +108,9 @@ def fake(tmp_path, monkeypatch):
 
         @staticmethod
         def spec(*args: str, drafter: str | None = None) -> ServerSpec:
-            return ServerSpec(model="fake-target", drafter=drafter, server_args=list(args))
+            # An extraction server's spec unless a drafter is given (a serving one).
+            layer_ids = None if drafter else [2, 4]
+            return ServerSpec(model="fake-target", drafter=drafter, layer_ids=layer_ids, server_args=list(args))
 
         def folder(self, path: Path) -> Path:
             self.folders.append(Path(path))
