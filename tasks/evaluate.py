@@ -135,7 +135,8 @@ def report_task(results: list[dict], out_dir: str, val_metrics: dict | None, max
     ]
     create_table_artifact(rows, key="evaluation", description="acceptance length on held-out prompts")
     summary = {r["label"]: r for r in results}
-    gap = train_serve_gap(val_metrics, summary["trained"]["per_position_acceptance"], max_gap)
+    trained = summary["trained"]
+    gap = train_serve_gap(val_metrics, trained["per_position_acceptance"], max_gap, trained["drafts"])
     create_table_artifact(
         gap["rows"], key="train-serve-gap", description="validation accuracy vs acceptance in vLLM, per position"
     )

@@ -35,6 +35,12 @@ def test_the_gap_is_flagged_per_position_beyond_the_bound():
     better = train_serve_gap(val, [0.9, 0.9, 0.6], 0.15)
     assert better["flagged"] == [2] and gap_warning(better).startswith("serving beats validation")
     assert gap_warning(train_serve_gap(val, [0.88, 0.65, 0.55], 0.15)) is None
+    # The same gaps measured on 25 drafts are within the noise of the served estimate: not flagged.
+    noisy = train_serve_gap(val, [0.85, 0.45, 0.5], 0.15, drafts=25)
+    assert noisy["flagged"] == [] and noisy["rows"][1]["margin"] == round(2 * (0.45 * 0.55 / 25) ** 0.5, 4)
+    assert train_serve_gap(val, [0.85, 0.45, 0.5], 0.15, drafts=5000)["flagged"] == [2]
+    # A gross mismatch (served near zero) is flagged whatever the number of drafts.
+    assert train_serve_gap(val, [0.05, 0.0, 0.0], 0.15, drafts=25)["flagged"] == [1, 2, 3]
     # More served positions than trained ones (k > ttt_steps): only the positions both have are compared.
     assert len(train_serve_gap(val, [0.9, 0.7, 0.6, 0.3, 0.1], 0.15)["rows"]) == 3
 

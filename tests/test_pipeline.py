@@ -26,6 +26,7 @@ import pytest
 import yaml
 from conftest import DEMO_DATA, REPO, HubDatasetRepo, build_tiny_target, register_server_folder, write_config
 
+from eyrie.prepare import load_shards
 from eyrie.store import read_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.usefixtures("flow_api")]
@@ -376,6 +377,7 @@ def test_the_first_drafter_is_promoted_and_a_rerun_changes_nothing(pipeline):
 class Retrained:
     out: str
     before: dict  # shard manifest name -> (inode, mtime) before the new snapshot
+    fingerprints: dict  # shard name -> content fingerprint in the first snapshot's plan
     base: Path  # the drafter that was current when the retraining began
     base_result: dict  # its evaluation in the first snapshot's run
 
@@ -385,13 +387,14 @@ def retrained(pipeline) -> Retrained:
     """The scheduled retraining: the same config and run folder, the dataset's `main` moved to a grown snapshot."""
     manifests = pipeline.run / "extract" / "shards"
     before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in manifests.glob("*.json")}
+    fingerprints = {s.name: s.fingerprint for s in load_shards(pipeline.run / "prepare")}
     base = (pipeline.drafters / "current").resolve()
     base_result = read_json(pipeline.run / "evaluate" / "trained.json")
     pipeline.data.point_main_at(COMMIT_2)
     config = yaml.safe_load(pipeline.config.read_text())
     del config["evaluate"]["sweep_draft_tokens"]  # measured on the first snapshot; two target loads saved here
     pipeline.config.write_text(yaml.safe_dump(config, sort_keys=False))
-    return Retrained(finish(run_flow(pipeline.config, pipeline.run)), before, base, base_result)
+    return Retrained(finish(run_flow(pipeline.config, pipeline.run)), before, fingerprints, base, base_result)
 
 
 def test_each_run_keys_on_and_records_the_commit_main_pointed_at(pipeline, retrained):
@@ -404,10 +407,14 @@ def test_retraining_reuses_the_extraction_of_unchanged_shards(pipeline, retraine
     after = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in manifests.glob("*.json")}
     kept = sorted(name for name, ids in retrained.before.items() if after.get(name) == ids)
     redone = sorted(set(after) - set(kept))
-    # The snapshot grew at the end: the full shards before it are unchanged, the last one grew, one is new.
-    assert kept == ["shard-00000.json", "shard-00001.json", "shard-00002.json"], (kept, redone)
-    assert redone == ["shard-00003.json", "shard-00004.json"]
-    assert "5 shards, 2 to extract" in retrained.out
+    # The snapshot grew at the end: the shards whose rows it did not change keep their extraction (their manifests
+    # untouched); the shard that grew and the new ones are extracted.
+    plan = load_shards(pipeline.run / "prepare")
+    unchanged = sorted(f"{s.name}.json" for s in plan if retrained.fingerprints.get(s.name) == s.fingerprint)
+    assert len(unchanged) >= 3 and len(unchanged) < len(plan), (unchanged, len(plan))
+    assert kept == unchanged, (kept, redone)
+    assert redone == sorted(f"{s.name}.json" for s in plan if f"{s.name}.json" not in unchanged)
+    assert f"{len(plan)} shards, {len(redone)} to extract" in retrained.out
     assert (
         len(list((pipeline.run / "extract" / "hidden_states").iterdir()))
         == read_json(pipeline.run / "prepare" / "manifest.json")["num_samples"]
