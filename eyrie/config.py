@@ -284,7 +284,7 @@ class EvaluateConfig(_Section):
         gt=0,
         le=1,
         description="Flag the run when, at any draft position, the trained drafter's validation accuracy and the "
-        "acceptance measured in vLLM differ by more than this.",
+        "acceptance measured in vLLM differ by more than this plus twice the measurement's standard error.",
     )
     untrained_baseline: Literal["auto", "always", "never"] = Field(
         "auto",
