@@ -15,10 +15,11 @@ only once the new `N/` is whole. A folder name that is not a number is invisible
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
+
+from eyrie.store import read_json
 
 STATE = "training_state.json"
 VOUCHED = ("config.json", "model.safetensors", "optimizer_state_dict.pt", "scheduler_state_dict.pt")
@@ -31,10 +32,7 @@ def completion_link(save_path: Path, epoch: int, local_step: int) -> Path:
 
 
 def read_state(folder: Path) -> dict | None:
-    try:
-        state = json.loads((folder / STATE).read_text())
-    except (OSError, ValueError):
-        return None
+    state = read_json(folder / STATE)
     return state if isinstance(state, dict) else None
 
 

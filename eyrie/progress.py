@@ -10,8 +10,9 @@ holes and a plateau can be seen.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from eyrie.store import read_json
 
 VALIDATION = "eyrie-validation.json"  # in each epoch's checkpoint folder
 PLATEAU = "plateau.json"  # in the checkpoints folder: training stopped there on a plateau
@@ -36,10 +37,7 @@ def plateaued(scores: list[float], patience: int, min_delta: float) -> bool:
 
 
 def _read(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    data = read_json(path)
     return data if isinstance(data, dict) else None
 
 

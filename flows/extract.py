@@ -25,6 +25,17 @@ from tasks.extract import extract_shard_task, start_server_task, stop_server_tas
 from tasks.preflight import preflight_task
 
 
+def shard_failures(submitted) -> dict:
+    """Wait for every (shard, future) pair; each shard fails on its own, and all their errors are reported."""
+    out = {}
+    for shard, fut in submitted:
+        try:
+            fut.result()
+        except Exception as err:
+            out[shard.name] = f"{shard.name}: {err}"
+    return out
+
+
 @flow(name="eyrie-extract", task_runner=ThreadPoolTaskRunner(max_workers=2))
 def extract_flow(
     config: PipelineConfig, run_dir: str, report: dict | None = None, shards: list[str] | None = None
@@ -93,22 +104,13 @@ def extract_flow(
             for shard in todo
         ]
 
-    def failures(submitted) -> dict:
-        out = {}
-        for shard, fut in submitted:
-            try:
-                fut.result()
-            except Exception as err:  # each shard fails on its own; report them all
-                out[shard.name] = f"{shard.name}: {err}"
-        return out
-
-    failed = failures(submit(plan.shards, base_url))
+    failed = shard_failures(submit(plan.shards, base_url))
     if failed and pending and not server.healthy():
         # The server died under us (killed, OOM): start it once more and redo only the unfinished shards; their
         # valid samples on disk are kept, so only the missing ones are sent again.
         log.warning(f"the vLLM server died ({len(failed)} shards failed); restarting it once")
         base_url = start_server_task(plan.spec, str(plan.server_dir), config.extraction.startup_timeout_s)
-        failed = failures(submit([s for s in plan.shards if s.name in failed], base_url))
+        failed = shard_failures(submit([s for s in plan.shards if s.name in failed], base_url))
     failed = list(failed.values())
     # A success must never leave samples missing: re-check the manifests of the shards that ran against their files.
     # The others were found complete when this flow began and nothing here wrote to them (a task that found one

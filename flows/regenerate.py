@@ -14,6 +14,7 @@ from eyrie.preflight import PreflightReport
 from eyrie.regenerate import RegenerationPlan
 from eyrie.server import VllmServer, node_name
 from eyrie.store import RunFolder
+from flows.extract import shard_failures
 from tasks.caching import unless_missing
 from tasks.extract import start_server_task, stop_server_task
 from tasks.regenerate import assemble_task, regenerate_shard_task
@@ -47,21 +48,12 @@ def regenerate_flow(config: PipelineConfig, run_dir: str, report: dict, keep_ser
             for shard in todo
         ]
 
-    def failures(submitted) -> dict:
-        out = {}
-        for shard, fut in submitted:
-            try:
-                fut.result()
-            except Exception as err:  # each shard fails on its own; report them all
-                out[shard.name] = f"{shard.name}: {err}"
-        return out
-
-    failed = failures(submit(plan.shards, base_url))
+    failed = shard_failures(submit(plan.shards, base_url))
     if failed and pending and not server.healthy():
         # The server died under us: start it once more and redo only the unfinished shards.
         log.warning(f"the vLLM server died ({len(failed)} shards failed); restarting it once")
         base_url = start_server_task(plan.spec, str(plan.server_dir), config.extraction.startup_timeout_s)
-        failed = failures(submit([s for s in plan.shards if s.name in failed], base_url))
+        failed = shard_failures(submit([s for s in plan.shards if s.name in failed], base_url))
     missing = [s.name for s in plan.shards if not plan.is_complete(s)]
     if failed or missing:
         if pending and not config.extraction.keep_server_after_failure:
