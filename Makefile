@@ -51,7 +51,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy eyrie
 
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -x -v -m "not slow" tests
+	$(PY) -m pytest -x -v tests/unit
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/extract_throughput.py

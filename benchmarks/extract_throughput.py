@@ -1,8 +1,10 @@
-"""Extraction throughput: Eyrie's client against speculators' `generate-offline-data`, on one vLLM server.
+"""Extraction throughput: Eyrie's client, a bare asynchronous client and speculators' `generate-offline-data`, on
+one vLLM server.
 
-Both clients read the same prepared dataset (`<work-dir>/prepare/dataset`), send the same first N samples with the
-same concurrency to the same running extraction server (Eyrie's ServerSpec: the `extract_hidden_states` method and
-Eyrie's connector, served model "target"), and write `hs_<i>.safetensors` files into their own folder:
+The three clients read the same prepared dataset (`<work-dir>/prepare/dataset`) and send the same first N samples
+with the same concurrency to the same running extraction server (Eyrie's ServerSpec: the `extract_hidden_states`
+method and Eyrie's connector, served model "target"). Eyrie and speculators write `hs_<i>.safetensors` files into
+their own folder:
 
 - Eyrie: `eyrie.extract.extract_shard` over every shard, in this process, into `<work-dir>/eyrie_hs`.
 - speculators: its CLI as a subprocess, timed end to end, into `<work-dir>/spec_hs`. It runs with
@@ -10,25 +12,44 @@ Eyrie's connector, served model "target"), and write `hs_<i>.safetensors` files 
   otherwise). Its own in-process time (its "Timing: ...s elapsed" log line) is reported too: the difference from
   the wall time is its start-up (imports, dataset load, model check). Eyrie's pass runs with its imports already
   paid, so the end-to-end ratio charges speculators' start-up and the in-process ratio compares request loops.
+- bare: the server's pace. One asyncio loop and one aiohttp session in this process send each sample's ids with
+  the request Eyrie sends and read the hidden-states path from the answer, nothing else: no waiting for the
+  writer, no validation, no checksum, no rename, no fsync, no manifest. The files it leaves in the server's
+  staging folder are removed after its pass, untimed, once their writer is done.
+
+`--synthetic-tokens N` builds longer samples than the demo's (its conversations are about 40 tokens): each sample
+joins randomly drawn conversations of the config's local .jsonl source, turn after turn, until its chat-template
+rendering reaches N tokens; `data.max_length` becomes N + 256 and the shard size `--shard-size` (default 256, the
+config default). The config file is not changed; the joined conversations are written to
+`<work-dir>/synthetic_<N>.jsonl` and prepared from there.
 
 Untimed set-up: build the tiny target if the config names one, prepare the data, preflight, start the server, and
-warm it up with one batch of requests. Each repeat empties both output folders and alternates which client goes
-first. After the first repeat the outputs are compared: the same file names, and a few files with equal token ids
-and equal (or allclose) hidden states. Figures are medians over repeats; the server is always stopped at the end.
+warm it up with one batch of requests from Eyrie's client and every sample once from the bare one. With vLLM's
+prefix caching on (its default; the server keeps the blocks and their hidden states), every timed pass then finds
+all its samples cached: the server's work per request is small and the figures compare the clients' own costs,
+as a server many times faster than this CPU one would. `--no-prefix-caching` starts the server without it (as
+the Kimi preset does): every pass computes every token and the server is the bound. Each repeat empties the output
+folders and rotates which client goes first (each goes first once in three repeats). After the first repeat Eyrie's
+and speculators' outputs are compared: the same file names, and a few files with equal token ids and equal (or
+allclose) hidden states. Figures are medians over repeats; the server is always stopped at the end.
 
 Run from the repository root (make sets the cache and offline variables the server needs):
 
     make bench
     .venv/bin/python benchmarks/extract_throughput.py --config configs/demo.yaml --max-samples 128 --repeats 3
+    .venv/bin/python benchmarks/extract_throughput.py --work-dir runs/bench-500 --synthetic-tokens 500 \
+        --max-samples 400 --concurrency 32 --repeats 3
 
-Prints a side-by-side table and the ratio eyrie/speculators; writes `<work-dir>/bench.json`.
+Prints a side-by-side table and the ratios eyrie/bare and eyrie/speculators; writes `<work-dir>/bench.json`.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import random
 import re
 import shutil
 import statistics
@@ -42,11 +63,12 @@ import torch
 from safetensors.torch import load_file
 
 from eyrie.config import load_config
-from eyrie.extract import ExtractionPlan, clean_staging, extract_shard
+from eyrie.extract import ExtractionPlan, _wait_and_release, clean_staging, extract_shard
 from eyrie.preflight import run_preflight
 from eyrie.prepare import load_dataset_rows, load_shards, prepare
-from eyrie.server import ExtractionServer
+from eyrie.server import ExtractionServer, ServerClient
 from eyrie.store import RunFolder
+from eyrie.target import load_tokenizer
 from eyrie.tiny import build_target
 
 
@@ -78,6 +100,64 @@ def run_eyrie(
             log=quiet,
         )
     return {"wall_s": time.perf_counter() - t0}
+
+
+async def _bare_pass(url: str, api_key: str | None, samples, concurrency: int, timeout_s: float) -> list[str]:
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    todo = iter(samples)
+    paths: list[str] = []
+
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=concurrency),
+        headers=headers,
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+    ) as session:
+
+        async def worker() -> None:
+            for ids in todo:  # one shared iterator: each worker takes the next sample when its request is answered
+                body = {"model": "target", "prompt": ids, "max_tokens": 1, "return_token_ids": True}  # as Eyrie's
+                async with session.post(url + "/v1/completions", json=body) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"vLLM answered {r.status}: {(await r.text())[:300]}")
+                    paths.append((await r.json())["kv_transfer_params"]["hidden_states_path"])
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return paths
+
+
+def run_bare(url: str, api_key: str | None, samples, concurrency: int, timeout_s: float) -> dict:
+    t0 = time.perf_counter()
+    paths = asyncio.run(_bare_pass(url, api_key, samples, concurrency, timeout_s))
+    wall = time.perf_counter() - t0
+    for p in paths:  # untimed: wait for each file's writer, then drop the file, so no write spills into the next pass
+        _wait_and_release(p)
+        Path(p).unlink(missing_ok=True)
+    return {"wall_s": wall, "files": len(paths), "bytes": 0}
+
+
+def synthetic_source(config, n_conversations: int, min_tokens: int, out: Path, seed: int = 0) -> Path:
+    """Write `n_conversations` conversations of at least `min_tokens` template tokens to `out`: each joins randomly
+    drawn conversations of the config's local .jsonl source (system turns dropped), one after another."""
+    src = Path(config.data.source)
+    if src.suffix != ".jsonl":
+        raise SystemExit(f"--synthetic-tokens needs a local .jsonl data source, not {src}")
+    convs = []
+    for line in src.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            msgs = [m for m in json.loads(line).get("messages", []) if m["role"] != "system"]
+            if msgs and msgs[0]["role"] == "user" and msgs[-1]["role"] == "assistant":
+                convs.append(msgs)
+    tok = load_tokenizer(config.target)
+    rng = random.Random(seed)
+    with open(out, "w", encoding="utf-8") as f:
+        for i in range(n_conversations):
+            msgs: list[dict] = []
+            while not msgs or len(tok(tok.apply_chat_template(msgs, tokenize=False))["input_ids"]) < min_tokens:
+                msgs += rng.choice(convs)
+            f.write(json.dumps({"id": f"synthetic-{i:05d}", "messages": msgs}) + "\n")
+    return out
 
 
 def run_speculators(endpoint: str, dataset: Path, out: Path, n: int, concurrency: int, timeout_s: float) -> dict:
@@ -143,16 +223,41 @@ def main() -> None:
     ap.add_argument("--max-samples", type=int, help="samples to extract (default: all prepared)")
     ap.add_argument("--concurrency", type=int, help="requests in flight (default: extraction.concurrency)")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument(
+        "--synthetic-tokens",
+        type=int,
+        help="samples of about this many tokens, joined from the source's conversations (see the module's help)",
+    )
+    ap.add_argument("--no-prefix-caching", action="store_true", help="serve with --no-enable-prefix-caching")
+    ap.add_argument(
+        "--shard-size", type=int, help="rows per shard (default: the config's; 256 with --synthetic-tokens)"
+    )
     args = ap.parse_args()
 
     config = load_config(args.config)
     work = Path(args.work_dir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
     run = RunFolder(work)
     if config.target.tiny:
         build_target(config.target.tiny, config.target.model)
+    if args.synthetic_tokens:
+        want = args.max_samples or 256
+        # Held-out rows leave prepare's dataset: draw enough for `want` train rows.
+        count = int(want / (1 - config.data.eval_fraction)) + 32
+        source = work / f"synthetic_{args.synthetic_tokens}.jsonl"
+        synthetic_source(config, count, args.synthetic_tokens, source)
+        config.data.source = str(source)
+        config.data.max_length = args.synthetic_tokens + 256
+        config.data.max_samples = None
+        config.data.shard_size = args.shard_size or 256
+        config.target.max_model_len = max(config.target.max_model_len or 0, config.data.max_length + 1)
+    elif args.shard_size:
+        config.data.shard_size = args.shard_size
     prepare(config.target, config.data, run.prepare)
     report = run_preflight(config, work)
     plan = ExtractionPlan(config, run, report, load_shards(run.prepare))
+    if args.no_prefix_caching:
+        plan.spec.server_args = [*plan.spec.server_args, "--no-enable-prefix-caching"]
     total = plan.shards[-1].stop
     n = min(args.max_samples or total, total)
     shards = [replace(s, stop=min(s.stop, n)) for s in plan.shards if s.start < n]
@@ -164,9 +269,12 @@ def main() -> None:
     server = ExtractionServer(run.extract)
     if not server.healthy():
         clean_staging(plan.staging)
-    runs = {"eyrie": [], "speculators": []}
+    samples = load_dataset_rows(run.prepare, 0, n)
+    runs: dict[str, list[dict]] = {"eyrie": [], "bare": [], "speculators": []}
     try:
-        client = server.ensure(plan.spec, config.extraction.startup_timeout_s)
+        server.ensure(plan.spec, config.extraction.startup_timeout_s)
+        # As the extraction task builds it (tasks/extract.py): one pooled connection per request in flight.
+        client = ServerClient(server.url(), plan.spec.api_key(), max(10, concurrency))
         endpoint = server.url() + "/v1"
         warm = work / "warmup"  # first requests pay one-off costs; neither client should
         run_eyrie(
@@ -178,17 +286,25 @@ def main() -> None:
             concurrency,
             timeout_s,
         )
+        # Every sample once, untimed: with prefix caching on (vLLM's default) a sample's second pass reuses its
+        # blocks, so without this the client that happened to go first in a repeat would pay for all the others.
+        run_bare(server.url(), plan.spec.api_key(), samples, concurrency, timeout_s)
+        clients = ["eyrie", "bare", "speculators"]
         for r in range(args.repeats):
             for p in (eyrie_out, spec_out, work / "eyrie_hs_manifests"):
                 shutil.rmtree(p, ignore_errors=True)
-            order = ["eyrie", "speculators"] if r % 2 == 0 else ["speculators", "eyrie"]
+            order = clients[r % 3 :] + clients[: r % 3]  # each client goes first once in three repeats
             for name in order:
                 print(f"repeat {r + 1}/{args.repeats}: {name} ...", flush=True)
                 if name == "eyrie":
                     res = run_eyrie(client, plan, shards, run.prepare, eyrie_out, concurrency, timeout_s)
+                    res["files"], res["bytes"] = output_size(eyrie_out)
+                elif name == "bare":
+                    res = run_bare(server.url(), plan.spec.api_key(), samples, concurrency, timeout_s)
                 else:
                     res = run_speculators(endpoint, run.prepare / "dataset", spec_out, n, concurrency, timeout_s)
-                res["files"], res["bytes"] = output_size(eyrie_out if name == "eyrie" else spec_out)
+                    res["files"], res["bytes"] = output_size(spec_out)
+                print(f"  {res['wall_s']:.2f} s, {tokens / res['wall_s']:,.0f} tokens/s", flush=True)
                 runs[name].append(res)
             if r == 0:
                 agreement = compare(eyrie_out, spec_out, n)
@@ -218,12 +334,14 @@ def main() -> None:
             "startup_s": rows["speculators"]["wall_s"] - s,
         }
     ratio = rows["eyrie"]["tokens_per_s"] / rows["speculators"]["tokens_per_s"]
+    ratio_bare = rows["eyrie"]["tokens_per_s"] / rows["bare"]["tokens_per_s"]
+    ratio_inproc = rows["eyrie"]["tokens_per_s"] / rows["speculators"]["in_process_tokens_per_s"] if inproc else None
 
     print(
-        f"\n{n} samples, {tokens} tokens, concurrency {concurrency}, {args.repeats} repeat(s) (medians); "
-        f"model {plan.spec.model}"
+        f"\n{n} samples, {tokens} tokens ({tokens / n:.0f} per sample), concurrency {concurrency}, "
+        f"{args.repeats} repeat(s) (medians); model {plan.spec.model}"
     )
-    print(f"{'':24}{'eyrie':>14}{'speculators':>14}")
+    print(f"{'':24}{'eyrie':>14}{'bare':>14}{'speculators':>14}")
     for key, fmt in [
         ("wall_s", ".2f"),
         ("samples_per_s", ".1f"),
@@ -234,14 +352,12 @@ def main() -> None:
         ("in_process_tokens_per_s", ".0f"),
         ("startup_s", ".2f"),
     ]:
-        cells = [format(rows[c][key], fmt) if key in rows[c] else "-" for c in ("eyrie", "speculators")]
-        print(f"{key:24}{cells[0]:>14}{cells[1]:>14}")
+        cells = [format(rows[c][key], fmt) if key in rows[c] else "-" for c in ("eyrie", "bare", "speculators")]
+        print(f"{key:24}{cells[0]:>14}{cells[1]:>14}{cells[2]:>14}")
+    print(f"ratio eyrie/bare (tokens/s): {ratio_bare:.3f}x")
     print(f"ratio eyrie/speculators (tokens/s, end to end): {ratio:.2f}x")
-    if inproc:
-        print(
-            f"ratio eyrie/speculators (tokens/s, speculators in-process): "
-            f"{rows['eyrie']['tokens_per_s'] / rows['speculators']['in_process_tokens_per_s']:.2f}x"
-        )
+    if ratio_inproc is not None:
+        print(f"ratio eyrie/speculators (tokens/s, speculators in-process): {ratio_inproc:.2f}x")
     print(
         f"outputs agree: {agreement['files']} files each; files {agreement['checked']} "
         f"{'identical' if agreement['identical'] else 'allclose'} (max abs diff {agreement['max_abs_diff']:.3g})"
@@ -249,12 +365,18 @@ def main() -> None:
 
     result = {
         "config": args.config,
+        "command": [sys.executable, *sys.argv],
+        "synthetic_tokens": args.synthetic_tokens,
+        "prefix_caching": not args.no_prefix_caching,
+        "shard_size": config.data.shard_size,
         "samples": n,
         "tokens": tokens,
         "concurrency": concurrency,
         "repeats": args.repeats,
         "results": rows,
         "ratio_tokens_per_s": ratio,
+        "ratio_eyrie_bare": ratio_bare,
+        "ratio_eyrie_speculators_in_process": ratio_inproc,
         "runs": runs,
         "agreement": agreement,
     }

@@ -10,8 +10,9 @@ this builds a synthetic run folder in the layout Eyrie's stages write, then meas
           `--trainer-norms` adds the two norms speculators' CLI turns on for eagle3, `--shifted-docs` packs the
           documents as the trainer's batches hold them (2047 tokens each after the shift, then padding, so their
           boundaries miss flex attention's 128-token blocks), `--eyrie-patches` applies eyrie.train_entry's
-          sync-free accuracy and loss scalars. `--iters` steps are timed (20: a 2 s burst; the trainer's window is
-          20-25 s at the GPU's sustained clock).
+          sync-free accuracy and loss scalars, `--bf16-weights` (with `--master fp32`) its bfloat16 working copies
+          of the float32 weights (BF16_WEIGHTS). `--iters` steps are timed (20: a 2 s burst; the trainer's window
+          is 20-25 s at the GPU's sustained clock); GPU clocks and power are sampled over them.
   eyrie   the command `eyrie.train.training_command()` builds from the Kimi preset pointed at the synthetic target,
           run as Eyrie runs it (a subprocess with EYRIE_TRAIN_DEVICE), reading the hidden-state files; tokens/s
           between logged steps after warm-up (real tokens, as speculators counts them), the time from launch to
@@ -407,6 +408,11 @@ def cmd_step(args) -> dict:
         doc, pos = doc.unsqueeze(0).to(dev), pos.unsqueeze(0).to(dev)
         mask = doc != -1
     amp = args.master == "fp32" and dev == "cuda"
+    working = None
+    if args.bf16_weights and amp:  # eyrie.train_entry's bfloat16 working copies of the float32 weights
+        import eyrie.train_entry as entry
+
+        working = entry._WorkingWeights(model, torch.bfloat16)
     timing = {"fwd": 0.0, "bwd": 0.0, "opt": 0.0}
 
     def step(profile: bool = False):
@@ -427,6 +433,8 @@ def cmd_step(args) -> dict:
             timing["fwd"] += time.perf_counter() - t
             t = time.perf_counter()
         loss.backward()
+        if working is not None:
+            working.to_master()
         if args.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if profile:
@@ -448,11 +456,15 @@ def cmd_step(args) -> dict:
     t_warm = time.perf_counter() - t_build
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
+    sampler = GpuSampler()  # clocks and power over the timed steps, as for the trainer's window
+    sampler.start()
+    t0, w0 = time.perf_counter(), time.time()
     for _ in range(args.iters):
         step()
     sync()
     dt = (time.perf_counter() - t0) / args.iters
+    sampler.stop.set()
+    gpu = sampler.summary(w0, time.time())
     n_prof = max(1, args.iters // 4)
     for _ in range(n_prof):  # phases, each synchronised (a separate pass so the rate above is unperturbed)
         step(profile=True)
@@ -484,6 +496,8 @@ def cmd_step(args) -> dict:
     rec["trainer_norms"] = args.trainer_norms
     rec["shifted_docs"] = args.shifted_docs
     rec["eyrie_patches"] = args.eyrie_patches
+    rec["bf16_weights"] = working is not None
+    rec["gpu"] = gpu
     if dev == "cuda":
         rec["sync_probe"] = sync_probe()
     if args.profile and dev == "cuda":  # the same analysis as the trainer's profiled window
@@ -708,6 +722,10 @@ def _bench_entry(argv: list[str]) -> None:
         setattr(entry, name, False)
     if entry.FORKSERVER_WORKERS and os.environ.get("EYRIE_TRAIN_DEVICE") != "cpu":
         entry._start_worker_server()  # where main() starts it, before the heavy imports (again there: a no-op)
+    if os.environ.get("EYRIE_TRAIN_DEVICE") != "cpu":
+        # as main() does before its imports: importing speculators sets TORCHINDUCTOR_CACHE_DIR to /tmp's default
+        # when it is unset, and main()'s own call after the imports below would then leave it there
+        entry._compile_cache_beside(entry._option(argv, "--save-path"))
     import torch
 
     _mark("torch imported")
@@ -1152,6 +1170,7 @@ def cmd_eyrie(args, optimizer: str | None = None) -> dict:
                 "num_workers",
                 "prefetch_factor",
                 "hidden_states_dtype",
+                "hidden_states_backend",
                 "total_seq_len",
                 "ttt_steps",
             )
@@ -1335,6 +1354,7 @@ def main() -> None:
     p.add_argument("--trainer-norms", action="store_true", help="norm_before_fc and norm_output, as the trainer")
     p.add_argument("--shifted-docs", action="store_true", help="documents as the trainer packs them (2047 + pad)")
     p.add_argument("--eyrie-patches", action="store_true", help="eyrie.train_entry's sync-free metrics and loss")
+    p.add_argument("--bf16-weights", action="store_true", help="with --master fp32: eyrie's bf16 working weights")
     # eyrie
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
     p.add_argument("--optimizers", default="adamw,muon")

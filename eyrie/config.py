@@ -130,6 +130,13 @@ class ExtractionConfig(_Section):
         "Eyrie's own environment; part of the server's identity, so a change starts a new server. Preflight "
         "refuses a VLLM_* name the installed vLLM does not know, or a value it cannot read.",
     )
+    hidden_states_dtype: Literal["bfloat16", "float8_e4m3fn"] = Field(
+        "bfloat16",
+        description="How hidden-state files are stored. bfloat16: as the server computes them (the target's dtype). "
+        "float8_e4m3fn: speculators' own fp8 format (its `fp8` hidden-states backend: fp8 values plus one float32 "
+        "scale per token), about half the bytes per token, dequantized to bfloat16 as the trainer reads them. "
+        "Part of the extraction key and of the server's identity: a change extracts again.",
+    )
     min_free_disk_gib: float = Field(1.0, ge=0, description="Head-room kept free after the estimated output.")
     verify_checksums: bool = Field(
         True,
@@ -259,6 +266,16 @@ class TrainConfig(_Section):
         ge=0,
         description="Warn in the run summary when the last epoch still raised the predicted acceptance length "
         "by more than this: the drafter is likely undertrained.",
+    )
+    hidden_states: Literal["offline", "online"] = Field(
+        "offline",
+        description="Where the trainer gets hidden states. offline: the extract stage writes one file per sample "
+        "under the run folder and training reads them (re-read every epoch, reused by later runs). online: no "
+        "extract stage; the extraction server stays up during training and speculators' on-missing `generate` "
+        "path asks it for each sample as it is needed, through transient files on tmpfs (/dev/shm, or "
+        "$EYRIE_ONLINE_TMPFS) deleted once read, so nothing is kept on disk, at the price of one target forward "
+        "pass per sample per epoch. The server and the trainer must share that tmpfs (one machine). Resumes "
+        "like offline: from speculators' newest whole checkpoint, in the same data order.",
     )
 
 

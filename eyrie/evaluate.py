@@ -16,8 +16,18 @@ from pathlib import Path
 from typing import Any
 
 from eyrie.progress import position_accuracies
+from eyrie.store import sha256_json
 
 _SAMPLE = re.compile(r"^(vllm:spec_decode_[a-z_]+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$")
+
+
+def evaluate_key(label: str, drafter_identity: str, settings: dict, prompts: list[list[dict]]) -> str:
+    """What one drafter's measurement depends on: which drafter, the evaluation settings and the prompts."""
+    return sha256_json([label, drafter_identity, settings, prompts])[:16]
+
+
+def draft_tokens_key(trained_key: str, sweep: int) -> str:
+    return sha256_json(["draft-tokens", trained_key, sweep])[:16]
 
 
 def spec_counters(metrics_text: str) -> dict:
@@ -84,6 +94,8 @@ def train_serve_gap(val_metrics: dict | None, served: list[float], bound: float,
     for i, (val, srv) in enumerate(zip(accuracies, served, strict=False)):
         margin = 2 * math.sqrt(max(srv * (1 - srv), 0.0) / drafts) if drafts else 0.0
         row = {"position": i + 1, "validation": round(val, 4), "served": srv, "gap": round(val - srv, 4)}
+        if (raw := (val_metrics or {}).get(f"full_acc_{i}_epoch_speculators")) is not None:
+            row["validation_speculators"] = round(raw, 4)  # before eyrie.progress.like_for_like_metrics
         rows.append({**row, "margin": round(margin, 4)})
     flagged = [r["position"] for r in rows if abs(r["gap"]) > bound + r["margin"]]
     return {"bound": bound, "drafts": drafts, "rows": rows, "flagged": flagged}
@@ -166,8 +178,12 @@ def draft_token_report(serve, spec, drafter: str, prompts, max_tokens: int, swee
     for `spec`, stopped when the block ends: two target loads in all."""
     concurrency = [t["concurrency"] for t in trained["throughput"]]
     with serve(replace(spec, drafter=drafter, num_speculative_tokens=sweep), "server-sweep") as client:
-        swept = measure(client, prompts, max_tokens)
+        # The acceptance comes from the throughput runs' own traffic (the same greedy prompts, once per
+        # concurrency): no separate pass over the prompts.
+        before = spec_counters(client.metrics())
         swept_throughput = [measure_throughput(client, prompts, max_tokens, c) for c in concurrency]
+        swept = acceptance(before, spec_counters(client.metrics()))
+        swept["prompts"] = len(prompts) * len(concurrency)
     with serve(replace(spec, drafter=None, layer_ids=None, storage_path=None), "server-target") as client:
         alone = [measure_throughput(client, prompts, max_tokens, c) for c in concurrency]
     with_drafter = {trained["num_speculative_tokens"]: trained["throughput"], sweep: swept_throughput}

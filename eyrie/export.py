@@ -16,7 +16,8 @@ from pathlib import Path
 
 from eyrie.errors import EyrieError
 from eyrie.faults import fault_point
-from eyrie.store import atomic_write_json, read_json, sha256_file
+from eyrie.manifest import done, files_under, list_files
+from eyrie.store import atomic_write_json, sha256_json
 from eyrie.target import verifier_name
 
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
@@ -52,13 +53,16 @@ def check_drafter_config(cfg: dict, aux_ids: list[int], target_hidden_size: int)
     return problems
 
 
+def export_key(train_key: str, aux_ids: list[int], serving_fingerprint: str) -> str:
+    """What the exported drafter and its vLLM proof are made of: the trained checkpoint, the captured layers and the
+    server that proves it (target, vLLM arguments, draft tokens)."""
+    return sha256_json([train_key, aux_ids, serving_fingerprint])[:16]
+
+
 def export_drafter(
     checkpoint: Path, out_dir: Path, target_model: str, aux_ids: list[int], target_hidden_size: int, key: str
 ) -> dict:
     """Copy the checkpoint's servable files into `out_dir/drafter`, verifier pointed at the target."""
-    manifest = read_json(out_dir / "manifest.json")
-    if manifest and manifest.get("key") == key and (out_dir / "drafter" / "model.safetensors").exists():
-        return manifest
     cfg = json.loads((checkpoint / "config.json").read_text())
     verifier = verifier_name(target_model)
     cfg.setdefault("speculators_config", {}).setdefault("verifier", {})["name_or_path"] = verifier
@@ -84,7 +88,7 @@ def export_drafter(
         "verifier": verifier,
         "eagle_aux_hidden_state_layer_ids": aux_ids,
         "norm_flags": {f: cfg.get(f) for f in NORM_FLAGS},
-        "files": {p.name: sha256_file(p) for p in drafter.iterdir()},
+        "files": list_files(out_dir, files_under(drafter)),
     }
     return manifest  # the caller adds the vLLM proof, then writes it
 
@@ -101,8 +105,7 @@ def export_and_prove(
 ) -> dict:
     """Export, then prove vLLM serves the drafter (`serve(drafter_dir)` returns a client); the manifest, written
     last, records the proof. A finished export with the same key is returned as it is."""
-    manifest = read_json(out_dir / "manifest.json")
-    if manifest and manifest.get("key") == key and manifest.get("vllm_proof"):
+    if manifest := done(out_dir / "manifest.json", key):  # written last, with the proof
         return manifest
     manifest = export_drafter(checkpoint, out_dir, target_model, aux_ids, target_hidden_size, key)
     fault_point("export.before-proof")

@@ -8,21 +8,28 @@ records each file's stat (size, mtime_ns, inode), so a later run trusts an uncha
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import fcntl
+import hashlib
 import os
 import shutil
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors.torch import load as load_bytes
 from safetensors.torch import load_file
 
 from eyrie import FORMAT_VERSION
 from eyrie.errors import DiskFullError, ExtractionError
 from eyrie.faults import fault_point
+from eyrie.hidden_states import BFLOAT16, FP8, check_encoding
+from eyrie.hidden_states import ENV as HIDDEN_STATES_DTYPE_ENV
 from eyrie.prepare import Shard, load_dataset_rows
 from eyrie.store import (
     atomic_write_json,
@@ -36,21 +43,25 @@ from eyrie.store import (
 from eyrie.target import target_identity
 
 
-def shard_key(target_id: str, captured_ids: list[int], shard: Shard) -> str:
-    """The identity of a shard's output: what it ran on, what it captured, what it read."""
-    return sha256_json(
-        {
-            "target": target_id,
-            "layers": captured_ids,
-            "shard": shard.fingerprint,
-            "rows": [shard.start, shard.stop],
-            "format": FORMAT_VERSION,
-        }
-    )[:16]
+def shard_key(target_id: str, captured_ids: list[int], shard: Shard, hidden_states_dtype: str = BFLOAT16) -> str:
+    """The identity of a shard's output: what it ran on, what it captured, what it read, how it is stored."""
+    key = {
+        "target": target_id,
+        "layers": captured_ids,
+        "shard": shard.fingerprint,
+        "rows": [shard.start, shard.stop],
+        "format": FORMAT_VERSION,
+    }
+    if hidden_states_dtype != BFLOAT16:  # absent for bfloat16, so keys (and finished shards) from before it stay
+        key["hidden_states_dtype"] = hidden_states_dtype
+    return sha256_json(key)[:16]
 
 
-def check_sample(data: dict, token_ids: list[int], num_layers: int, hidden_size: int) -> None:
-    """Raise ValueError unless `data` is one whole, finite sample for exactly these tokens."""
+def check_sample(
+    data: dict, token_ids: list[int], num_layers: int, hidden_size: int, hidden_states_dtype: str = BFLOAT16
+) -> None:
+    """Raise ValueError unless `data` is one whole, finite sample for exactly these tokens, stored in
+    `hidden_states_dtype`'s encoding (eyrie.hidden_states)."""
     if set(data) < {"hidden_states", "token_ids"}:
         raise ValueError(f"keys {sorted(data)}; expected hidden_states and token_ids")
     if data["token_ids"].tolist() != token_ids:
@@ -59,16 +70,26 @@ def check_sample(data: dict, token_ids: list[int], num_layers: int, hidden_size:
     want = (len(token_ids), num_layers, hidden_size)
     if tuple(hs.shape) != want:
         raise ValueError(f"hidden_states shape {tuple(hs.shape)}, expected {want} [T, n_layers, H]")
-    if not bool(torch.isfinite(hs).all()):
+    check_encoding(data, hidden_states_dtype)  # fp8: its scales, and no NaN (e4m3fn has no infinity)
+    if hidden_states_dtype != FP8 and not all_finite(hs):
         raise ValueError("hidden_states hold NaN or infinite values")
 
 
-def load_checked(path: Path, token_ids: list[int], num_layers: int, hidden_size: int) -> None:
+def all_finite(t: torch.Tensor) -> bool:
+    """Every value finite, in one float32 sum: a NaN or an infinity anywhere makes the sum NaN or infinite, so a
+    finite sum proves it (13x cheaper than `isfinite` element by element on bf16, on the cores the server needs); a
+    sum that overflows from finite values falls back to the element-wise check."""
+    return bool(torch.isfinite(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
+
+
+def load_checked(
+    path: Path, token_ids: list[int], num_layers: int, hidden_size: int, hidden_states_dtype: str = BFLOAT16
+) -> None:
     try:
         data = load_file(str(path))
     except Exception as err:  # safetensors raises its own error types for truncated or garbled files
         raise ValueError(f"unreadable: {err}") from None
-    check_sample(data, token_ids, num_layers, hidden_size)
+    check_sample(data, token_ids, num_layers, hidden_size, hidden_states_dtype)
 
 
 def stat_record(st: os.stat_result) -> dict:
@@ -92,6 +113,33 @@ def file_record(path: Path, tokens: int) -> dict:
     writes a hidden-state file once it is in place, under the run lock)."""
     st = path.stat()
     return {"bytes": st.st_size, "sha256": sha256_file(path), "tokens": tokens, "stat": stat_record(st)}
+
+
+def checked_record(
+    path: Path, token_ids: list[int], num_layers: int, hidden_size: int, hidden_states_dtype: str = BFLOAT16
+) -> dict:
+    """`load_checked` and `file_record` in one read: the file's bytes are parsed and checked (`check_sample`) and
+    hashed from memory (a mapped `load_file` and a second read for the hash cost twice the CPU, on the cores the
+    server needs). The stat is taken before the read, as in `file_record`; a rename keeps it."""
+    try:
+        st = path.stat()
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as err:  # as load_checked: a file the server never wrote (a full disk) is a bad file
+        raise ValueError(f"unreadable: {err}") from None
+    if len(data) != st.st_size:
+        raise ValueError(f"{len(data)} bytes read, {st.st_size} when it was looked at: it changed meanwhile")
+    try:
+        tensors = load_bytes(data)
+    except Exception as err:  # safetensors raises its own error types for truncated or garbled files
+        raise ValueError(f"unreadable: {err}") from None
+    check_sample(tensors, token_ids, num_layers, hidden_size, hidden_states_dtype)
+    return {
+        "bytes": st.st_size,
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "tokens": len(token_ids),
+        "stat": stat_record(st),
+    }
 
 
 def write_manifest(path: Path, manifest: dict, wait_s: float = 2.0) -> None:
@@ -149,6 +197,43 @@ def shard_complete(manifest_path: Path, key: str, hidden_dir: Path, rehash_chang
     return True
 
 
+def _run_coroutine(fn: Callable[[], Coroutine[Any, Any, dict]]) -> dict:
+    """`asyncio.run(fn())`, in a thread of its own when this one already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(fn())
+    with ThreadPoolExecutor(max_workers=1) as one:
+        return one.submit(lambda: asyncio.run(fn())).result()
+
+
+# Threads that check, hash and move the files answered (extract_shard), beside the requests in flight. Two keep
+# up with the server (about 0.5 ms of CPU a file); eight measured 5-9% slower (benchmarks/extract_throughput.py),
+# holding the GIL away from the request loop and the cores away from the server.
+FILE_THREADS = 2
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+@contextlib.asynccontextmanager
+async def _extractor(client, concurrency: int) -> AsyncIterator[Callable[[list[int], float], Awaitable[str]]]:
+    """`client.extract` as a coroutine: ServerClient's own (one aiohttp session), else the client's blocking call
+    in a thread per request in flight (test doubles)."""
+    if hasattr(client, "async_extractor"):
+        async with client.async_extractor(concurrency) as extract:
+            yield extract
+        return
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="eyrie-request") as pool:
+
+        async def extract(ids: list[int], timeout_s: float) -> str:
+            return await loop.run_in_executor(pool, client.extract, ids, timeout_s)
+
+        yield extract
+
+
 def _wait_and_release(path: str) -> None:
     """Wait for the connector's writer (it holds LOCK_EX on `<path>.lock` until the file is whole), then drop it."""
     lock = path + ".lock"
@@ -172,11 +257,14 @@ def extract_shard(
     progress: Callable[[int, int], None] | None = None,
     log=print,
     rehash_changed: bool = True,
+    hidden_states_dtype: str = BFLOAT16,
 ) -> dict:
     """Make every sample of `shard` valid on disk and write its manifest; returns the manifest.
 
     Samples already on disk and valid (from an interrupted attempt) are kept; only missing or bad ones are sent.
     `rehash_changed`: see `shard_complete`. `client` None: the shard must be complete already (no server runs).
+    `hidden_states_dtype`: the encoding every file must have (the server's connector writes it); a file in the
+    other one is redone.
     """
     if shard_complete(manifest_path, key, hidden_dir, rehash_changed):
         return read_json(manifest_path) or {}
@@ -208,7 +296,7 @@ def extract_shard(
                         if sha256_file(p) != rec["sha256"]:
                             raise ValueError("changed since its shard completed (checksum differs)")
                         rec = {**rec, "stat": stat_record(st)}
-                load_checked(p, ids, num_layers, hidden_size)
+                load_checked(p, ids, num_layers, hidden_size, hidden_states_dtype)
                 if rec:
                     known[str(idx)] = rec
                 continue
@@ -233,50 +321,102 @@ def extract_shard(
             "shard is not marked done and earlier shards are intact: free space and run again"
         )
 
-    def one(item: tuple[int, list[int]]) -> None:
-        idx, ids = item
-        if err := disk_full(idx, ids):  # before the server spends a forward pass on a file it cannot write
-            raise err
-        src = client.extract(ids, timeout_s)
+    # Requests and the work on their files are apart, so that a request's slot is free again as soon as the server
+    # answers: `concurrency` requests stay in flight (on one asyncio loop) while the files already answered are
+    # checked, hashed and moved beside them in a small thread pool (the writer's lock, the load and the checksum
+    # are off the request path; none is skipped). Their fsyncs come once the shard's requests are done, in one
+    # batch (below): an fsync per file among the server's writes cost a journal commit each.
+    records: dict[str, dict] = {}  # manifest entries of the files extracted here, hashed as they arrive
+    finishing: list[tuple[int, Future]] = []
+
+    def finish(idx: int, ids: list[int], src: str) -> None:
         _wait_and_release(src)
         try:
-            load_checked(Path(src), ids, num_layers, hidden_size)
+            rec = checked_record(Path(src), ids, num_layers, hidden_size, hidden_states_dtype)
         except ValueError as err:
             Path(src).unlink(missing_ok=True)
             # The server's writer fails silently (it only logs); a full disk is the usual reason for a bad file.
             raise disk_full(idx, ids) or ExtractionError(
                 f"{shard.name}: sample {idx}: the server wrote a bad file ({err})"
             ) from None
+        dest = sample_path(hidden_dir, idx)
         try:
-            os.replace(src, sample_path(hidden_dir, idx))  # same filesystem: the connector writes under the run
+            os.replace(src, dest)  # same filesystem: the connector writes under the run
         except OSError as err:
             if err.errno == errno.EXDEV:
                 raise ExtractionError(
                     f"the server's storage path {src} is on another filesystem than {hidden_dir}"
                 ) from None
             raise
+        records[str(idx)] = rec
         done[0] += 1
         if progress:
             progress(done[0], len(rows))
 
+    # Waiting for writers leaves the GIL; checks and hashes are short: a few threads keep up. Each runs torch on one
+    # thread: a parallel check of a small tensor spins a second core the server needs.
+    post = ThreadPoolExecutor(
+        max_workers=min(concurrency, FILE_THREADS),
+        thread_name_prefix=f"eyrie-{shard.name}-files",
+        initializer=_one_thread,
+    )
+
+    async def send_all() -> dict[int, BaseException]:
+        failed: dict[int, BaseException] = {}
+        queue = iter(todo)
+        async with _extractor(client, concurrency) as extract:
+
+            async def sender() -> None:
+                # One queue for all senders: each takes the next sample once its answer is in. As with the thread
+                # pool before, every sample is tried and failures are raised after.
+                for idx, ids in queue:
+                    try:
+                        # Before the server spends a forward pass on a file it cannot write.
+                        if err := disk_full(idx, ids):
+                            raise err
+                        src = await extract(ids, timeout_s)
+                        finishing.append((idx, post.submit(finish, idx, ids, src)))
+                    except Exception as err:
+                        failed[idx] = err
+
+            await asyncio.gather(*(sender() for _ in range(concurrency)))
+        return failed
+
+    def disk_full_error(err: OSError) -> DiskFullError:
+        return DiskFullError(
+            f"{shard.name}: the disk is full ({err}); {done[0]} of {len(rows)} samples are "
+            "saved and the shard is not marked done: free space and run again"
+        )
+
     try:
-        with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"eyrie-{shard.name}") as pool:
-            list(pool.map(one, todo))
+        with post:
+            failed = _run_coroutine(send_all)
+        # Leaving the pool's block waited for every file answered; the first failure in row order is raised.
+        for idx, f in finishing:
+            if (exc := f.exception()) is not None:
+                failed[idx] = exc
+        if failed:
+            raise failed[min(failed)]
     except OSError as err:
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFullError(
-                f"{shard.name}: the disk is full ({err}); {done[0]} of {len(rows)} samples are "
-                "saved and the shard is not marked done: free space and run again"
-            ) from None
+            raise disk_full_error(err) from None
         raise
     # The files on disk before the manifest that vouches for them: a power cut must not leave a manifest listing
     # files whose data (or whose names in the folder) never reached the disk.
-    for idx, _ in todo:
-        fsync_path(sample_path(hidden_dir, idx))
-    fsync_path(hidden_dir)
+    try:
+        for idx, _ in todo:
+            fsync_path(sample_path(hidden_dir, idx))
+        fsync_path(hidden_dir)
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise disk_full_error(err) from None
+        raise
     files = {}
     for offset, ids in enumerate(rows):
         name = str(shard.start + offset)
+        if name in records:
+            files[name] = records[name]
+            continue
         p = sample_path(hidden_dir, shard.start + offset)
         rec = known.get(name)
         files[name] = rec if rec and rec["stat"] == stat_record(p.stat()) else file_record(p, len(ids))
@@ -290,6 +430,7 @@ def extract_shard(
         "rows": [shard.start, shard.stop],
         "num_layers": num_layers,
         "hidden_size": hidden_size,
+        "hidden_states_dtype": hidden_states_dtype,
         "files": files,
         "reused_samples": reused,
         "extracted_samples": len(todo),
@@ -297,7 +438,12 @@ def extract_shard(
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 1) if todo and seconds > 0 else None,
     }
-    write_manifest(manifest_path, manifest)
+    try:
+        write_manifest(manifest_path, manifest)
+    except OSError as err:  # every sample is saved, and a disk filled since has no room for the manifest
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise disk_full_error(err) from None
+        raise
     return manifest
 
 
@@ -329,11 +475,22 @@ class ExtractionPlan:
         self.captured_ids = report.captured_layer_ids
         self.hidden_size = report.hidden_size
         tid = target_identity(config.target)
-        self.keys = {s.name: shard_key(tid, self.captured_ids, s) for s in shards}
-        self.spec = ServerSpec.from_config(config, layer_ids=self.captured_ids, storage_path=str(self.staging))
+        self.hidden_states_dtype = config.extraction.hidden_states_dtype
+        self.node = node
+        self.online = config.train.hidden_states == "online"
+        self.keys = {s.name: shard_key(tid, self.captured_ids, s, self.hidden_states_dtype) for s in shards}
+        self.spec = ServerSpec.for_extraction(config, self.captured_ids, str(self.staging))
+        if self.hidden_states_dtype != BFLOAT16:
+            # The connector reads it from its environment; bfloat16 sets nothing, so servers from before keep their
+            # identity (and are reused).
+            self.spec.server_env = {**self.spec.server_env, HIDDEN_STATES_DTYPE_ENV: self.hidden_states_dtype}
 
     @property
     def staging(self) -> Path:
+        if self.online:  # train.hidden_states: online: the trainer reads each file once and deletes it (eyrie.online)
+            from eyrie.online import staging_dir
+
+            return staging_dir(self.run.root, self.node)
         # Inside the run folder: files are renamed from here into hidden_states, which needs one filesystem.
         return self.server_dir / "staging"
 

@@ -27,6 +27,7 @@ from packaging.version import InvalidVersion, Version
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import PreflightError
+from eyrie.hidden_states import check_config as check_hidden_states_dtype
 from eyrie.promote import check_base, current_version
 from eyrie.target import (
     TargetError,
@@ -278,11 +279,9 @@ def check_server_arguments(config: PipelineConfig, captured: list[int], serve: b
         return [], [
             f"the server arguments were not checked: vLLM {vllm.__version__} has no make_arg_parser in {modules}"
         ]
-    specs = {"extraction": ServerSpec.from_config(config, layer_ids=captured, storage_path="<staging>")}
+    specs = {"extraction": ServerSpec.for_extraction(config, captured, "<staging>")}
     if serve:
-        specs["export/evaluation"] = ServerSpec.from_config(
-            config, drafter="<drafter>", num_speculative_tokens=config.evaluate.num_speculative_tokens
-        )
+        specs["export/evaluation"] = ServerSpec.for_serving(config, "<drafter>")
     failures = []
     # vLLM takes the later of two values, and Eyrie's checks and clients assume its own: one owner per setting.
     own = set(EYRIE_SETS).union(
@@ -328,6 +327,13 @@ def check_server_arguments(config: PipelineConfig, captured: list[int], serve: b
             f"extraction.concurrency {config.extraction.concurrency} is above the server's --max-num-seqs {seqs}: "
             f"the requests beyond it wait in vLLM's queue, their wait counted against request_timeout_s; set "
             f"extraction.concurrency to {seqs}"
+        )
+    # Regeneration sends its requests to the same server (the extraction server generates too).
+    if seqs and config.regenerate.enabled and config.regenerate.concurrency > seqs:
+        warnings.append(
+            f"regenerate.concurrency {config.regenerate.concurrency} is above the extraction server's "
+            f"--max-num-seqs {seqs}, which regeneration generates on: the requests beyond it wait in vLLM's queue, "
+            f"their wait counted against regenerate.request_timeout_s; set regenerate.concurrency to {seqs}"
         )
     return failures, warnings
 
@@ -580,6 +586,7 @@ def run_preflight(
         )
     failures += check_vllm_version(config.target.vllm_version, vllm.__version__)
     failures += check_server_env(config.extraction.server_env)
+    failures += check_hidden_states_dtype(config.extraction.hidden_states_dtype)
     arg_failures, arg_warnings = check_server_arguments(config, captured_layer_ids(aux_ids, num_layers), serve)
     failures += arg_failures
     if config.vocab.draft_vocab_size > vocab > 0:
@@ -628,7 +635,8 @@ def run_preflight(
     if probe.path != "unsupported":  # a refused class is the one problem worth reading; its metadata may be odd
         failures += check_drafter_inputs(config, cfg, report)
     if tokens is not None and hidden:
-        report.estimated_bytes = hidden_state_bytes(tokens, len(report.captured_layer_ids), hidden)
+        fp8 = config.extraction.hidden_states_dtype == "float8_e4m3fn"
+        report.estimated_bytes = hidden_state_bytes(tokens, len(report.captured_layer_ids), hidden, 1 if fp8 else 2)
         run_dir.mkdir(parents=True, exist_ok=True)
         report.free_bytes = shutil.disk_usage(run_dir).free
         need = report.estimated_bytes + int(config.extraction.min_free_disk_gib * 2**30)

@@ -23,6 +23,7 @@ from eyrie.config import DataConfig, TargetConfig
 from eyrie.errors import DataError
 from eyrie.faults import fault_point
 from eyrie.hub import hub_commit
+from eyrie.manifest import done, files_under, list_files
 from eyrie.store import atomic_write_json, read_json, replace_dir, sha256_file, sha256_json
 from eyrie.target import load_tokenizer
 
@@ -318,8 +319,7 @@ def prepare_key(target: TargetConfig, data: DataConfig) -> str:
 def prepare(target: TargetConfig, data: DataConfig, out_dir: Path, key: str | None = None) -> dict:
     """Run the stage into `out_dir` (replaced atomically); returns its manifest. Reuses a finished one with `key`."""
     key = key or prepare_key(target, data)
-    manifest = read_json(out_dir / "manifest.json")
-    if manifest and manifest.get("key") == key and (out_dir / "dataset").exists():
+    if manifest := done(out_dir / "manifest.json", key):
         return manifest
 
     tokenizer = load_tokenizer(target)
@@ -377,6 +377,7 @@ def prepare(target: TargetConfig, data: DataConfig, out_dir: Path, key: str | No
         "num_shards": len(shards),
         "vocab_size": len(tokenizer),
         "stats": stats.as_dict(),
+        "files": list_files(staging, files_under(staging)),
     }
     atomic_write_json(staging / "manifest.json", manifest)
     fault_point("prepare.before-publish")

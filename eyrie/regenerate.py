@@ -42,6 +42,7 @@ from typing import Any
 from eyrie.config import PipelineConfig, RegenerateConfig
 from eyrie.errors import RegenerationError, RequestRejected, ServerUnavailable
 from eyrie.faults import fault_point
+from eyrie.manifest import done, files_under, list_files
 from eyrie.prepare import RowError, Shard, load_shards, render_text, tokenizer_fingerprint
 from eyrie.store import RunFolder, atomic_write_bytes, atomic_write_json, read_json, sha256_file, sha256_json
 
@@ -445,6 +446,9 @@ def regenerate_shard(
     data = _rows_parquet(kept)
     rows_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(rows_path, data)
+    # Rows on disk, manifest not yet: a kill here leaves a whole rows file that nothing vouches for (the drill
+    # that proves a rerun redoes the shard rather than trusting it).
+    fault_point(f"regenerate.{shard.name}.rows-written")
     seconds = time.perf_counter() - t0
     manifest = {
         "stage": STAGE,
@@ -528,8 +532,7 @@ def assemble(stage_dir: Path, prepare_dir: Path, shards: list[Shard], keys: dict
     import pyarrow.parquet as pq
     import torch
 
-    manifest = read_json(stage_dir / "manifest.json")
-    if manifest and manifest.get("key") == key and (stage_dir / "dataset").is_dir():
+    if manifest := done(stage_dir / "manifest.json", key):
         return manifest
     tables, out_shards, start = [], [], 0
     totals: Counter = Counter()
@@ -602,12 +605,7 @@ def assemble(stage_dir: Path, prepare_dir: Path, shards: list[Shard], keys: dict
     stats["loss_tokens"] = int(mask.sum())
     atomic_write_json(stage_dir / "shards.json", out_shards)
     atomic_write_json(stage_dir / "stats.json", stats)
-    files = {
-        p.relative_to(stage_dir).as_posix(): sha256_file(p)
-        for p in sorted((stage_dir / "dataset").iterdir())
-        if p.is_file()
-    }
-    files["shards.json"] = sha256_file(stage_dir / "shards.json")
+    files = list_files(stage_dir, [*files_under(stage_dir / "dataset"), stage_dir / "shards.json"])
     prepare_manifest = read_json(prepare_dir / "manifest.json") or {}
     manifest = {
         "stage": STAGE,

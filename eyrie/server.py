@@ -17,6 +17,7 @@ several consecutive failed health probes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,6 +95,20 @@ class ServerSpec:
     gpu_memory_utilization: float | None = None
     server_args: list[str] = field(default_factory=list)
     server_env: dict[str, str] = field(default_factory=dict)  # over Eyrie's own environment
+
+    def __post_init__(self):
+        if self.drafter and self.layer_ids is not None:
+            raise ValueError("a server either extracts hidden states (layer_ids) or serves a drafter, not both")
+
+    @classmethod
+    def for_extraction(cls, config, layer_ids: list[int], storage_path: str) -> ServerSpec:
+        """The extraction server: the target capturing `layer_ids`, its connector writing under `storage_path`."""
+        return cls.from_config(config, layer_ids=layer_ids, storage_path=storage_path)
+
+    @classmethod
+    def for_serving(cls, config, drafter: str | None = None) -> ServerSpec:
+        """Target plus an EAGLE-3 drafter as evaluation serves it (`drafter` set per use), or the target alone."""
+        return cls.from_config(config, drafter=drafter, num_speculative_tokens=config.evaluate.num_speculative_tokens)
 
     @classmethod
     def from_config(cls, config, **kw) -> ServerSpec:
@@ -552,12 +568,15 @@ class ServerClient:
         if api_key:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
 
-    def extract(self, token_ids: list[int], timeout_s: float) -> str:
-        body: dict[str, Any] = {"model": "target", "prompt": token_ids, "max_tokens": 1, "return_token_ids": True}
-        r = self.session.post(self.base_url + "/v1/completions", json=body, timeout=timeout_s)
-        if r.status_code != 200:
-            raise ExtractionError(f"vLLM answered {r.status_code}: {r.text[:300]}")
-        out = r.json()
+    @staticmethod
+    def _extract_body(token_ids: list[int]) -> dict[str, Any]:
+        return {"model": "target", "prompt": token_ids, "max_tokens": 1, "return_token_ids": True}
+
+    @staticmethod
+    def _hidden_states_path(status: int, text: str, out: dict | None, token_ids: list[int]) -> str:
+        """The checks of an extraction answer (`extract` and `async_extractor` alike); the file's path."""
+        if status != 200 or out is None:
+            raise ExtractionError(f"vLLM answered {status}: {text[:300]}")
         prompt_ids = out["choices"][0].get("prompt_token_ids")
         if prompt_ids is not None and prompt_ids != token_ids:
             raise ExtractionError("vLLM echoed different prompt token ids than were sent")
@@ -568,6 +587,35 @@ class ServerClient:
                 "running the extract_hidden_states method with Eyrie's connector?"
             )
         return path
+
+    def extract(self, token_ids: list[int], timeout_s: float) -> str:
+        r = self.session.post(self.base_url + "/v1/completions", json=self._extract_body(token_ids), timeout=timeout_s)
+        ok = r.status_code == 200
+        return self._hidden_states_path(r.status_code, "" if ok else r.text, r.json() if ok else None, token_ids)
+
+    @contextlib.asynccontextmanager
+    async def async_extractor(self, connections: int) -> AsyncIterator[Callable[[list[int], float], Awaitable[str]]]:
+        """`extract` as a coroutine, on one aiohttp session of `connections` pooled connections: what the extraction
+        loop uses (eyrie.extract), where a thread per request in flight spent several times the CPU per request
+        (requests' layers and the GIL) on the cores the server needs."""
+        import aiohttp  # a dependency of datasets (fsspec[http]) and of vLLM
+
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=connections),
+            headers={k: v for k, v in self.session.headers.items() if k == "Authorization"},
+        ) as session:
+
+            async def extract(token_ids: list[int], timeout_s: float) -> str:
+                async with session.post(
+                    self.base_url + "/v1/completions",
+                    json=self._extract_body(token_ids),
+                    timeout=aiohttp.ClientTimeout(total=timeout_s),
+                ) as r:
+                    ok = r.status == 200
+                    text = "" if ok else await r.text()
+                    return self._hidden_states_path(r.status, text, await r.json() if ok else None, token_ids)
+
+            yield extract
 
     def generate(
         self,

@@ -1,5 +1,5 @@
 """The pipeline's stages, in order: the one list the flow's `until`, `eyrie run --until`, `eyrie status` and the
-README's stage table are read from (tests/test_readme.py checks the README against it)."""
+README's stage table are read from (tests/unit/test_readme.py checks the README against it)."""
 
 from __future__ import annotations
 

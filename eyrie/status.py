@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import time
 
+from eyrie.manifest import file_problem, problems
 from eyrie.prepare import load_shards
 from eyrie.regenerate import extraction_source
 from eyrie.regenerate import stage_status as regenerate_progress
 from eyrie.server import VllmServer, server_folders, serving_server_folders
 from eyrie.stages import RUN_FOLDER_STAGES
 from eyrie.store import RunFolder, read_json, sample_path
-from eyrie.verify import Listed, shard_files, stage_files, stat_problem
+from eyrie.verify import Listed, shard_files
 
 
 def run_status(run: RunFolder) -> dict:
@@ -62,17 +63,14 @@ def run_status(run: RunFolder) -> dict:
 
 
 def _stat_problems(listed: list[Listed]) -> list[str]:
-    return [f"{item.path.name} {problem}" for item in listed if (problem := stat_problem(item)[1])]
+    return [f"{item.path.name} {problem}" for item in listed if (problem := file_problem(item.path, item.size))]
 
 
 def _stage_state(run: RunFolder, stage: str) -> str:
     m = read_json(run.manifest(stage))
     if not m:
         return "not started"
-    try:
-        bad = _stat_problems(stage_files(run, stage, m))
-    except KeyError:
-        return "done (its files are not checked: eyrie.verify.STAGE_FILE_DIRS does not say where they are)"
+    bad = problems(run.stage(stage), m)
     if not bad:
         return "done"
     return (

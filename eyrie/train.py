@@ -20,6 +20,8 @@ from pathlib import Path
 from eyrie.checkpoints import is_whole, newest_whole_checkpoint, recover
 from eyrie.config import PipelineConfig, TargetConfig
 from eyrie.errors import EyrieError
+from eyrie.manifest import done, files_under, list_files
+from eyrie.online import clean, leftover_bytes, on_tmpfs, online_args
 from eyrie.progress import PLATEAU, epoch_validation, history, still_improving
 from eyrie.store import atomic_write_json, read_json, sha256_json
 from eyrie.target import context_limit, load_hf_config, read_target_config, target_identity, text_config
@@ -42,10 +44,20 @@ def train_key(
             "vocab": vocab_key,
             "aux": aux_ids,
             "warm": warm_start,
-            "train": config.train.model_dump(mode="json"),
+            "train": _train_settings(config),
             "target": config.target.model,
         }
     )[:16]
+
+
+def _train_settings(config: PipelineConfig) -> dict:
+    """The train section as the key sees it: `hidden_states` only when online, so keys of offline runs made before
+    the option existed stay the same (and their training is not redone). Online, `data_keys` are the keys offline
+    extraction would give its shards (target identity, captured layers, shard fingerprint; no manifests exist)."""
+    settings = config.train.model_dump(mode="json")
+    if settings.get("hidden_states") == "offline":
+        settings.pop("hidden_states")
+    return settings
 
 
 def steps_per_epoch(seq_lens: list[int], total_seq_len: int, train_ratio: float) -> int:
@@ -107,10 +119,15 @@ def training_command(
     device: str,
     warm_start: Path | None = None,
     dry_run: bool = False,
+    server_url: str | None = None,
 ) -> list[str]:
     """The trainer's command line. `target_facts` is what preflight decided about the target
     (`PreflightReport.target_facts`): the checkpoint names of the tensors the drafter borrows, which
-    `eyrie.train_entry` hands to speculators' loader, and the mask token id."""
+    `eyrie.train_entry` hands to speculators' loader, and the mask token id.
+
+    `server_url`: online hidden states (eyrie.online) from the extraction server there; `hidden_dir` is then the
+    server's tmpfs storage path. Without it the trainer reads files from `hidden_dir` and a missing one is an
+    error."""
     t = config.train
     if device == "cuda" and t.devices > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={t.devices}"]
@@ -125,8 +142,6 @@ def training_command(
         str(config.target.model),
         "--data-path",
         str(data_dir),
-        "--hidden-states-path",
-        str(hidden_dir),
         "--d2t-path",
         str(d2t),
         "--t2d-path",
@@ -151,8 +166,17 @@ def training_command(
         str(1 - t.val_fraction),
         "--seed",
         str(t.seed),
-        "--on-missing",
-        "raise",
+        *(
+            online_args(
+                server_url,
+                hidden_dir,
+                config.extraction.request_timeout_s,
+                config.extraction.api_key_env,
+                config.extraction.concurrency,
+            )
+            if server_url
+            else ["--hidden-states-path", str(hidden_dir), "--on-missing", "raise"]
+        ),
         "--loss-implementation",
         "eager",
         "--optimizer",
@@ -208,10 +232,13 @@ def run_training(
     seq_lens: list[int],
     warm_start: Path | None = None,
     log=print,
+    server_url: str | None = None,
 ) -> dict:
-    """Train (or resume) into `out_dir/<key>`; returns the stage manifest naming the final checkpoint."""
-    manifest = read_json(out_dir / "manifest.json")
-    if manifest and manifest.get("key") == key and Path(manifest["checkpoint"]).exists():
+    """Train (or resume) into `out_dir/<key>`; returns the stage manifest naming the final checkpoint.
+
+    With `train.hidden_states: online`, `server_url` is the extraction server's (up, serving the captured layers)
+    and `hidden_dir` its tmpfs storage path: the trainer asks it for every sample (eyrie.online)."""
+    if manifest := done(out_dir / "manifest.json", key):
         return manifest
     work = out_dir / key
     save_path = work / "checkpoints"
@@ -221,8 +248,28 @@ def run_training(
         spe = math.ceil(spe / config.train.devices)  # and checkpoint_freq is a share of one rank's steps
     every = config.train.save_every_steps
     freq = 1.0 if not every or every >= spe else max(every / spe, 1 / spe)
+    online = config.train.hidden_states == "online"
+    if online:
+        if not server_url:
+            raise EyrieError("train.hidden_states is online, but no extraction server was given to train from")
+        if not on_tmpfs(hidden_dir):
+            log(f"warning: online hidden states go through {hidden_dir}, which is not on tmpfs: they touch the disk")
+        dropped = clean(hidden_dir)  # requests a killed trainer left in flight: nobody will read them
+        if dropped[0]:
+            log(f"removed {dropped[0]} unread hidden-state files ({dropped[1]} bytes) left by an earlier trainer")
     cmd = training_command(
-        config, data_dir, hidden_dir, d2t, t2d, aux_ids, target_facts, save_path, freq, device, warm_start
+        config,
+        data_dir,
+        hidden_dir,
+        d2t,
+        t2d,
+        aux_ids,
+        target_facts,
+        save_path,
+        freq,
+        device,
+        warm_start,
+        server_url=server_url if online else None,
     )
     # speculators saves `interrupted/` on SIGTERM but never resumes from it (it resumes from the newest numbered
     # checkpoint, as Eyrie reports); left there, it only draws a warning on every later launch.
@@ -246,6 +293,11 @@ def run_training(
         f.write(f"\n===== eyrie: {' '.join(cmd)}\n".encode())
         f.flush()
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent).returncode
+    if online:
+        left = leftover_bytes(hidden_dir)
+        if left:  # a sample speculators gave up on (its file came after the retry), or a killed trainer's
+            n, size = clean(hidden_dir)
+            log(f"removed {n} unread hidden-state files ({size} bytes) from {hidden_dir}")
     if rc != 0:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
         raise EyrieError(
@@ -280,6 +332,7 @@ def _train_manifest(
         "warnings": [improving] if improving else [],
         "log": str(log_path),
         "history": rows,
+        "files": list_files(out_dir, files_under(final)),  # the shipped checkpoint
     }
     atomic_write_json(out_dir / "manifest.json", manifest)
     return manifest

@@ -6,11 +6,12 @@ loader memory, `torch.accelerator.synchronize`, and the autocast device type), s
 way a GPU node does. On GPUs it changes only what costs time: AdamW runs fused and applies the gradient clip itself,
 no step synchronises the GPU except logged ones (the trainer's counters, the model's accuracy counts and loss
 scalars are made without waiting), batches are copied to the GPU ahead of their step on a stream of their own, the
-progress bar is off, a fresh drafter is initialised on its GPU, and data-loader workers (which only read files) are
-forked from a server started first thing, never initialising CUDA. Each is a switch below (GPU_FEED, ...), which
-benchmarks/train_throughput.py turns off to measure it. torch.compile's cache goes beside the run's checkpoints, so
-a retry or resume finds its kernels compiled. Every save keeps the whole checkpoint it overwrites until the new one
-is whole (eyrie/checkpoints.py).
+progress bar is off, a fresh drafter is initialised on its GPU, data-loader workers (which only read files) are
+forked from a server started first thing, never initialising CUDA, and on one GPU forward and backward run on
+bfloat16 copies of the float32 weights made once a step (float32 master weights, gradients and optimizer state).
+Each is a switch below (GPU_FEED, ...), which benchmarks/train_throughput.py turns off to measure it.
+torch.compile's cache goes beside the run's checkpoints, so a retry or resume finds its kernels compiled. Every save
+keeps the whole checkpoint it overwrites until the new one is whole (eyrie/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ def _gpu_speedups() -> None:
     if SYNC_FREE_METRICS:
         _accuracy_without_sync()
         _loss_scalars_without_sync()
+    if BF16_WEIGHTS:
+        _bf16_working_weights()
 
 
 # Each is on for GPU training; benchmarks/train_throughput.py turns them off (`--off NAME`) to measure what each buys.
@@ -122,6 +125,7 @@ FORKSERVER_WORKERS = True
 PINNED_LOADER = True  # with GPU_FEED: the loader pins batches (its pin-memory thread) before they are copied
 SYNC_FREE_METRICS = True
 CLIP_IN_ADAMW = True
+BF16_WEIGHTS = True  # forward and backward on bfloat16 copies of the float32 weights, made once a step
 FEED_AHEAD = 2  # batches on the GPU, or being copied there, ahead of the step that takes them
 
 
@@ -281,6 +285,112 @@ def _clip_inside_fused_adamw() -> None:
     utils = _Overlay(torch.nn.utils, clip_grad_norm_=clip_grad_norm_)
     trainer.torch.nn = _Overlay(torch.nn, utils=utils)
     trainer.Trainer._optimizers_step = _optimizers_step
+
+
+class _WorkingWeights:
+    """bfloat16 working copies of a model's float32 weights, the way FSDP2's mixed precision runs (param_dtype
+    bfloat16, float32 master weights and gradients for the optimizer), for one process without DDP or FSDP.
+
+    Before each forward (a pre-hook on the model) every float32 parameter's `.data` becomes a bfloat16 copy:
+    trainable ones copied from their float32 master every step, frozen ones (the target's embedding, norm and head,
+    which nothing updates during training) once. Forward and backward then run on bfloat16 weights with no casts:
+    under autocast a float32 weight is cast again in each compiled graph that uses it (each TTT step), its gradient
+    cast back and summed in float32 per use, and the frozen float32 embedding turns the first layer's input and
+    its elementwise work float32. `to_master()` puts the float32 weights back and hands each parameter its gradient
+    as float32; it runs before the gradient clip and the optimizer step (which then see float32 weights and
+    gradients, as before), after a forward without gradients (validation), and before any checkpoint is saved.
+    What changes is rounding: the weights a matmul sees are the same bfloat16 values autocast makes, but norms
+    multiply by bfloat16 weights, activations between layers are rounded to bfloat16, and a weight's gradient is
+    summed over the TTT steps in bfloat16 before it is made float32."""
+
+    def __init__(self, model, dtype) -> None:
+        import torch
+
+        self.params = [p for p in model.parameters() if p.dtype == torch.float32]
+        self.master = [p.data for p in self.params]
+        self.work = [torch.empty_like(m, dtype=dtype) for m in self.master]
+        self.copied = [False] * len(self.params)
+        self.working = False
+        model.register_forward_pre_hook(lambda module, args: self.to_working())
+        model.register_forward_hook(lambda module, args, out: None if torch.is_grad_enabled() else self.to_master())
+
+    def to_working(self) -> None:
+        import torch
+
+        if self.working:
+            return
+        stale = [i for i, p in enumerate(self.params) if p.requires_grad or not self.copied[i]]
+        with torch.no_grad():
+            torch._foreach_copy_([self.work[i] for i in stale], [self.master[i] for i in stale])
+        for i in stale:
+            self.copied[i] = True
+        for p, w in zip(self.params, self.work):
+            p.data = w
+        self.working = True
+
+    def to_master(self) -> None:
+        if not self.working:
+            return
+        for p, m in zip(self.params, self.master):
+            g, p.grad = p.grad, None
+            p.data = m
+            if g is not None:
+                p.grad = g.to(m.dtype)
+        self.working = False
+
+
+_WORKING: list = []  # the _WorkingWeights of this process's model (one, or none)
+
+
+def _to_master_weights() -> None:
+    for w in _WORKING:
+        w.to_master()
+
+
+def _bf16_working_weights() -> None:
+    """The trainer keeps float32 weights and runs each step under bfloat16 autocast: at Kimi-K2.5 width the casts
+    of weights and gradients and the float32 elementwise work they bring cost ~10 ms of an H200's 130 ms step
+    (weight copies, float32 gradient sums, float32 norms over the first layer's input). `_WorkingWeights` runs
+    forward and backward on bfloat16 copies made once a step instead, with float32 master weights, gradients and
+    optimizer state, on one GPU (DDP and FSDP are left as they are; speculators' FSDP path already runs this way
+    through its MixedPrecisionPolicy). The clip and the optimizer step see float32 weights and gradients; so does
+    every checkpoint."""
+    import torch
+    from speculators.train import trainer
+
+    if trainer.torch is torch:  # only through the trainer's own view of torch (`_gpu_speedups`)
+        return
+    setup_model = trainer.Trainer.setup_model
+
+    def setup_model_(self):
+        setup_model(self)
+        dtype = self.config.hidden_states_dtype
+        one_process = not self.is_distributed and isinstance(self.model, torch.nn.Module)
+        _WORKING[:] = [_WorkingWeights(self.model, dtype)] if one_process and dtype != torch.float32 else []
+
+    clip = trainer.torch.nn.utils.clip_grad_norm_  # eyrie's (CLIP_IN_ADAMW) or torch's
+
+    def clip_grad_norm_(parameters, *args, **kwargs):
+        _to_master_weights()
+        return clip(parameters, *args, **kwargs)
+
+    step = trainer.Trainer._optimizers_step
+
+    def _optimizers_step(self):
+        _to_master_weights()
+        return step(self)
+
+    save = trainer.Trainer.maybe_save_checkpoint
+
+    def maybe_save_checkpoint(self, *args, **kwargs):
+        _to_master_weights()
+        return save(self, *args, **kwargs)
+
+    utils = _Overlay(torch.nn.utils, clip_grad_norm_=clip_grad_norm_)
+    trainer.torch.nn = _Overlay(torch.nn, utils=utils)
+    trainer.Trainer.setup_model = setup_model_
+    trainer.Trainer._optimizers_step = _optimizers_step
+    trainer.Trainer.maybe_save_checkpoint = maybe_save_checkpoint
 
 
 def _accuracy_without_sync() -> None:
@@ -524,6 +634,20 @@ def _pop_option(argv: list[str], name: str) -> str | None:
     return value
 
 
+def _online_hidden_states(argv: list[str]) -> None:
+    """`--eyrie-online` (train.hidden_states: online, eyrie/online.py): speculators' generate path builds the loaders'
+    datasets, asking Eyrie's extraction server by its served name and API key (eyrie/online_dataset.py)."""
+    from eyrie.online import API_KEY_ENV_FLAG, CONCURRENCY_FLAG, ONLINE_FLAG
+
+    key_env = _pop_option(argv, API_KEY_ENV_FLAG)
+    concurrency = _pop_option(argv, CONCURRENCY_FLAG)
+    if ONLINE_FLAG in argv:
+        argv.remove(ONLINE_FLAG)
+        from eyrie.online_dataset import install
+
+        install(key_env, int(concurrency or 8))
+
+
 def main(argv: list[str]) -> None:
     if os.environ.get("EYRIE_TRAIN_DEVICE") != "cpu":
         if FORKSERVER_WORKERS:
@@ -536,6 +660,10 @@ def main(argv: list[str]) -> None:
     _keep_the_last_whole_checkpoint()
     plateau = _pop_option(argv, "--eyrie-plateau")  # "patience,min_delta"
     _record_validation((int(plateau.split(",")[0]), float(plateau.split(",")[1])) if plateau else None)
+    from eyrie.hidden_states import reader_arguments
+
+    argv = reader_arguments(argv)  # speculators' fp8 backend: dequantizes fp8 files, reads bf16 ones unchanged
+    _online_hidden_states(argv)
     if os.environ.get("EYRIE_TRAIN_DEVICE") == "cpu":
         _run_on_cpu()
     else:

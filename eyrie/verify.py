@@ -25,14 +25,12 @@ from pathlib import Path
 
 from eyrie import FORMAT_VERSION
 from eyrie.errors import EyrieError, RunFolderError
+from eyrie.manifest import file_problem, listed
 from eyrie.prepare import load_shards
 from eyrie.regenerate import extraction_source
 from eyrie.stages import RUN_FOLDER_STAGES
-from eyrie.store import STAMP, RunFolder, read_json, sample_path, sha256_file
+from eyrie.store import STAMP, RunFolder, read_json, sample_path
 
-# Where the files a stage manifest lists (`"files": {name: sha256}`) live, relative to the stage's folder. A stage
-# whose manifest lists files but is not here is reported as a problem, never skipped silently.
-STAGE_FILE_DIRS = {"regenerate": "", "vocab": "", "export": "drafter"}
 CHUNK = 64  # files per task handed to a worker: 200,000 files make 3,125 tasks, not 200,000 futures
 SHOWN = 50  # damaged files named in the summary; the count covers all of them
 
@@ -43,7 +41,7 @@ class Listed:
 
     path: Path
     sha256: str
-    size: int | None  # the size the manifest records (shard manifests do; stage manifests record only the hash)
+    size: int | None  # None: a stage manifest from before sizes were recorded
     owner: str  # the shard's name, or the stage's
     manifest: Path
 
@@ -57,12 +55,11 @@ def shard_files(run: RunFolder, manifest_path: Path, manifest: dict) -> list[Lis
 
 
 def stage_files(run: RunFolder, stage: str, manifest: dict) -> list[Listed]:
-    """The files a stage manifest lists; KeyError for a stage whose folder of files is unknown here."""
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not files:
-        return []
-    folder = run.stage(stage) / STAGE_FILE_DIRS[stage]
-    return [Listed(folder / name, digest, None, stage, run.manifest(stage)) for name, digest in sorted(files.items())]
+    """The files a stage manifest lists (by their paths relative to the stage's folder)."""
+    return [
+        Listed(path, digest, size, stage, run.manifest(stage))
+        for path, size, digest in listed(run.stage(stage), manifest)
+    ]
 
 
 @dataclass
@@ -97,40 +94,15 @@ def listed_files(run: RunFolder) -> Listing:
         m = read_json(run.manifest(stage)) if stage != "extract" else None
         if not m or not m.get("files"):
             continue
-        try:
-            out.files += stage_files(run, stage, m)
-            out.stage_manifests += 1
-        except KeyError:
-            out.problems.append(
-                f"{stage}/manifest.json lists files, but eyrie.verify.STAGE_FILE_DIRS does not say where the {stage} "
-                "stage keeps them: add it there"
-            )
+        out.files += stage_files(run, stage, m)
+        out.stage_manifests += 1
     return out
-
-
-def stat_problem(item: Listed) -> tuple[os.stat_result | None, str | None]:
-    """The file's stat, and what is wrong with it short of its content (missing, another size)."""
-    try:
-        st = item.path.stat()
-    except FileNotFoundError:
-        return None, "missing"
-    except OSError as err:
-        return None, f"cannot stat it ({err.strerror})"
-    if item.size is not None and st.st_size != item.size:
-        return st, f"{st.st_size} bytes, its manifest records {item.size}"
-    return st, None
 
 
 def check_file(item: Listed) -> tuple[int, str | None]:
     """(bytes read, what is wrong or None)."""
-    st, problem = stat_problem(item)
-    if problem or st is None:
-        return 0, problem
-    try:
-        digest = sha256_file(item.path)
-    except OSError as err:
-        return 0, f"unreadable ({err.strerror})"
-    return st.st_size, None if digest == item.sha256 else "content differs from its manifest (sha256)"
+    problem = file_problem(item.path, item.size, item.sha256)
+    return (0, problem) if problem else (item.path.stat().st_size, None)
 
 
 @dataclass

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from eyrie.errors import ConfigError
 from eyrie.faults import fault_point
-from eyrie.store import atomic_write_json, read_json, sha256_file, sha256_json
+from eyrie.manifest import done, list_files
+from eyrie.store import atomic_write_json, sha256_json
 
 
 def vocab_key(prepare_manifest: dict, draft_vocab_size: int, target_vocab_size: int, base: str | None = None) -> str:
@@ -38,8 +39,7 @@ def build_vocab(
     import torch
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-    manifest = read_json(out_dir / "manifest.json")
-    if manifest and manifest.get("key") == key and all(p.exists() for p in mapping_paths(out_dir, draft_vocab_size)):
+    if manifest := done(out_dir / "manifest.json", key):
         return manifest
     if draft_vocab_size > target_vocab_size:
         raise ConfigError(
@@ -68,7 +68,7 @@ def build_vocab(
         "distinct_loss_tokens": len(freq),
         "loss_token_coverage": round(kept / total, 6) if total else None,
         "from_drafter": str(base) if base else None,
-        "files": {p.name: sha256_file(p) for p in (d2t_path, t2d_path)},
+        "files": list_files(out_dir, (d2t_path, t2d_path)),
     }
     fault_point("vocab.before-manifest")
     atomic_write_json(out_dir / "manifest.json", manifest)

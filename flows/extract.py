@@ -99,6 +99,7 @@ def extract_flow(
                     config.extraction.concurrency,
                     config.extraction.request_timeout_s,
                     rehash,
+                    plan.hidden_states_dtype,
                 ),
             )
             for shard in todo

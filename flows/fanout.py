@@ -25,7 +25,6 @@ from eyrie.preflight import PreflightReport
 from eyrie.prepare import load_shards
 from eyrie.regenerate import extraction_source
 from eyrie.store import RunFolder
-from tasks.caching import unless_missing
 from tasks.preflight import preflight_task
 from tasks.prepare import compute_prepare_key, ensure_target, prepare_task
 
@@ -53,7 +52,7 @@ def extract_fanout_flow(
         ensure_target(config)
         preflight_task(config, str(run.root))  # seconds, before any node loads anything
         pkey = compute_prepare_key(config)
-        prepared = unless_missing(prepare_task, run.manifest("prepare"), pkey)(config, str(run.prepare), pkey)
+        prepared = prepare_task(config, str(run.prepare), pkey)
         report = preflight_task(config, str(run.root), tokens=prepared["stats"]["tokens"])
         # Regeneration is not fanned out: with regenerate.enabled the run folder must hold it (`eyrie run --until
         # regenerate`), and the nodes extract the regenerated data.
@@ -112,7 +111,8 @@ def _check_queues(deployment: str, queues: list[str], log) -> None:
     if missing:
         raise ExtractionError(
             f"work queues {missing} do not exist in pool {pool!r} (it has {sorted(known)}): pass "
-            "the queues of the GPU nodes, or add the queue (deployments/setup.py) and its worker"
+            "the queues of the GPU nodes, or add the node to `definitions.gpu_nodes` in deployments/prefect.yaml, "
+            "run `python -m deployments.setup` and start its worker"
         )
     for q in queues:
         if known[q].status is None or known[q].status.value != "READY":

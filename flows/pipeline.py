@@ -13,9 +13,13 @@ from prefect.artifacts import create_markdown_artifact
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import EyrieError
-from eyrie.evaluate import gap_warning
+from eyrie.evaluate import draft_tokens_key, evaluate_key, gap_warning
+from eyrie.export import export_key
 from eyrie.hub import pin_revisions
+from eyrie.manifest import done
+from eyrie.online import online_plan
 from eyrie.prepare import is_hub_source, iter_eval_prompts, load_seq_lens
+from eyrie.progress import like_for_like_metrics
 from eyrie.promote import choose_base, current_version
 from eyrie.regenerate import extraction_source
 from eyrie.server import ServerSpec, VllmServer
@@ -26,12 +30,14 @@ from eyrie.train import train_key, untrained_key
 from eyrie.vocab import mapping_paths, vocab_key
 from flows.extract import extract_flow
 from flows.regenerate import regenerate_flow
-from tasks.caching import unless_missing
-from tasks.evaluate import draft_tokens_task, evaluate_task, export_task, promote_task, report_task
-from tasks.extract import stop_server_task
+from tasks.evaluate import draft_tokens_task, evaluate_task, report_task
+from tasks.export import export_task
+from tasks.extract import start_server_task, stop_server_task
 from tasks.preflight import preflight_task
 from tasks.prepare import compute_prepare_key, ensure_target, prepare_task
-from tasks.train import train_task, untrained_drafter_task, vocab_task
+from tasks.promote import promote_task
+from tasks.train import train_task, untrained_drafter_task
+from tasks.vocab import vocab_task
 
 
 @flow(name="eyrie-pipeline")
@@ -55,7 +61,7 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         serve = until == "evaluate"  # export and evaluation serve target + drafter in vLLM
         preflight_task(config, str(run.root), serve=serve)  # seconds, before anything expensive
         pkey = compute_prepare_key(config)
-        prepared = unless_missing(prepare_task, run.manifest("prepare"), pkey)(config, str(run.prepare), pkey)
+        prepared = prepare_task(config, str(run.prepare), pkey)
         report = preflight_task(config, str(run.root), tokens=prepared["stats"]["tokens"], serve=serve)
         if serve and not prepared["stats"]["rows_eval"]:  # known now, not after extraction and training
             raise EyrieError(
@@ -78,8 +84,20 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         data_manifest = read_json(data_dir / "manifest.json")
         if until == "regenerate":
             return {"run_dir": str(run.root), "regenerated": str(data_dir / "dataset")}
-        extracted = extract_flow(config, str(run.root), report)
-        if regenerated and regenerated["server_up"] and VllmServer(Path(regenerated["server_dir"])).state:
+        online = config.train.hidden_states == "online"
+        if online:
+            # No extract stage: the trainer asks the extraction server for each sample as it trains (eyrie/online.py).
+            plan = online_plan(config, run, report, data_dir)
+            keys = [plan.keys[s.name] for s in plan.shards]
+            extracted = {"keys": keys, "hidden_states": str(plan.staging), "shards": len(keys)}
+        else:
+            extracted = extract_flow(config, str(run.root), report)
+        if (
+            not online
+            and regenerated
+            and regenerated["server_up"]
+            and VllmServer(Path(regenerated["server_dir"])).state
+        ):
             stop_server_task(regenerated["server_dir"])  # left up for extraction, which had nothing to extract
         if until == "extract":
             return {
@@ -101,21 +119,22 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
             warm = str(base) if base else None
         vkey = vocab_key(data_manifest, dvs, report["vocab_size"], warm)
         token_freq = str(data_dir / "dataset" / "token_freq.pt")
-        unless_missing(vocab_task, run.manifest("vocab"), vkey)(
-            token_freq, dvs, report["vocab_size"], str(run.vocab), vkey, warm
-        )
+        vocab_task(token_freq, dvs, report["vocab_size"], str(run.vocab), vkey, warm)
         d2t, t2d = (str(p) for p in mapping_paths(run.vocab, dvs))
-        data = (str(data_dir / "dataset"), str(run.hidden_states), d2t, t2d, aux, report["target_facts"])
+        data = (str(data_dir / "dataset"), extracted["hidden_states"], d2t, t2d, aux, report["target_facts"])
         tkey = train_key(config, extracted["keys"], vkey, aux, warm)
-        spec = ServerSpec.from_config(config, num_speculative_tokens=config.evaluate.num_speculative_tokens)
-        ekey = sha256_json([tkey, aux, spec.fingerprint()])[:16]
+        spec = ServerSpec.for_serving(config)  # each drafter set per use
+        ekey = export_key(tkey, aux, spec.fingerprint())
         # The drafter to beat: the current one, unless this run's own drafter already is it (a re-run).
         rival = current if current and current.name != ekey else None
         baseline = config.evaluate.untrained_baseline
         with_untrained = baseline == "always" or (baseline == "auto" and rival is None)
-        trained = unless_missing(train_task, run.manifest("train"), tkey)(
-            config, str(run.train), tkey, *data, load_seq_lens(data_dir), warm
-        )
+        server_url = None
+        if online and not done(run.manifest("train"), tkey):  # the server up (reused, or started) for training
+            server_url = start_server_task(plan.spec, str(plan.server_dir), config.extraction.startup_timeout_s)
+        trained = train_task(config, str(run.train), tkey, *data, load_seq_lens(data_dir), warm, server_url=server_url)
+        if online and VllmServer(plan.server_dir).state:  # kept up on failure, for the resume to reuse
+            stop_server_task(str(plan.server_dir))
         ukey = untrained_key(config, vkey, aux)
         untrained = untrained_drafter_task(config, str(run.train), ukey, *data) if with_untrained else None
         if until == "train":
@@ -123,7 +142,7 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
 
         prompts = list(islice(iter_eval_prompts(run.prepare), config.evaluate.num_prompts))
         timeout = config.extraction.startup_timeout_s
-        exported = unless_missing(export_task, run.manifest("export"), ekey)(
+        exported = export_task(
             trained["checkpoint"],
             str(run.export),
             config.target.model,
@@ -142,12 +161,12 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         results = []
         sweep = config.evaluate.sweep_draft_tokens
         for label, drafter, server_dir, identity in drafters:
-            key = sha256_json([label, identity, config.evaluate.model_dump(), prompts])[:16]
+            key = evaluate_key(label, identity, config.evaluate.model_dump(), prompts)
             out = run.evaluate / f"{label}.json"
             # The trained drafter's server also measures throughput when the draft-token sweep needs it.
             concurrency = config.evaluate.throughput_concurrency if sweep and label == "trained" else None
             results.append(
-                unless_missing(evaluate_task, out, key)(
+                evaluate_task(
                     label,
                     drafter,
                     spec,
@@ -160,12 +179,13 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
                     concurrency,
                 )
             )
-        evaluation = report_task(
-            results, str(run.evaluate), trained["val_metrics"], config.evaluate.max_train_serve_gap
-        )
+        # Validation counted over the draft starts vLLM makes too (eyrie.progress.like_for_like): like with like.
+        data = extraction_source(run, config) / "dataset"
+        val = like_for_like_metrics(trained["val_metrics"], data, config.train.val_fraction)
+        evaluation = report_task(results, str(run.evaluate), val, config.evaluate.max_train_serve_gap)
         if sweep:
-            skey = sha256_json(["draft-tokens", results[0]["key"], sweep])[:16]
-            evaluation["draft_tokens"] = unless_missing(draft_tokens_task, run.evaluate / "draft_tokens.json", skey)(
+            skey = draft_tokens_key(results[0]["key"], sweep)
+            evaluation["draft_tokens"] = draft_tokens_task(
                 exported["drafter"],
                 spec,
                 str(run.evaluate),

@@ -15,7 +15,6 @@ from eyrie.regenerate import RegenerationPlan
 from eyrie.server import VllmServer, node_name
 from eyrie.store import RunFolder
 from flows.extract import shard_failures
-from tasks.caching import unless_missing
 from tasks.extract import start_server_task, stop_server_task
 from tasks.regenerate import assemble_task, regenerate_shard_task
 
@@ -63,9 +62,7 @@ def regenerate_flow(config: PipelineConfig, run_dir: str, report: dict, keep_ser
             f"({', '.join(missing[:10])}); failures: {'; '.join(list(failed.values())[:5])}. Run again (or retry "
             "the flow run): finished shards are kept."
         )
-    manifest = unless_missing(assemble_task, run.manifest("regenerate"), plan.key)(
-        str(plan.dir), str(run.prepare), plan.shards, plan.keys, plan.key, config
-    )
+    manifest = assemble_task(str(plan.dir), str(run.prepare), plan.shards, plan.keys, plan.key, config)
     server_up = bool(pending)
     if pending and not keep_server:
         stop_server_task(str(plan.server_dir))

@@ -17,40 +17,15 @@ from eyrie.evaluate import (
     plot_draft_tokens,
     train_serve_gap,
 )
-from eyrie.export import export_and_prove
 from eyrie.faults import fault_point
-from eyrie.promote import decide_and_promote
-from eyrie.server import ExtractionServer, ServerClient, ServerSpec
-from eyrie.store import atomic_write_json, read_json
-from tasks.caching import BY_KEY
+from eyrie.manifest import done
+from eyrie.server import ServerClient, ServerSpec
+from eyrie.store import atomic_write_json
+from tasks.caching import stage_task
+from tasks.serving import serve, stop
 
 
-def _serve(spec: ServerSpec, folder: Path, timeout_s: float) -> ServerClient:
-    return ExtractionServer(folder).ensure(spec, timeout_s, log=get_run_logger().info)
-
-
-@task(name="export", cache_policy=BY_KEY, retries=1)
-def export_task(
-    checkpoint: str,
-    out_dir: str,
-    target_model: str,
-    aux_ids: list[int],
-    hidden_size: int,
-    key: str,
-    spec: ServerSpec,
-    probe: list[dict],
-    startup_timeout_s: float,
-) -> dict:
-    """Write the drafter, then prove vLLM serves it as eagle3 (the server stays up for evaluation to reuse)."""
-    out = Path(out_dir)
-
-    def serve(drafter: str) -> ServerClient:
-        return _serve(replace(spec, drafter=drafter), out / "server-trained", startup_timeout_s)
-
-    return export_and_prove(Path(checkpoint), out, target_model, aux_ids, hidden_size, key, serve, probe)
-
-
-@task(name="evaluate", task_run_name="evaluate-{label}", cache_policy=BY_KEY, retries=1)
+@stage_task("evaluate", manifest="{out_path}", task_run_name="evaluate-{label}", retries=1)
 def evaluate_task(
     label: str,
     drafter: str,
@@ -63,25 +38,23 @@ def evaluate_task(
     startup_timeout_s: float,
     throughput_concurrency: list[int] | None = None,
 ) -> dict:
-    done = read_json(Path(out_path))
-    if done and done.get("key") == key:  # measured by a run that died before Prefect recorded the result
-        return done
+    if measured := done(Path(out_path), key):  # by a run that died before Prefect recorded the result
+        return measured
     spec = replace(spec, drafter=drafter)
-    server = ExtractionServer(Path(server_dir))
     try:
-        client = _serve(spec, Path(server_dir), startup_timeout_s)
+        client = serve(spec, Path(server_dir), startup_timeout_s)
         result = measure(client, prompts, max_tokens)
         if throughput_concurrency:  # on the same server: the drafter at the served k, for the draft-token report
             result["throughput"] = [measure_throughput(client, prompts, max_tokens, c) for c in throughput_concurrency]
     finally:
-        server.stop(log=get_run_logger().info)
+        stop(Path(server_dir))
     result.update(label=label, key=key, drafter=drafter, num_speculative_tokens=spec.num_speculative_tokens)
     atomic_write_json(Path(out_path), result)
     fault_point(f"evaluate.{label}.written")
     return result
 
 
-@task(name="draft-tokens", cache_policy=BY_KEY, retries=1)
+@stage_task("draft-tokens", manifest="{out_dir}/draft_tokens.json", retries=1)
 def draft_tokens_task(
     drafter: str,
     spec: ServerSpec,
@@ -97,19 +70,17 @@ def draft_tokens_task(
     and the target alone (throughput without a drafter), each its own server, beside `trained`, the evaluation's
     measurement at the served k. A table, a plot (`draft_tokens.png`, also an image artifact) and a JSON report."""
     out = Path(out_dir)
-    done = read_json(out / "draft_tokens.json")
-    if done and done.get("key") == key:
-        return done
+    if measured := done(out / "draft_tokens.json", key):
+        return measured
 
     @contextmanager
-    def serve(spec: ServerSpec, folder: str) -> Iterator[ServerClient]:
-        server = ExtractionServer(out / folder)
+    def serving(spec: ServerSpec, folder: str) -> Iterator[ServerClient]:
         try:
-            yield _serve(spec, out / folder, startup_timeout_s)
+            yield serve(spec, out / folder, startup_timeout_s)
         finally:
-            server.stop(log=get_run_logger().info)
+            stop(out / folder)
 
-    report = draft_token_report(serve, spec, drafter, prompts, max_tokens, sweep, trained)
+    report = draft_token_report(serving, spec, drafter, prompts, max_tokens, sweep, trained)
     table, throughput = report["draft_tokens"], report["throughput"]
     plot = plot_draft_tokens(table, throughput, out / "draft_tokens.png")
     report.update(key=key, plot=str(plot))
@@ -145,16 +116,3 @@ def report_task(results: list[dict], out_dir: str, val_metrics: dict | None, max
     manifest = {"stage": "evaluate", "results": summary, "train_serve_gap": gap}
     atomic_write_json(Path(out_dir) / "manifest.json", manifest)
     return manifest
-
-
-@task(name="promote")
-def promote_task(
-    promo_dir: str, drafter: str, version: str, candidate: dict, current: dict | None, context: dict
-) -> dict:
-    """Point `<promo_dir>/current` at the new drafter if it is at least as good as the current one."""
-    decision = decide_and_promote(Path(promo_dir), Path(drafter), version, candidate, current, context)
-    log = get_run_logger()
-    (log.info if decision["promoted"] else log.warning)(
-        f"{'promoted' if decision['promoted'] else 'not promoted'}: {decision['reason']} ({decision['current']})"
-    )
-    return decision

@@ -50,6 +50,7 @@ def extract_shard_task(
     concurrency: int,
     timeout_s: float,
     rehash_changed: bool = True,
+    hidden_states_dtype: str = "bfloat16",
 ) -> dict:
     log = get_run_logger()
     # No server: the flow found this shard complete and Prefect had no cache record of it (a new PREFECT_HOME or
@@ -82,6 +83,7 @@ def extract_shard_task(
         progress=progress,
         log=log.info,
         rehash_changed=rehash_changed,
+        hidden_states_dtype=hidden_states_dtype,
     )
     log.info(f"{shard.name}: {manifest['extracted_samples']} extracted, {manifest['reused_samples']} reused")
     return {k: v for k, v in manifest.items() if k != "files"}

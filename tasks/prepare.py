@@ -8,7 +8,7 @@ from prefect.artifacts import create_table_artifact
 from eyrie.config import PipelineConfig
 from eyrie.prepare import prepare, prepare_key
 from eyrie.tiny import build_target
-from tasks.caching import BY_KEY
+from tasks.caching import stage_task
 
 
 @task(name="target", retries=0)
@@ -24,7 +24,7 @@ def compute_prepare_key(config: PipelineConfig) -> str:
     return prepare_key(config.target, config.data)
 
 
-@task(name="prepare", cache_policy=BY_KEY, retries=1)
+@stage_task("prepare", retries=1)
 def prepare_task(config: PipelineConfig, out_dir: str, key: str) -> dict:
     manifest = prepare(config.target, config.data, Path(out_dir), key=key)
     stats = manifest["stats"]

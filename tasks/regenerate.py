@@ -10,7 +10,7 @@ from eyrie.config import PipelineConfig
 from eyrie.prepare import Shard
 from eyrie.regenerate import assemble, regenerate_shard, shared_tokenizer
 from eyrie.server import ServerClient
-from tasks.caching import BY_KEY
+from tasks.caching import BY_KEY, stage_task
 
 
 @task(
@@ -58,7 +58,7 @@ def regenerate_shard_task(
     return manifest
 
 
-@task(name="regenerate-assemble", cache_policy=BY_KEY, retries=1)
+@stage_task("regenerate-assemble", manifest="{stage_dir}/manifest.json", retries=1)
 def assemble_task(
     stage_dir: str, prepare_dir: str, shards: list[Shard], keys: dict[str, str], key: str, config: PipelineConfig
 ) -> dict:

@@ -9,17 +9,7 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from eyrie.checkpoints import newest_whole_checkpoint
 from eyrie.config import PipelineConfig
 from eyrie.train import run_training, untrained_drafter
-from eyrie.vocab import build_vocab
-from tasks.caching import BY_KEY
-
-
-@task(name="vocab", cache_policy=BY_KEY, retries=1)
-def vocab_task(
-    token_freq: str, draft_vocab_size: int, target_vocab_size: int, out_dir: str, key: str, base: str | None = None
-) -> dict:
-    return build_vocab(
-        Path(token_freq), draft_vocab_size, target_vocab_size, Path(out_dir), key, Path(base) if base else None
-    )
+from tasks.caching import stage_task
 
 
 def _watch_progress(save_path: Path, total_epochs: int, stop: threading.Event) -> None:
@@ -32,7 +22,7 @@ def _watch_progress(save_path: Path, total_epochs: int, stop: threading.Event) -
 
 
 # retries resume from the newest checkpoint: the key (and so the checkpoint folder) is unchanged.
-@task(name="train", cache_policy=BY_KEY, retries=1, retry_delay_seconds=5)
+@stage_task("train", retries=1, retry_delay_seconds=5)
 def train_task(
     config: PipelineConfig,
     out_dir: str,
@@ -45,6 +35,7 @@ def train_task(
     target_facts: dict,
     seq_lens: list[int],
     warm_start: str | None = None,
+    server_url: str | None = None,  # train.hidden_states: online: the extraction server to train from
 ) -> dict:
     log = get_run_logger()
     stop = threading.Event()
@@ -66,6 +57,7 @@ def train_task(
             seq_lens,
             Path(warm_start) if warm_start else None,
             log=log.info,
+            server_url=server_url,
         )
     finally:
         stop.set()

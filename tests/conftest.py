@@ -255,10 +255,19 @@ def _stop_all_servers_at_exit():
             print(f"could not stop the server in {folder}: {err}", file=sys.stderr)
 
 
+TIERS = ("unit", "integration", "e2e")  # tests/<tier>/: by cost, cheapest first
+
+
+def _tier(item) -> int:
+    parts = Path(str(item.path)).parts
+    return next((TIERS.index(p) for p in reversed(parts) if p in TIERS), len(TIERS))
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Fast tests first (so `-x` fails in seconds, not after vLLM starts), slow ones after, each in file order
-    (a module's tests stay together, so its module-scoped server starts once)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable
+    """Fast tests first (so `-x` fails in seconds, not after vLLM starts), then the slow ones tier by tier (unit,
+    integration, e2e), each in file order (a module's tests stay together, so its module-scoped server starts
+    once)."""
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is not None, _tier(item)))  # stable
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -7,6 +7,10 @@ writer thread pool. On an accelerator the stock path runs unchanged.
 
 It also honours a per-request switch (`kv_transfer_params: {"eyrie_skip_hidden_states": true}`): the regenerate
 stage generates on the extraction server, and its requests need no hidden-states file.
+
+With `EYRIE_HIDDEN_STATES_DTYPE=float8_e4m3fn` in the server's environment (`extraction.hidden_states_dtype`) it writes
+speculators' fp8 format (eyrie/hidden_states.py): quantized in the writer thread, after the copy, as speculators'
+own FP8HiddenStatesConnector does, on CPU and on an accelerator alike.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from functools import partial
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
+from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
@@ -26,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 
+from eyrie.hidden_states import BFLOAT16, DTYPES, ENV, FP8, encode, fp8_unavailable
 from eyrie.vllm_plugin import SKIP_HIDDEN_STATES
 
 
@@ -40,6 +47,26 @@ class _Done:
 
 
 class EyrieHiddenStatesConnector(ExampleHiddenStatesConnector):
+    def __init__(self, vllm_config: VllmConfig, role: Any, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        dtype = os.environ.get(ENV) or BFLOAT16
+        if dtype not in DTYPES:
+            raise ValueError(f"{ENV}={dtype!r}; expected one of {', '.join(DTYPES)}")
+        if dtype == FP8 and (why := fp8_unavailable()):
+            raise RuntimeError(f"{ENV}={dtype}, but {why}")
+        self._hidden_states_dtype = dtype
+
+    def _write_tensors(self, tensors: dict[str, torch.Tensor], event: Any, filename: str, lock_fd: int | None) -> None:  # type: ignore[override]
+        """vLLM's writer (a static method there), in the configured dtype: the file is whole before the lock goes."""
+        if self._hidden_states_dtype == BFLOAT16:
+            return ExampleHiddenStatesConnector._write_tensors(tensors, event, filename, lock_fd)
+        try:
+            event.synchronize()
+            save_file(encode(tensors, self._hidden_states_dtype), filename)
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)  # releases LOCK_EX: the client may read the file now
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """As vLLM's, except that a request asking for no hidden states (generation on the extraction server, for the
         regenerate stage) gets no file: without a recorded filename it has no lock file, `request_finished` saves

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,19 @@ def test_check_sample_rejects_wrong_files():
         check_sample(nan, ids, LAYERS, HIDDEN)
     with pytest.raises(ValueError, match="expected hidden_states and token_ids"):
         check_sample({"token_ids": good["token_ids"]}, ids, LAYERS, HIDDEN)
+    for bad in (float("inf"), float("-inf")):
+        inf = dict(good, hidden_states=good["hidden_states"].clone())
+        inf["hidden_states"][2, 0, 1] = bad
+        with pytest.raises(ValueError, match="infinite"):
+            check_sample(inf, ids, LAYERS, HIDDEN)
+    # Finite values whose sum overflows float32 are still whole: the one-sum check falls back to element-wise.
+    big = dict(good, hidden_states=torch.full_like(good["hidden_states"], 3e38))
+    assert not torch.isfinite(big["hidden_states"].sum(dtype=torch.float32))
+    check_sample(big, ids, LAYERS, HIDDEN)
+    both = dict(big, hidden_states=big["hidden_states"].clone())
+    both["hidden_states"][0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        check_sample(both, ids, LAYERS, HIDDEN)
 
 
 def test_clean_staging_removes_orphans(tmp_path):
@@ -308,7 +322,7 @@ def test_manifest_without_stat_is_hashed_once(prepared, tmp_path, reads):
 def test_changed_bytes_with_forged_stat_caught_only_within_the_manifests_tick(prepared, tmp_path):
     """Same size, mtime put back, same inode: the stat cannot tell. Within the clock tick the manifest was written
     in (its mtime not newer than the file's), the file is re-hashed and the change caught; later only `eyrie verify`
-    (tests/test_verify.py) catches it."""
+    (tests/unit/test_verify.py) catches it."""
     shard, hidden, manifest, _ = _run(prepared, tmp_path, FakeClient(tmp_path / "staging"))
     victim = sample_path(hidden, shard.start + 2)
     st = victim.stat()
@@ -342,7 +356,9 @@ def test_pending_shard_hashes_only_changed_and_new_files(prepared, tmp_path, mon
     sent = len(client.sent)
     _, _, _, again = _run(prepared, tmp_path, client)
     assert len(client.sent) == sent + 2 and again["extracted_samples"] == 2 and again["reused_samples"] == 4
-    assert set(hashed) == {missing.name, victim.name}
+    # Only the changed file is read for its checksum; the two extracted ones are hashed from the bytes they were
+    # checked from (checked_record), the intact ones not at all.
+    assert set(hashed) == {victim.name}
     assert shard_complete(manifest, "k1", hidden, rehash_changed=True)
 
 
@@ -354,3 +370,203 @@ def test_complete_shard_needs_no_server(prepared, tmp_path):
     sample_path(hidden, shard.start).unlink()
     with pytest.raises(ExtractionError, match="no server was started for it"):
         _run(prepared, tmp_path, None)
+
+
+class SlowWriterClient(FakeClient):
+    """Like FakeClient, but each file's writer (the connector) holds its lock until the test lets go, as a server
+    whose writer pool lags behind its answers would."""
+
+    def __init__(self, staging: Path):
+        super().__init__(staging)
+        self.release = threading.Event()
+        self.writers: list[threading.Thread] = []
+
+    def extract(self, token_ids: list[int], timeout_s: float) -> str:
+        import fcntl
+
+        path = super().extract(token_ids, timeout_s)
+        fd = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+
+        def writer() -> None:
+            self.release.wait(30)
+            os.close(fd)  # drops the lock
+
+        t = threading.Thread(target=writer, daemon=True)
+        t.start()
+        self.writers.append(t)
+        return path
+
+
+def test_requests_do_not_wait_for_the_files_of_earlier_ones(prepared, tmp_path):
+    """A request's slot is free once the server answers: with one request in flight, every sample of the shard is
+    sent while the writers still hold the first files; each is checked, moved and hashed once its writer is done."""
+    client = SlowWriterClient(tmp_path / "staging")
+    shard = load_shards(prepared)[1]
+    hidden, manifest = tmp_path / "hidden_states", tmp_path / "shards" / f"{shard.name}.json"
+    result: dict = {}
+
+    def run() -> None:
+        result["m"] = extract_shard(
+            client, prepared, shard, "k1", hidden, manifest, LAYERS, HIDDEN, concurrency=1, log=lambda *_: None
+        )
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 20
+    while len(client.sent) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sent_while_held = len(client.sent)
+    assert not manifest.exists()
+    client.release.set()
+    t.join(30)
+    assert sent_while_held == 6, "a request waited for an earlier file's writer"
+    assert result["m"]["extracted_samples"] == 6 and sorted(result["m"]["files"], key=int) == [
+        str(i) for i in range(6, 12)
+    ]
+    assert shard_complete(manifest, "k1", hidden, rehash_changed=True)
+    assert not list((tmp_path / "staging").iterdir())  # files and their lock files moved or removed
+
+
+def test_every_file_and_its_folder_reach_the_disk_before_the_manifest(prepared, tmp_path, monkeypatch):
+    """The durability order: each extracted file checked and hashed, fsynced once in place, then the folder (the
+    names renamed into it), then the manifest, whose checksum and stat are the file's."""
+    import eyrie.extract
+
+    events: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    real_fsync, real_record, real_manifest = (
+        eyrie.extract.fsync_path,
+        eyrie.extract.checked_record,
+        eyrie.extract.write_manifest,
+    )
+
+    def fsync(p):
+        with lock:
+            events.append(("fsync", Path(p).name))
+        real_fsync(p)
+
+    shard = load_shards(prepared)[1]
+    by_ids = {tuple(ids): shard.start + i for i, ids in enumerate(load_dataset_rows(prepared, shard.start, shard.stop))}
+    assert len(by_ids) == shard.stop - shard.start
+
+    def record(p, ids, *a):
+        rec = real_record(p, ids, *a)
+        with lock:
+            events.append(("hash", sample_path(Path("."), by_ids[tuple(ids)]).name))
+        return rec
+
+    def manifest(p, m, *a, **k):
+        events.append(("manifest", Path(p).name))
+        real_manifest(p, m, *a, **k)
+
+    monkeypatch.setattr(eyrie.extract, "fsync_path", fsync)
+    monkeypatch.setattr(eyrie.extract, "checked_record", record)
+    monkeypatch.setattr(eyrie.extract, "write_manifest", manifest)
+    shard, hidden, manifest_path, m = _run(prepared, tmp_path, FakeClient(tmp_path / "staging"))
+    names = [sample_path(hidden, i).name for i in range(shard.start, shard.stop)]
+    assert [e for e in events if e[0] == "manifest"] == [("manifest", manifest_path.name)]
+    at = {e: n for n, e in enumerate(events)}
+    for name in names:
+        assert at[("fsync", name)] < at[("fsync", hidden.name)] < at[("manifest", manifest_path.name)]
+        assert at[("hash", name)] < at[("fsync", name)]
+        idx = int(name[3:].split(".")[0])
+        rec, p = m["files"][str(idx)], sample_path(hidden, idx)
+        assert rec["sha256"] == eyrie.extract.sha256_file(p) and rec["stat"] == eyrie.extract.stat_record(p.stat())
+
+
+@pytest.fixture
+def fake_vllm(tmp_path):
+    """A stand-in for the extraction server's HTTP API (aiohttp, in a thread): writes each prompt's file into
+    `staging` as the connector would and answers with its path; checks the API key; `bad_echo` answers with other
+    prompt ids."""
+    import asyncio
+    import socket
+
+    from aiohttp import web
+
+    state = {"staging": tmp_path / "staging", "bad_echo": False, "auth": [], "n": 0}
+    state["staging"].mkdir()
+
+    async def completions(request):
+        state["auth"].append(request.headers.get("Authorization"))
+        body = await request.json()
+        ids = body["prompt"]
+        assert body["max_tokens"] == 1 and body["return_token_ids"] is True
+        state["n"] += 1
+        path = state["staging"] / f"cmpl-{state['n']}.safetensors"
+        save_file({"hidden_states": fake_hidden(ids), "token_ids": torch.tensor(ids)}, str(path))
+        echo = ids[::-1] if state["bad_echo"] else ids
+        return web.json_response(
+            {
+                "choices": [{"text": "", "prompt_token_ids": echo}],
+                "kv_transfer_params": {"hidden_states_path": str(path)},
+            }
+        )
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    state["url"] = f"http://127.0.0.1:{port}"
+    yield state
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    t.join(10)
+
+
+def test_server_client_extracts_on_one_asyncio_session(prepared, tmp_path, fake_vllm):
+    """ServerClient's own path (async_extractor): every sample sent with the API key, answered, checked and vouched
+    for; an answer echoing other prompt ids fails the shard, and no manifest vouches for it."""
+    from eyrie.server import ServerClient
+
+    client = ServerClient(fake_vllm["url"], "secret", 10)
+    shard, hidden, manifest, m = _run(prepared, tmp_path, client)
+    assert m["extracted_samples"] == 6 and fake_vllm["n"] == 6
+    assert set(fake_vllm["auth"]) == {"Bearer secret"}
+    assert shard_complete(manifest, "k1", hidden, rehash_changed=True)
+    assert not list(fake_vllm["staging"].iterdir())
+    fake_vllm["bad_echo"] = True
+    with pytest.raises(ExtractionError, match="different prompt token ids"):
+        _run(prepared, tmp_path, client, shard_no=0)
+    assert not (tmp_path / "shards" / f"{load_shards(prepared)[0].name}.json").exists()
+
+
+def test_checked_record_is_load_checked_and_file_record_in_one_read(tmp_path):
+    from eyrie.extract import checked_record, file_record
+
+    ids = [5, 6, 7, 8]
+    p = tmp_path / "a.safetensors"
+    save_file({"hidden_states": fake_hidden(ids), "token_ids": torch.tensor(ids)}, str(p))
+    assert checked_record(p, ids, LAYERS, HIDDEN) == file_record(p, len(ids))
+    with pytest.raises(ValueError, match="token ids differ"):
+        checked_record(p, [5, 6, 7, 9], LAYERS, HIDDEN)
+    p.write_bytes(p.read_bytes()[:-10])
+    with pytest.raises(ValueError, match="unreadable"):
+        checked_record(p, ids, LAYERS, HIDDEN)
+
+
+def test_a_disk_full_when_the_manifest_is_written_is_a_disk_full_error(prepared, tmp_path, monkeypatch):
+    """Every sample saved, then no room for the manifest (a disk filled meanwhile): the shard fails as a full disk
+    (not retried by the task, told to free space), and a file the server never wrote is a bad file."""
+    import errno
+
+    import eyrie.extract
+    from eyrie.errors import DiskFullError
+    from eyrie.extract import checked_record
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(eyrie.extract, "write_manifest", full)
+    with pytest.raises(DiskFullError, match="free space and run again"):
+        _run(prepared, tmp_path, FakeClient(tmp_path / "staging"))
+    with pytest.raises(ValueError, match="unreadable"):
+        checked_record(tmp_path / "never-written.safetensors", [1], LAYERS, HIDDEN)

@@ -5,7 +5,7 @@ Preflight's verdict is a row per architecture: accepted ones name their EAGLE-3 
 drafter borrows; refused ones give their reason. For each accepted architecture, speculators' trainer then builds a
 drafter from exactly the tensors preflight resolved (checked bit for bit against the target's checkpoint), trains a
 step and the export checks it. Hidden states are synthetic here (conftest.synthetic_training_inputs): that they
-match transformers is tests/test_extraction_correctness.py's subject, on the same targets.
+match transformers is tests/integration/test_extraction_correctness.py's subject, on the same targets.
 """
 
 from __future__ import annotations

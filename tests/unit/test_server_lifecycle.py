@@ -374,3 +374,15 @@ def test_server_env_reaches_the_server_and_is_part_of_its_identity(tmp_path, fak
     bare = ServerSpec(**{**spec.__dict__, "server_env": {}})
     before = {k: v for k, v in bare.__dict__.items() if k not in ("port", "server_env")}
     assert bare.fingerprint() == sha256_json(before)[:16]
+
+
+def test_a_server_spec_is_one_kind(tmp_path):
+    from eyrie.config import load_config
+
+    config = load_config("configs/demo.yaml")
+    extraction = ServerSpec.for_extraction(config, [1, 2], str(tmp_path / "staging"))
+    serving = ServerSpec.for_serving(config, "/drafter")
+    assert (extraction.kind, serving.kind, ServerSpec.for_serving(config).kind) == ("extraction", "serving", "target")
+    assert serving.num_speculative_tokens == config.evaluate.num_speculative_tokens
+    with pytest.raises(ValueError, match="either extracts hidden states"):
+        ServerSpec(model="m", layer_ids=[1], drafter="/drafter")

@@ -125,6 +125,8 @@ def _keep_what_gpu_speedups_replaces(monkeypatch) -> None:
         (trainer, "torch"),
         (trainer, "tqdm"),
         (trainer.Trainer, "_optimizers_step"),
+        (trainer.Trainer, "setup_model"),
+        (trainer.Trainer, "maybe_save_checkpoint"),
         (cli, "build_draft_model"),
         (metrics, "compute_accuracy_single_step"),
         (core.Eagle3DraftModel, "forward"),
@@ -222,15 +224,42 @@ def test_clip_handed_to_fused_adamw_makes_the_same_update(monkeypatch):
 
 def test_forward_with_scalars_made_on_the_device_is_speculators_forward(monkeypatch):
     import torch
+    from speculators.models.eagle3 import core
+
+    from eyrie import train_entry
+
+    monkeypatch.setattr(core.Eagle3DraftModel, "forward", core.Eagle3DraftModel.forward)
+    model, batch = _tiny_eagle3()
+    # float32 inputs: the comparison below is exact
+    raw = batch(torch.Generator().manual_seed(1))
+    inputs = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in raw.items()}
+
+    def run():
+        model.zero_grad()
+        tokens, loss, metrics = model(**inputs)
+        loss.backward()
+        return tokens, loss.detach(), metrics, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    want = run()
+    stock = core.Eagle3DraftModel.forward
+    train_entry._loss_scalars_without_sync()
+    assert core.Eagle3DraftModel.forward is not stock
+    got = run()
+    assert all(torch.equal(a, b) for a, b in zip(want[0], got[0])) and torch.equal(want[1], got[1])
+    assert want[2].keys() == got[2].keys()
+    assert all(torch.equal(want[2][k], got[2][k]) and want[2][k].dtype == got[2][k].dtype for k in want[2])
+    assert all(torch.equal(a, b) for a, b in zip(want[3], got[3]))
+
+
+def _tiny_eagle3():
+    """A one-layer EAGLE-3 drafter at toy width, with the norms speculators' CLI turns on, and one batch for it."""
+    import torch
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3SpeculatorConfig, core
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import LlamaConfig
 
-    from eyrie import train_entry
-
-    monkeypatch.setattr(core.Eagle3DraftModel, "forward", core.Eagle3DraftModel.forward)
     layer = LlamaConfig(
         hidden_size=32,
         num_attention_heads=2,
@@ -264,36 +293,115 @@ def test_forward_with_scalars_made_on_the_device_is_speculators_forward(monkeypa
     ids = torch.randperm(256)[:64].sort().values
     t2d[ids] = True
     model.load_vocab_mappings(t2d, ids - torch.arange(64))
+
+    def batch(g):
+        n = 48
+        return dict(
+            hidden_states=torch.randn(1, n, 96, generator=g).bfloat16(),
+            input_ids=torch.randint(0, 256, (1, n), generator=g),
+            document_ids=torch.cat([torch.zeros(20), torch.ones(26), -torch.ones(2)]).long()[None],
+            loss_mask=torch.randint(0, 2, (1, n), generator=g),
+            position_ids=torch.cat([torch.arange(20), torch.arange(26), torch.zeros(2, dtype=torch.long)])[None],
+            verifier_last_hidden_states=torch.randn(1, n, 32, generator=g).bfloat16(),
+            ttt_steps=3,
+            loss_config=resolve_loss_config("kl_div", "eager"),
+        )
+
+    return model, batch
+
+
+def test_bf16_working_weights_train_like_float32_weights_under_autocast(monkeypatch):
+    """BF16_WEIGHTS: the trainer's step (autocast forward, zero_grad, backward, clip, AdamW) on bfloat16 working
+    copies gives the step on float32 weights under autocast up to bfloat16 rounding, and everything the clip, the
+    optimizer and a checkpoint see is float32. Not bit-identical (norms multiply by bfloat16 weights, activations
+    and the TTT steps' gradient sums are rounded to bfloat16); tolerances, from 3 steps on this toy drafter: loss
+    within 1%, gradient norm within 3%, gradients' cosine similarity above 0.99, accuracy counts within 2."""
+    import copy
+
+    import torch
+
+    from eyrie import train_entry
+
+    monkeypatch.setattr(train_entry, "_WORKING", [])
+    plain, batch = _tiny_eagle3()
+    working = copy.deepcopy(plain)
+    weights = train_entry._WorkingWeights(working, torch.bfloat16)
+    seen = []
+    working.register_forward_pre_hook(lambda m, a: seen.append({p.dtype for p in m.parameters()}))
+    opts = [torch.optim.AdamW(m.named_parameters(), lr=1e-3) for m in (plain, working)]
     g = torch.Generator().manual_seed(1)
-    n = 48
-    args = (
-        torch.randn(1, n, 96, generator=g),
-        torch.randint(0, 256, (1, n), generator=g),
-        torch.cat([torch.zeros(20), torch.ones(28)]).long()[None],
-    )
-    kwargs = dict(
-        loss_mask=torch.randint(0, 2, (1, n), generator=g),
-        position_ids=torch.arange(n)[None],
-        verifier_last_hidden_states=torch.randn(1, n, 32, generator=g),
-        ttt_steps=3,
-        loss_config=resolve_loss_config("kl_div", "eager"),
-    )
+    for _ in range(3):
+        kwargs = batch(g)
+        got = []
+        for model, opt in zip((plain, working), opts):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss, metrics = model(**kwargs)
+            opt.zero_grad()
+            loss.backward()
+            weights.to_master()  # what the clip does first (a no-op for the plain model's step)
+            grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            got.append((loss.item(), norm.item(), grads, metrics))
+        (l0, n0, g0, m0), (l1, n1, g1, m1) = got
+        assert abs(l1 - l0) <= 0.01 * abs(l0) and abs(n1 - n0) <= 0.03 * n0
+        assert torch.nn.functional.cosine_similarity(g0, g1, dim=0) > 0.99
+        assert all(abs(m0[k].item() - m1[k].item()) <= 2 for k in m0 if "_acc_" in k)
+        assert seen[-1] == {torch.bfloat16}  # the forward ran on bfloat16 weights alone
+        assert all(p.dtype == torch.float32 for p in working.parameters())
+        assert all(p.grad is None or p.grad.dtype == torch.float32 for p in working.parameters())
+    assert all(t.dtype == torch.float32 for k, t in working.state_dict().items() if t.is_floating_point())
+    assert all(s["exp_avg"].dtype == torch.float32 for s in opts[1].state.values())
+    for p, w in zip(weights.params, weights.work):  # frozen weights were copied once and are still exact
+        if not p.requires_grad:
+            assert torch.equal(w, p.detach().to(torch.bfloat16))
+    with torch.no_grad():  # validation: float32 again after its forward
+        kwargs = batch(g)
+        kwargs.pop("verifier_last_hidden_states")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            working(**kwargs)
+    assert seen[-1] == {torch.bfloat16} and not weights.working
+    assert all(p.dtype == torch.float32 for p in working.parameters())
 
-    def run():
-        model.zero_grad()
-        tokens, loss, metrics = model(*args, **kwargs)
-        loss.backward()
-        return tokens, loss.detach(), metrics, [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
-    want = run()
-    stock = core.Eagle3DraftModel.forward
-    train_entry._loss_scalars_without_sync()
-    assert core.Eagle3DraftModel.forward is not stock
-    got = run()
-    assert all(torch.equal(a, b) for a, b in zip(want[0], got[0])) and torch.equal(want[1], got[1])
-    assert want[2].keys() == got[2].keys()
-    assert all(torch.equal(want[2][k], got[2][k]) and want[2][k].dtype == got[2][k].dtype for k in want[2])
-    assert all(torch.equal(a, b) for a, b in zip(want[3], got[3]))
+def test_bf16_working_weights_are_put_back_before_clip_step_and_save(monkeypatch):
+    import types
+
+    import torch
+    from speculators.train import trainer
+
+    from eyrie import train_entry
+
+    _keep_what_gpu_speedups_replaces(monkeypatch)
+    monkeypatch.setattr(train_entry, "_WORKING", [])
+    calls = []
+    monkeypatch.setattr(trainer.Trainer, "setup_model", lambda self: calls.append("setup"))
+    monkeypatch.setattr(trainer.Trainer, "maybe_save_checkpoint", lambda self, *a, **k: calls.append("save"))
+    train_entry._gpu_speedups()
+
+    def trainer_with(distributed: bool):
+        model = torch.nn.Linear(4, 4)
+        config = types.SimpleNamespace(hidden_states_dtype=torch.bfloat16)
+        return types.SimpleNamespace(model=model, is_distributed=distributed, config=config, optimizers=[])
+
+    trainer.Trainer.setup_model(trainer_with(True))  # DDP and FSDP are left as they are
+    assert calls == ["setup"] and train_entry._WORKING == []
+    one = trainer_with(False)
+    trainer.Trainer.setup_model(one)
+    (weights,) = train_entry._WORKING
+    one.model(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()
+    assert one.model.weight.dtype == torch.bfloat16 and weights.working
+    trainer.torch.nn.utils.clip_grad_norm_(one.model.parameters(), 1.0)
+    assert one.model.weight.dtype == torch.float32 and one.model.weight.grad.dtype == torch.float32
+    for put_back in (
+        lambda: trainer.Trainer._optimizers_step(one),
+        lambda: trainer.Trainer.maybe_save_checkpoint(one, 0),
+    ):
+        one.model(torch.randn(2, 4, dtype=torch.bfloat16))
+        assert weights.working
+        put_back()
+        assert not weights.working and one.model.weight.dtype == torch.float32
+    assert calls == ["setup", "setup", "save"]
 
 
 def test_compile_cache_goes_beside_the_run_unless_set(monkeypatch, tmp_path):

@@ -1,11 +1,15 @@
-"""The whole pipeline on the demo's trained tiny target, run as a user runs it (`python -m flows.cli run`).
+"""The whole pipeline as `make demo` runs it (configs/demo.yaml: regeneration on, the demo's training recipe), run as
+a user runs it (`python -m flows.cli run`).
 
-One run folder serves every test (vLLM and training are the slow parts). The flow process is SIGKILLed in every
-stage on the way: in prepare, vocab, export and evaluate by a fault point (`EYRIE_FAULTS=<point>=kill`, the process
+One run folder serves every test (vLLM and training are the slow parts). The config is configs/demo.yaml itself,
+with only what the test must change: the run folder, the data source (a hub dataset, the hub cache's layout,
+offline: the scheduled retraining finds its `main` moved to a grown snapshot), more held-out prompts (so the
+train/serve gap is measured over enough drafts to mean something; the training rows stay the demo's number), the
+test servers' settings, the draft-token sweep and promotion. The flow process is SIGKILLed in every stage on the
+way: in prepare, regenerate, vocab, export and evaluate by a fault point (`EYRIE_FAULTS=<point>=kill`, the process
 kills itself mid-stage, after that stage has written part of its output), in train from outside once a step is
 checkpointed (extraction's kill and resume has its own tests in test_flow.py). Each next run resumes. Then a last
-run must find every stage cached and start no vLLM. The data is a hub dataset (the hub cache's layout, offline):
-the scheduled retraining finds its `main` moved to a grown snapshot.
+run must find every stage cached and start no vLLM.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import DEMO_DATA, REPO, HubDatasetRepo, build_tiny_target, register_server_folder, write_config
+from conftest import DEMO_DATA, REPO, VLLM_SERVER_ARGS, HubDatasetRepo, build_tiny_target, register_server_folder
 
 from eyrie.prepare import load_shards
 from eyrie.store import read_json
@@ -35,6 +39,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.usefixtur
 # speculators links `epoch<N>_end` to its folder; mid-epoch checkpoints in that folder are progress, overwritten.)
 FINISHED = (
     "prepare/manifest.json",
+    "regenerate/shards/*.json",
+    "regenerate/manifest.json",
     "extract/shards/*.json",
     "extract/hidden_states/*",
     "vocab/manifest.json",
@@ -75,7 +81,7 @@ def finish(proc: subprocess.Popen) -> str:
 
 
 def killed_at(config: Path, run: Path, point: str, until: str = "evaluate") -> str:
-    proc = run_flow(config, run, until, faults=f"{point}=kill")
+    proc = run_flow(config, run, until, faults=point if "=" in point else f"{point}=kill")
     out = reap(proc)
     assert proc.returncode == -signal.SIGKILL, f"the run was not killed at {point}:\n{out[-4000:]}"
     return out
@@ -93,7 +99,13 @@ def vllm_starts(run: Path) -> int:
     return sum(p.read_text(errors="replace").count("eyrie: starting vLLM") for p in run.rglob("server.log"))
 
 
-SNAPSHOT_1, SNAPSHOT_2 = 200, 248  # lines of the demo chats in the first data snapshot, and in the next one
+DEMO = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+# The one data setting the test changes: a larger held-out share, for enough evaluation drafts (the demo's 16
+# prompts give ~55, a served rate ±0.1). The first snapshot is sized so that the training rows are the demo's.
+EVAL_FRACTION = 0.2
+TRAIN_ROWS = DEMO["data"]["max_samples"] * (1 - DEMO["data"]["eval_fraction"])
+SNAPSHOT_1 = round(TRAIN_ROWS / (1 - EVAL_FRACTION))  # lines of the demo chats in the first data snapshot
+SNAPSHOT_2 = SNAPSHOT_1 + 48  # and in the next one
 COMMIT_1, COMMIT_2 = "1" * 40, "2" * 40  # the dataset repo's commits holding them
 
 
@@ -108,6 +120,8 @@ class Pipeline:
     data: HubDatasetRepo  # the source: a hub dataset whose `main` moves to COMMIT_2 for the retraining
     drafters: Path  # promotion.dir
     killed_at_step: int
+    regen_killed: str  # the shard whose regeneration was killed in flight (its rows written, its manifest not)
+    regen_left: bytes  # the rows file that kill left
     half: dict  # stage -> what the kill left of it
     finished_at_kills: dict  # FINISHED files (inode, mtime) seen after each kill
     resume_out: str
@@ -117,31 +131,33 @@ class Pipeline:
     starts_after_third: int
 
 
+def pipeline_config(source: str, drafters: Path) -> dict:
+    """configs/demo.yaml, changed only where the test must: the data source and its held-out share (sizes from the
+    demo's own), the test servers' settings, every held-out prompt evaluated, the draft-token sweep and promotion."""
+    config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    config["name"] = "pipeline"
+    config["target"]["model"] = str(build_tiny_target(config["target"]["tiny"]))
+    config["data"].update(source=source, max_samples=None, eval_fraction=EVAL_FRACTION)
+    config["extraction"].update(startup_timeout_s=900, request_timeout_s=120, server_args=list(VLLM_SERVER_ARGS))
+    config["evaluate"].update(
+        num_prompts=SNAPSHOT_2,  # every held-out prompt
+        # The draft-token sweep (k up to 5, throughput at concurrency 1 and 4) in the first snapshot's runs only.
+        sweep_draft_tokens=5,
+        throughput_concurrency=[1, 4],
+    )
+    config["promotion"] = {"dir": str(drafters)}
+    from eyrie.config import parse_config
+
+    parse_config(config, "pipeline")  # the validation `eyrie run --config` applies
+    return config
+
+
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory) -> Iterator[Pipeline]:
     root = tmp_path_factory.mktemp("pipeline")
-    target = build_tiny_target("tiny-llama-chat")
     data = HubDatasetRepo({COMMIT_1: snapshot(SNAPSHOT_1), COMMIT_2: snapshot(SNAPSHOT_2)})  # main: COMMIT_1
-    config, _ = write_config(
-        root / "config.yaml",
-        target,
-        "tiny-llama-chat",
-        source=data.repo,
-        max_samples=None,
-        shard_size=48,
-        layer_ids=[2, 4, 5],
-        name="pipeline",
-        train={"epochs": 3, "lr": 3e-3, "max_seq_len": 512, "save_every_steps": 4},
-        # The draft-token sweep (k up to 5, throughput at concurrency 1 and 4) in the first snapshot's runs only.
-        evaluate={
-            "num_prompts": 12,
-            "max_tokens": 32,
-            "num_speculative_tokens": 3,
-            "sweep_draft_tokens": 5,
-            "throughput_concurrency": [1, 4],
-        },
-        promotion={"dir": str(root / "drafters")},
-    )
+    config = root / "config.yaml"
+    config.write_text(yaml.safe_dump(pipeline_config(data.repo, root / "drafters"), sort_keys=False))
     run = root / "run"
     for folder in (
         run / "extract",
@@ -157,9 +173,19 @@ def pipeline(tmp_path_factory) -> Iterator[Pipeline]:
     killed_at(config, run, "prepare.before-publish", until="prepare")
     half["prepare"] = [p.name for p in run.glob("prepare.staging-*")]
     assert half["prepare"] and not (run / "prepare").exists()
-    finish(run_flow(config, run, until="extract"))
-    finished["extract"] = finished_files(run)
 
+    # Regeneration killed with a shard in flight: its rows written, its manifest not. Two shards run at a time, so
+    # the third and later ones (armed here; the first to get there kills) start only once an earlier one finished.
+    armed = ",".join(f"regenerate.shard-{i:05d}.rows-written=kill" for i in range(2, 64))
+    killed_at(config, run, armed, until="extract")
+    shards = run / "regenerate" / "shards"
+    in_flight = [p for p in sorted(shards.glob("*.parquet")) if not p.with_suffix(".json").exists()]
+    assert len(in_flight) == 1 and list(shards.glob("*.json")), sorted(p.name for p in shards.iterdir())
+    regen_killed, regen_left = in_flight[0].stem, in_flight[0].read_bytes()
+    finished["regenerate"] = finished_files(run)
+
+    # The next run resumes regeneration (the extraction server the kill left up is reused), extracts, and is killed
+    # in vocab.
     killed_at(config, run, "vocab.before-manifest")
     half["vocab"] = sorted(p.name for p in (run / "vocab").glob("*.npy"))
     assert half["vocab"] and not (run / "vocab" / "manifest.json").exists()
@@ -199,6 +225,8 @@ def pipeline(tmp_path_factory) -> Iterator[Pipeline]:
         data,
         root / "drafters",
         step,
+        regen_killed,
+        regen_left,
         half,
         finished,
         resume_out,
@@ -257,9 +285,11 @@ def test_interrupted_stages_end_as_an_uninterrupted_run(pipeline, tmp_path):
         assert (run / "prepare" / "dataset" / name).read_bytes() == (ref / "dataset" / name).read_bytes(), name
     assert torch.load(run / "prepare" / "dataset" / "token_freq.pt") == torch.load(ref / "dataset" / "token_freq.pt")
 
+    # vocab counts the regenerated answers' tokens (regeneration itself is not deterministic to the byte: a
+    # near-tie may go the other way in another batch)
     vocab = read_json(run / "vocab" / "manifest.json")
     ref_vocab = build_vocab(
-        ref / "dataset" / "token_freq.pt",
+        run / "regenerate" / "dataset" / "token_freq.pt",
         vocab["draft_vocab_size"],
         vocab["target_vocab_size"],
         tmp_path / "vocab",
@@ -276,10 +306,11 @@ def test_interrupted_stages_end_as_an_uninterrupted_run(pipeline, tmp_path):
         json.loads((Path(export["drafter"]) / "config.json").read_text())["target_hidden_size"],
         export["key"],
     )
-    assert ref_export["files"] == export["files"] and sorted(export["files"]) == pipeline.half["export"]
+    assert ref_export["files"] == export["files"]
+    assert sorted(export["files"]) == [f"drafter/{name}" for name in pipeline.half["export"]]
 
-    # extraction: exactly one file per prepared sample (test_flow.py checks their contents)
-    num_samples = read_json(run / "prepare" / "manifest.json")["num_samples"]
+    # extraction: exactly one file per regenerated sample (test_flow.py checks their contents)
+    num_samples = read_json(run / "regenerate" / "manifest.json")["num_samples"]
     assert sorted(p.name for p in (run / "extract" / "hidden_states").iterdir()) == sorted(
         f"hs_{i}.safetensors" for i in range(num_samples)
     )
@@ -291,7 +322,7 @@ def test_training_resumes_from_the_saved_step(pipeline):
     log = Path(manifest["log"]).read_text(errors="replace")
     assert log.count("===== eyrie:") == 2  # one launch killed, one resumed: not a third from scratch
     history = manifest["history"]
-    assert [h["epoch"] for h in history] == [0, 1, 2]
+    assert [h["epoch"] for h in history] == list(range(DEMO["train"]["epochs"]))
     assert manifest["global_step"] == history[-1]["global_step"] > pipeline.killed_at_step
 
 
@@ -321,13 +352,75 @@ def test_trained_drafter_beats_untrained(pipeline):
     assert trained["acceptance_length"] >= untrained["acceptance_length"] + 0.2, (trained, untrained)
 
 
+MIN_DRAFTS = 120  # a served rate's 2 standard errors are at most 2 * sqrt(0.25 / 120) = 0.09
+
+
 def test_training_predicts_serving(pipeline):
-    """Per draft position, the trained drafter's validation accuracy is within evaluate.max_train_serve_gap of the
-    acceptance vLLM measured on held-out prompts: the features trained on are the features served."""
+    """The demo's drafter (regenerated data, the demo's recipe): per draft position, its validation accuracy is
+    within evaluate.max_train_serve_gap (plus the served estimate's noise, as the report counts it) of the
+    acceptance vLLM measured on held-out prompts, over enough drafts for that to mean something (validation counted
+    over the draft starts vLLM makes: eyrie.progress.like_for_like_metrics); and it clears
+    issue 12's bar: acceptance length at least 3 at 3 draft tokens, every position above 0.5."""
     gap = read_json(pipeline.run / "evaluate" / "manifest.json")["train_serve_gap"]
+    trained = read_json(pipeline.run / "evaluate" / "trained.json")
+    from eyrie.config import load_config
+
+    bound = load_config(pipeline.config).evaluate.max_train_serve_gap  # the demo's (the default)
+    table = "\n".join(
+        f"  position {r['position']}: validation {r['validation']:.3f} (speculators' figure "
+        f"{r.get('validation_speculators', r['validation']):.3f})  served {r['served']:.3f}  gap {r['gap']:+.3f}"
+        f"  allowed {bound + r['margin']:.3f}"
+        for r in gap["rows"]
+    )
+    print(f"train/serve gap over {gap['drafts']} drafts, {trained['prompts']} prompts:\n{table}")
     assert [r["position"] for r in gap["rows"]] == [1, 2, 3]
-    assert gap["flagged"] == [], gap["rows"]
-    print(f"train/serve gap: {gap['rows']}")
+    assert all("validation_speculators" in r for r in gap["rows"])
+    assert gap["bound"] == bound and gap["drafts"] == trained["drafts"] >= MIN_DRAFTS, (gap["drafts"], trained)
+    for r in gap["rows"]:
+        assert abs(r["validation"] - r["served"]) <= bound + r["margin"], table
+    assert gap["flagged"] == [], table
+    assert trained["acceptance_length"] >= 3.0, trained
+    assert all(rate > 0.5 for rate in trained["per_position_acceptance"]), trained
+
+
+def test_a_kill_mid_regeneration_redoes_only_the_shards_in_flight(pipeline):
+    """Regeneration SIGKILLed with a shard in flight (its rows on disk, its manifest not): the rerun kept every
+    finished shard (test_a_kill_in_any_stage_recomputes_nothing_finished checks their manifests' inodes and mtimes)
+    and regenerated the killed one, whose manifest now vouches for the rows it wrote; the stage's output is whole."""
+    import hashlib
+
+    import pyarrow.parquet as pq
+
+    run = pipeline.run
+    shards = run / "regenerate" / "shards"
+    plan = load_shards(run / "prepare")
+    before = pipeline.finished_at_kills["regenerate"]
+    kept = sorted(Path(p).stem for p in before if p.startswith("regenerate/shards/"))
+    assert kept and pipeline.regen_killed not in kept
+    manifests = {s.name: read_json(shards / f"{s.name}.json") for s in plan}
+    assert all(manifests.values()), sorted(n for n, m in manifests.items() if not m)
+    killed = manifests[pipeline.regen_killed]
+    rows = (shards / f"{pipeline.regen_killed}.parquet").read_bytes()
+    assert killed["sha256"] == hashlib.sha256(rows).hexdigest()
+    stage = read_json(run / "regenerate" / "manifest.json")
+    stats = stage["stats"]
+    assert stats["failed"] == {} and stats["rows_in"] == sum(s.stop - s.start for s in plan), stats
+    assert stage["num_samples"] == stats["rows_used"] > 0
+    assert stats["rows_out"] == sum(m["stats"]["rows_out"] for m in manifests.values())
+    now = finished_files(run)
+    redone = [path for path, ids in before.items() if path.startswith("regenerate/") and now[path] != ids]
+    assert redone == [], "finished shards were regenerated again"
+    # The redone shard answers the same conversations; greedy ids can differ where the tiny target is near a tie
+    # and the batch differs, so the rows are compared for the record.
+    import io
+
+    old = pq.read_table(io.BytesIO(pipeline.regen_left)).to_pydict()
+    new = pq.read_table(io.BytesIO(rows)).to_pydict()
+    assert old["row"] == new["row"]
+    same = sum(a == b for a, b in zip(old["input_ids"], new["input_ids"], strict=True))
+    for ids, mask in zip(new["input_ids"], new["loss_mask"], strict=True):
+        assert len(ids) == len(mask) and any(mask)
+    print(f"regeneration: kept {kept}, redid {pipeline.regen_killed}: {same} of {len(new['row'])} rows identical")
 
 
 def test_evaluation_answers_how_many_draft_tokens(pipeline):
@@ -350,14 +443,14 @@ def test_evaluation_answers_how_many_draft_tokens(pipeline):
 
 def test_second_run_is_all_cached_and_starts_no_vllm(pipeline):
     assert pipeline.starts_after_third == pipeline.starts_before_third
-    for stage in ("prepare", "vocab", "train", "export", "evaluate-trained", "evaluate-untrained"):
+    for stage in ("prepare", "regenerate", "vocab", "train", "export", "evaluate-trained", "evaluate-untrained"):
         assert f"Task run '{stage}" in pipeline.third_out
     assert "Cached" in pipeline.third_out and "Task run 'train-" in pipeline.third_out
     finished = [
         line
         for line in pipeline.third_out.splitlines()
         if "Finished in state" in line
-        and any(f"'{s}-" in line for s in ("prepare", "vocab", "train", "export", "evaluate", "extract"))
+        and any(f"'{s}-" in line for s in ("prepare", "regenerate", "vocab", "train", "export", "evaluate", "extract"))
     ]
     assert finished and all("Cached" in line for line in finished), "\n".join(finished)
     assert "acceptance_length" in pipeline.third_out
@@ -417,7 +510,7 @@ def test_retraining_reuses_the_extraction_of_unchanged_shards(pipeline, retraine
     assert f"{len(plan)} shards, {len(redone)} to extract" in retrained.out
     assert (
         len(list((pipeline.run / "extract" / "hidden_states").iterdir()))
-        == read_json(pipeline.run / "prepare" / "manifest.json")["num_samples"]
+        == read_json(pipeline.run / "regenerate" / "manifest.json")["num_samples"]
     )
 
 
@@ -434,7 +527,10 @@ def test_retraining_warm_starts_from_the_current_drafter(pipeline, retrained):
     assert np.array_equal(np.load(pipeline.run / "vocab" / "d2t-256.npy"), weights["d2t"].numpy())
 
 
-def test_retraining_promotes_only_a_drafter_at_least_as_good(pipeline, retrained):
+def test_retraining_is_gated_against_the_current_drafter_on_the_same_prompts(pipeline, retrained):
+    """The gate's wiring on a real retraining: both drafters measured on the same new prompts, the decision taken
+    on those figures and carried out. Which way it goes depends on training (tests/unit/test_promote.py drives both
+    outcomes with fixed figures); here the decision must be the rule's for the figures measured."""
     trained = read_json(pipeline.run / "evaluate" / "trained.json")
     current = read_json(pipeline.run / "evaluate" / "current.json")
     # Both measured on the same, new held-out prompts; the untrained baseline is skipped when there is a rival.
@@ -446,13 +542,13 @@ def test_retraining_promotes_only_a_drafter_at_least_as_good(pipeline, retrained
     decision = json.loads((pipeline.drafters / "history.jsonl").read_text().splitlines()[-1])
     assert decision["current_before"] == str(retrained.base)
     assert decision["current_acceptance_length"] == current["acceptance_length"]
+    assert decision["promoted"] == (trained["acceptance_length"] >= current["acceptance_length"])
     now = (pipeline.drafters / "current").resolve()
     export = read_json(pipeline.run / "export" / "manifest.json")
-    if trained["acceptance_length"] >= current["acceptance_length"]:
-        assert decision["promoted"] and now.name == export["key"] and "promoted:" in retrained.out
-    else:
-        assert not decision["promoted"] and now == retrained.base
-        assert "not promoted: acceptance length" in retrained.out and "the current drafter stays" in retrained.out
+    expected_current, expected_line = (
+        (export["key"], "promoted:") if decision["promoted"] else (retrained.base.name, "not promoted: acceptance")
+    )
+    assert now.name == expected_current and expected_line in retrained.out
     print(
         f"retraining: new {trained['acceptance_length']} vs current {current['acceptance_length']} "
         f"(the current one scored {retrained.base_result['acceptance_length']} on the first snapshot's prompts): "

@@ -68,3 +68,76 @@ def test_draft_token_table_and_throughput_rows(tmp_path):
     assert rows[1]["speedup_k5"] == 0.95  # a slowdown is reported as one
     png = plot_draft_tokens(table, rows, tmp_path / "plot.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_the_sweep_takes_its_acceptance_from_its_throughput_traffic():
+    """The draft-token sweep's server measures acceptance over the throughput runs' own requests (the same greedy
+    prompts, once per concurrency) and sends no separate pass; the target alone gives the baseline speed."""
+    from contextlib import contextmanager
+
+    from eyrie.evaluate import draft_token_report
+    from eyrie.server import ServerSpec
+
+    class Fake:
+        def __init__(self, drafting: bool):
+            self.drafting, self.chats, self.drafts, self.accepted = drafting, 0, 0, [0, 0, 0, 0, 0]
+
+        def chat(self, prompt, max_tokens):
+            self.chats += 1
+            if self.drafting:  # each request: 2 drafts, positions 1-2 accepted in one, position 1 in the other
+                self.drafts += 2
+                self.accepted[0] += 2
+                self.accepted[1] += 1
+            return {"usage": {"completion_tokens": 10}}
+
+        def metrics(self):
+            lines = [f'vllm:spec_decode_num_drafts_total{{engine="0"}} {self.drafts}']
+            lines += [
+                f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{i}"}} {n}'
+                for i, n in enumerate(self.accepted)
+            ]
+            lines.append(f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {sum(self.accepted)}')
+            return "\n".join(lines)
+
+    clients = {}
+
+    @contextmanager
+    def serve(spec, folder):
+        clients[folder] = Fake(spec.drafter is not None)
+        yield clients[folder]
+
+    spec = ServerSpec(model="t")
+    trained = {
+        "acceptance_length": 2.0,
+        "per_position_acceptance": [0.9, 0.5, 0.2],
+        "throughput": [{"concurrency": c, "output_tokens_per_s": 50.0} for c in (1, 4)],
+        "num_speculative_tokens": 3,
+    }
+    prompts = [[{"role": "user", "content": str(i)}] for i in range(6)]
+    report = draft_token_report(serve, spec, "drafter", prompts, 8, 5, trained)
+    sweep = clients["server-sweep"]
+    assert sweep.chats == 2 * (1 + len(prompts))  # one warm-up and the prompts, per concurrency: nothing more
+    assert report["swept"]["drafts"] == 2 * sweep.chats
+    assert report["swept"]["per_position_acceptance"] == [1.0, 0.5, 0.0, 0.0, 0.0]
+    assert [r["k"] for r in report["draft_tokens"]] == [1, 2, 3, 4, 5]
+    assert clients["server-target"].chats == 2 * (1 + len(prompts))
+
+
+def test_validation_is_counted_over_the_draft_starts_vllm_makes():
+    """speculators divides `full_acc_i` by the positions whose (i+1)-th target is in the loss mask, so the i starts
+    just before each answer (never right: the start is not in the mask) are counted and the i at its end are not.
+    Per answer of L tokens the figure is capped at (L - i) / L; the like-for-like figure is counted over the starts
+    that can be right, and the gap report shows both."""
+    from eyrie.progress import draft_start_counts, like_for_like
+
+    # two rows (as stored: the trainer drops each row's first token): answers of 4 and 5 tokens, and one of 3
+    rows = [[0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
+    totals, starts = draft_start_counts(rows, 3)
+    assert totals == [12, 12, 12]  # every masked position is a target at every depth
+    assert starts == [12, 9, 6]  # 3 answers: one start fewer per answer at each depth
+    # a drafter right at every start it can be: speculators reports 9/12 and 6/12 at depths 2 and 3
+    metrics = {"full_acc_0_epoch": 1.0, "full_acc_1_epoch": 9 / 12, "full_acc_2_epoch": 6 / 12}
+    assert like_for_like(metrics, totals, starts) == [1.0, 1.0, 1.0]
+    metrics.update({"full_acc_1_epoch_speculators": 0.75, "full_acc_1_epoch": 1.0})
+    row = train_serve_gap(metrics, [1.0, 1.0, 1.0], 0.15, 100)["rows"][1]
+    assert row["validation"] == 1.0 and row["validation_speculators"] == 0.75 and row["gap"] == 0.0

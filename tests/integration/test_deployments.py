@@ -2,14 +2,15 @@
 
 The server is a real `prefect server start` on a free loopback port, on PostgreSQL (tests/prefect_server.py), with
 authentication on, stopped at the end. deployments/setup.py runs as the operator runs it, in a subprocess; what it
-created is read back here through Prefect's client, independently of setup.py's own report.
+created is read back here through Prefect's client, independently of the lines setup.py prints. What it expects of
+the GPU nodes comes from their one declaration, `definitions.gpu_nodes` in deployments/prefect.yaml; a test adds a
+third node there (one line) and finds its queue, the pool's limit and the fan-out's shares follow.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ import yaml
 from conftest import REPO
 from prefect_server import http_status, running_prefect_server
 
+from deployments.setup import gpu_nodes
 from eyrie.stages import UNTIL
 
 PIPELINE = "eyrie-pipeline/production"
@@ -27,9 +29,18 @@ NODE = "eyrie-extract/node"
 FANOUT = "eyrie-extract-fanout/production"
 DEPLOYMENTS = (PIPELINE, EXTRACT, NODE, FANOUT)
 GPU_POOL, CONTROL_POOL = "eyrie-gpu", "eyrie-control"
-# pool: (pool concurrency limit, {queue: queue concurrency limit}). The GPU pool's limit is the number of GPU queues:
-# one run per node, the nodes side by side.
-POOLS = {GPU_POOL: (2, {"gpu-node-1": 1, "gpu-node-2": 1}), CONTROL_POOL: (None, {"control": None})}
+PREFECT_YAML = REPO / "deployments" / "prefect.yaml"
+NODES = gpu_nodes(PREFECT_YAML)  # the declaration
+N_DEPLOYMENTS = len(DEPLOYMENTS)
+
+
+def pools(nodes: list[str]) -> dict:
+    """pool: (pool concurrency limit, {queue: queue concurrency limit}): one queue per GPU node, limit 1 each; the GPU
+    pool's limit is the number of nodes (one run per node, the nodes side by side)."""
+    return {GPU_POOL: (len(nodes), {n: 1 for n in nodes}), CONTROL_POOL: (None, {"control": None})}
+
+
+POOLS = pools(NODES)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +63,7 @@ def _setup_process(server, *args: str, auth: str | None = None) -> subprocess.Co
     )
     env.pop("PREFECT_API_URL")
     return subprocess.run(
-        [sys.executable, "-m", "deployments.setup", "--api-url", server.url, "--json", *args],
+        [sys.executable, "-m", "deployments.setup", "--api-url", server.url, *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -61,34 +72,40 @@ def _setup_process(server, *args: str, auth: str | None = None) -> subprocess.Co
     )
 
 
-def _run_setup(server, *args: str) -> tuple[dict, list[str]]:
-    """Runs `python -m deployments.setup --json`; returns its report and its log lines (what it wrote)."""
+def _run_setup(server, *args: str) -> list[str]:
+    """Runs `python -m deployments.setup`; returns what it printed, line by line, after the node list it read."""
     proc = _setup_process(server, *args)
     assert proc.returncode == 0, f"setup failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    log = [
-        line
-        for line in proc.stderr.splitlines()
-        if line.startswith(("created ", "updated ", "deleted ", "warning: ", "prefect deploy"))
-    ]
-    return json.loads(proc.stdout), log
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("GPU nodes (deployments/prefect.yaml): "), lines
+    assert lines[-1].endswith(f" change(s) on {server.url}"), lines
+    return lines[1:]
+
+
+def _changes(lines: list[str]) -> int:
+    """The count on the last line, checked against the lines that announce a change."""
+    count = int(lines[-1].split()[0])
+    assert count == sum(line.startswith(("created ", "updated ", "deleted ")) for line in lines), lines
+    return count
 
 
 def _client(server):
     return server.client()
 
 
-async def _read_back(server) -> dict:
-    """What the server holds, read through Prefect's client (not through setup.py's snapshot)."""
+async def _read_back(server, nodes: list[str] = NODES) -> dict:
+    """What the server holds, read through Prefect's client."""
+    wanted = pools(nodes)
     async with _client(server) as c:
-        pools = {p: await c.read_work_pool(p) for p in POOLS}
+        pools_ = {p: await c.read_work_pool(p) for p in wanted}
         queues = {
-            (p, q): await c.read_work_queue_by_name(q, work_pool_name=p) for p, (_, qs) in POOLS.items() for q in qs
+            (p, q): await c.read_work_queue_by_name(q, work_pool_name=p) for p, (_, qs) in wanted.items() for q in qs
         }
         automations = [a for a in await c.read_automations() if a.name == "Crash zombie flows"]
         deployments = {n: await c.read_deployment_by_name(n) for n in DEPLOYMENTS}
         counts = {
             "work_pools": len(await c.read_work_pools()),
-            "work_queues": {p: len(await c.read_work_queues(work_pool_name=p)) for p in POOLS},
+            "work_queues": {p: len(await c.read_work_queues(work_pool_name=p)) for p in wanted},
             "global_concurrency_limits": len(await c.read_global_concurrency_limits(limit=200)),
             "global_limit_names": sorted(g.name for g in await c.read_global_concurrency_limits(limit=200)),
             "automations": len(await c.read_automations()),
@@ -96,7 +113,7 @@ async def _read_back(server) -> dict:
             "flows": len(await c.read_flows()),
         }
     return {
-        "pools": pools,
+        "pools": pools_,
         "queues": queues,
         "automations": automations,
         "deployments": deployments,
@@ -137,11 +154,11 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
     wrong = _setup_process(prefect_server, auth="eyrie-admin:wrong")
     assert wrong.returncode == 1 and "answered 401" in wrong.stderr, wrong.stderr
 
-    first, first_log = _run_setup(prefect_server)
+    first_log = _run_setup(prefect_server)
     t_first = time.monotonic() - t0
     state1 = asyncio.run(_read_back(prefect_server))
 
-    # Work pools, type process: the GPU pool (limit 2: one run per node, the nodes side by side), one queue per node,
+    # Work pools, type process: the GPU pool (limit: one run per node, the nodes side by side), one queue per node,
     # limit 1 each; the fan-out parents' pool (no limit) and its queue.
     for name, (limit, queues) in POOLS.items():
         pool = state1["pools"][name]
@@ -169,7 +186,7 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
     # A node's share of a fan-out has no deployment-wide limit (the nodes run at once; each node's queue has 1).
     for name, d in state1["deployments"].items():
         assert d.work_pool_name == (CONTROL_POOL if name == FANOUT else GPU_POOL), name
-        assert d.work_queue_name == ("control" if name == FANOUT else "gpu-node-1"), name
+        assert d.work_queue_name == ("control" if name == FANOUT else NODES[0]), name  # the first node by default
         if name == NODE:
             assert d.global_concurrency_limit is None, name
         else:
@@ -186,7 +203,7 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
     assert state1["deployments"][EXTRACT].entrypoint == "flows/extract.py:extract_run_flow"
     assert state1["deployments"][NODE].entrypoint == "flows/extract.py:extract_flow"
     assert state1["deployments"][FANOUT].entrypoint == "flows/fanout.py:extract_fanout_flow"
-    assert state1["deployments"][FANOUT].parameters == {"queues": ["gpu-node-1", "gpu-node-2"]}
+    assert state1["deployments"][FANOUT].parameters == {"queues": NODES}  # every node gets a share
     assert "shards" in state1["deployments"][NODE].parameter_openapi_schema["properties"]
     # `config` is the PipelineConfig model (the UI renders it as a form).
     schema = pipeline.parameter_openapi_schema
@@ -203,19 +220,22 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
     assert state1["deployments"][EXTRACT].schedules == []
 
     # setup.py's own before/after report agrees: the first run created all of it.
-    assert first["before"]["work_pools"] == {GPU_POOL: None, CONTROL_POOL: None}
-    assert all(first["after"]["work_pools"].values())
-    assert first["changes"]
-    assert sum(line.startswith("created ") for line in first_log) == 6  # 2 pools, 3 queues, automation
+    # What setup printed agrees: the first run created all of it, one line each.
+    n_queues = sum(len(qs) for _, qs in POOLS.values())
+    assert _changes(first_log) == len(POOLS) + n_queues + 1 + N_DEPLOYMENTS  # pools, queues, automation, deployments
+    assert sum(line.startswith("created work queue ") for line in first_log) == n_queues
+    assert f"prefect deploy --all: {N_DEPLOYMENTS} deployments applied, {N_DEPLOYMENTS} new" in first_log
 
     # --- second run: nothing new, nothing changed
-    second, second_log = _run_setup(prefect_server)
+    second_log = _run_setup(prefect_server)
     state2 = asyncio.run(_read_back(prefect_server))
     assert _ids(state2) == _ids(state1)
     assert state2["counts"] == state1["counts"]
-    assert second["changes"] == [], second["changes"]
-    assert second["before"] == second["after"] == first["after"]
-    assert second_log == ["prefect deploy --all: done"]  # nothing created, updated or deleted
+    # Nothing created, updated or deleted, and it says so.
+    assert second_log == [
+        f"prefect deploy --all: {N_DEPLOYMENTS} deployments applied, 0 new",
+        f"0 change(s) on {prefect_server.url}",
+    ]
 
     # --- the server checks parameters when a run is created
     async def create_runs():
@@ -241,7 +261,7 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
     assert "'abc' is not of type 'integer'" in bad.response.json()["detail"]
     assert extra.response.status_code == 409 and "epoch" in extra.response.json()["detail"]
     assert missing.response.status_code == 409 and "run_dir" in missing.response.json()["detail"]
-    assert good.state.type == StateType.SCHEDULED and good.work_queue_name == "gpu-node-1"
+    assert good.state.type == StateType.SCHEDULED and good.work_queue_name == NODES[0]
     assert [r.id for r in runs] == [good.id]  # the rejected ones were never created
 
     # --- drift is put back, keeping the ids: someone removed the GPU pool's limit and gave the control pool one,
@@ -254,8 +274,8 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
         async with _client(prefect_server) as c:
             await c.update_work_pool(GPU_POOL, WorkPoolUpdate(concurrency_limit=None))
             await c.update_work_pool(CONTROL_POOL, WorkPoolUpdate(concurrency_limit=1))
-            await c.update_work_queue(state1["queues"][GPU_POOL, "gpu-node-2"].id, concurrency_limit=3)
-            await c.update_work_queue(state1["queues"][GPU_POOL, "gpu-node-1"].id, concurrency_limit=None)
+            await c.update_work_queue(state1["queues"][GPU_POOL, NODES[1]].id, concurrency_limit=3)
+            await c.update_work_queue(state1["queues"][GPU_POOL, NODES[0]].id, concurrency_limit=None)
             await c.update_work_queue(state1["queues"][CONTROL_POOL, "control"].id, concurrency_limit=5)
             await c.pause_automation(zombie.id)
             return await c.create_automation(zombie_automation())
@@ -264,7 +284,7 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
     drifted = asyncio.run(_read_back(prefect_server))
     assert drifted["pools"][GPU_POOL].concurrency_limit is None  # the edits took
     assert drifted["pools"][CONTROL_POOL].concurrency_limit == 1
-    third, third_log = _run_setup(prefect_server, "--no-deploy")
+    third_log = _run_setup(prefect_server, "--no-deploy")
     state3 = asyncio.run(_read_back(prefect_server))
     for name, (limit, queues) in POOLS.items():
         assert state3["pools"][name].concurrency_limit == limit, name
@@ -272,47 +292,87 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
             assert state3["queues"][name, q].concurrency_limit == q_limit, (name, q)
     assert [a.id for a in state3["automations"]] == [zombie.id] and state3["automations"][0].enabled
     assert _ids(state3) == _ids(state1) and state3["counts"] == state1["counts"]
-    assert sorted(third_log) == sorted(
+    first_node, second_node = NODES[:2]
+    assert sorted(third_log[:-1]) == sorted(
         [
-            "updated work pool 'eyrie-gpu': ['concurrency_limit']",
-            "updated work pool 'eyrie-control': ['concurrency_limit']",
-            "updated work queue 'gpu-node-1' in pool 'eyrie-gpu': concurrency limit None -> 1",
-            "updated work queue 'gpu-node-2' in pool 'eyrie-gpu': concurrency limit 3 -> 1",
-            "updated work queue 'control' in pool 'eyrie-control': concurrency limit 5 -> None",
+            f"updated work pool 'eyrie-gpu': concurrency_limit None -> {len(NODES)}",
+            "updated work pool 'eyrie-control': concurrency_limit 1 -> None",
+            f"updated work queue '{first_node}' in pool 'eyrie-gpu': concurrency_limit None -> 1",
+            f"updated work queue '{second_node}' in pool 'eyrie-gpu': concurrency_limit 3 -> 1",
+            "updated work queue 'control' in pool 'eyrie-control': concurrency_limit 5 -> None",
             f"deleted duplicate automation 'Crash zombie flows' {duplicate}",
             f"updated automation 'Crash zombie flows' ({zombie.id})",
         ]
     )
+    assert _changes(third_log) == 7
     # A fourth run finds nothing to do.
-    fourth, fourth_log = _run_setup(prefect_server, "--no-deploy")
-    assert fourth["changes"] == [] and fourth_log == [], (fourth["changes"], fourth_log)
+    assert _run_setup(prefect_server, "--no-deploy") == [f"0 change(s) on {prefect_server.url}"]
 
     # A queue it does not manage in one of its pools (the `control` queue an earlier version kept in the GPU pool) is
     # reported, and left alone: runs may still wait in it.
     asyncio.run(_create_queue(prefect_server, "control", GPU_POOL))
-    fifth, fifth_log = _run_setup(prefect_server, "--no-deploy")
-    assert fifth["changes"] == [], fifth["changes"]
-    assert fifth_log == [
-        "warning: work queue 'control' in pool 'eyrie-gpu' is not managed by deployments/setup.py "
-        "(it manages ['gpu-node-1', 'gpu-node-2']); once nothing uses it: "
-        "`prefect work-queue delete control --pool eyrie-gpu`"
-    ], fifth_log
+    assert _run_setup(prefect_server, "--no-deploy") == [
+        f"warning: work queue 'control' in pool 'eyrie-gpu' is not one of {NODES} (deployments/prefect.yaml); "
+        "once nothing uses it: `prefect work-queue delete control --pool eyrie-gpu`",
+        f"0 change(s) on {prefect_server.url}",
+    ]
 
     print(f"\nfirst setup run {t_first:.1f}s; whole test body {time.monotonic() - t0:.1f}s")
 
 
+@pytest.mark.slow
+def test_a_third_node_is_one_line_in_prefect_yaml(prefect_server, tmp_path):
+    """Adding a GPU node is one line, in `definitions.gpu_nodes`: setup creates its queue and raises the pool's limit,
+    and the fan-out's `queues` (an alias of the list) include it; taking it off again lowers the limit and reports
+    the queue, which it leaves alone (runs may wait in it)."""
+    text = PREFECT_YAML.read_text()
+    last = f"    - {NODES[-1]}\n"
+    assert text.count(last) == 1
+    grown = tmp_path / "prefect.yaml"
+    grown.write_text(text.replace(last, last + "    - gpu-node-3\n"))
+    nodes = [*NODES, "gpu-node-3"]
+    assert gpu_nodes(grown) == nodes
+
+    lines = _run_setup(prefect_server, "--prefect-file", str(grown))
+    assert "created work queue 'gpu-node-3' in pool 'eyrie-gpu' (concurrency limit 1)" in lines, lines
+    assert f"updated work pool 'eyrie-gpu': concurrency_limit {len(NODES)} -> {len(nodes)}" in lines, lines
+    state = asyncio.run(_read_back(prefect_server, nodes))
+    assert state["pools"][GPU_POOL].concurrency_limit == len(nodes)
+    assert state["queues"][GPU_POOL, "gpu-node-3"].concurrency_limit == 1
+    assert state["deployments"][FANOUT].parameters == {"queues": nodes}
+    assert {d.work_queue_name for n, d in state["deployments"].items() if n != FANOUT} == {NODES[0]}
+
+    # Off the list again (the repository's file): the limit follows; the queue is reported, not deleted.
+    lines = _run_setup(prefect_server, "--no-deploy")
+    assert f"updated work pool 'eyrie-gpu': concurrency_limit {len(nodes)} -> {len(NODES)}" in lines, lines
+    assert any(line.startswith("warning: work queue 'gpu-node-3' in pool 'eyrie-gpu'") for line in lines), lines
+    state = asyncio.run(_read_back(prefect_server, nodes))
+    assert state["pools"][GPU_POOL].concurrency_limit == len(NODES)
+    assert state["queues"][GPU_POOL, "gpu-node-3"] is not None
+
+
 def test_prefect_yaml_is_valid_for_prefect_deploy():
     """The file validates as Prefect 3.7's prefect.yaml, and setup.py's own checks pass (no server needed)."""
-    from deployments.setup import deployment_full_names, load_prefect_file
+    from deployments.setup import load_prefect_file
 
-    deployments = load_prefect_file()
-    assert deployment_full_names(deployments) == list(DEPLOYMENTS)
-    raw = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
+    nodes, deployments = load_prefect_file()
+    assert nodes == NODES and len(nodes) >= 2
+    names = {"eyrie-pipeline": "flows/pipeline.py:pipeline_flow", "eyrie-extract": "flows/extract.py:extract_run_flow"}
+    assert [(d["entrypoint"], d["name"]) for d in deployments] == [
+        (names["eyrie-pipeline"], "production"),
+        (names["eyrie-extract"], "production"),
+        ("flows/extract.py:extract_flow", "node"),
+        ("flows/fanout.py:extract_fanout_flow", "production"),
+    ]
+    raw = yaml.safe_load(PREFECT_YAML.read_text())
     assert raw["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $EYRIE_HOME }}"}}]
     for d, name in zip(deployments, DEPLOYMENTS):
         if name != NODE:  # the nodes of a fan-out run side by side
             assert d["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}, name
         assert d["enforce_parameter_schema"] is True, name
+        # The GPU flows default to the first node's queue; the fan-out's shares go to every node.
+        assert d["work_pool"]["work_queue_name"] == ("control" if name == FANOUT else NODES[0]), name
+    assert deployments[3]["parameters"] == {"queues": NODES}
     # The weekly schedule inlines the production preset: the two must not drift apart.
     from eyrie.config import load_config, parse_config
 
@@ -325,54 +385,63 @@ def test_prefect_yaml_is_valid_for_prefect_deploy():
     ids=[
         "other-pool",
         "other-queue",
-        "queue-of-other-pool",
+        "control-queue-on-gpu",
         "no-queue",
         "gpu-flow-on-control",
         "fanout-on-gpu",
+        "fanout-to-some-nodes",
         "fanout-to-control",
+        "node-twice",
+        "node-bad-name",
+        "node-named-control",
+        "no-nodes",
     ],
     argvalues=[
         # A pool it does not create.
+        (lambda raw: raw["deployments"][0]["work_pool"].update(name="eyrie-gpus"), "uses work pool 'eyrie-gpus'"),
+        # A queue that is not a declared node, the control queue, or none (Prefect's `default`, without a limit).
         (
-            lambda ds: ds[0]["work_pool"].update(name="eyrie-gpus"),
-            "uses work pool 'eyrie-gpus'; this setup creates only 'eyrie-gpu' (queues ['gpu-node-1', 'gpu-node-2']), "
-            "'eyrie-control' (queues ['control'])",
-        ),
-        # A queue it does not create, and one of the other pool.
-        (
-            lambda ds: ds[0]["work_pool"].update(work_queue_name="gpu-node-3"),
-            "names work queue 'gpu-node-3' in pool 'eyrie-gpu', which has only ['gpu-node-1', 'gpu-node-2']",
+            lambda raw: raw["deployments"][0]["work_pool"].update(work_queue_name="gpu-node-3"),
+            "names work queue 'gpu-node-3' in pool 'eyrie-gpu', whose queues are ['gpu-node-1', 'gpu-node-2'] "
+            "(the GPU nodes: definitions.gpu_nodes)",
         ),
         (
-            lambda ds: ds[3]["work_pool"].update(name="eyrie-gpu"),
-            "names work queue 'control' in pool 'eyrie-gpu', which has only ['gpu-node-1', 'gpu-node-2']; "
-            "'control' is a queue of pool 'eyrie-control'",
+            lambda raw: raw["deployments"][0]["work_pool"].update(work_queue_name="control"),
+            "names work queue 'control' in pool 'eyrie-gpu'",
         ),
-        (lambda ds: ds[0]["work_pool"].pop("work_queue_name"), "lacks `work_pool.work_queue_name`"),
+        (lambda raw: raw["deployments"][0]["work_pool"].pop("work_queue_name"), "names work queue None"),
         # A GPU flow on the control pool (outside the GPU pool's limit); the fan-out's parent on a GPU node's queue.
         (
-            lambda ds: ds[0]["work_pool"].update(name="eyrie-control", work_queue_name="control"),
+            lambda raw: raw["deployments"][0]["work_pool"].update(name="eyrie-control", work_queue_name="control"),
             "uses work pool 'eyrie-control'; it must use 'eyrie-gpu'",
         ),
         (
-            lambda ds: ds[3]["work_pool"].update(name="eyrie-gpu", work_queue_name="gpu-node-2"),
+            lambda raw: raw["deployments"][3]["work_pool"].update(name="eyrie-gpu", work_queue_name="gpu-node-2"),
             "uses work pool 'eyrie-gpu'; it must use 'eyrie-control'",
         ),
-        # The fan-out sends shares only to GPU node queues.
+        # The fan-out's shares go to exactly the declared nodes: a literal list in place of the alias is checked.
         (
-            lambda ds: ds[3]["parameters"].update(queues=["gpu-node-1", "control"]),
-            "names 'control' in its `queues` parameter; the GPU node queues this setup creates in pool 'eyrie-gpu' are "
-            "['gpu-node-1', 'gpu-node-2']",
+            lambda raw: raw["deployments"][3]["parameters"].update(queues=["gpu-node-1"]),
+            "its `queues` parameter ['gpu-node-1'] must be the GPU nodes ['gpu-node-1', 'gpu-node-2']",
         ),
+        (
+            lambda raw: raw["deployments"][3]["parameters"].update(queues=["gpu-node-1", "control"]),
+            "must be the GPU nodes",
+        ),
+        # The declaration itself: each node once, by a name that can be a queue, a systemd instance and a folder.
+        (lambda raw: raw["definitions"]["gpu_nodes"].append("gpu-node-1"), "must list each GPU node once"),
+        (lambda raw: raw["definitions"]["gpu_nodes"].append("../gpu"), "must list each GPU node once"),
+        (lambda raw: raw["definitions"]["gpu_nodes"].append("control"), "other than 'control'"),
+        (lambda raw: raw["definitions"].pop("gpu_nodes"), "must list each GPU node once"),
     ],
 )
 def test_prefect_yaml_may_use_only_the_pools_and_queues_setup_creates(tmp_path, edit, message):
     from deployments.setup import SetupError, load_prefect_file
 
-    raw = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
-    raw.pop("definitions")  # the anchors are resolved; edit each deployment's own copy
+    raw = yaml.safe_load(PREFECT_YAML.read_text())
+    # The anchors are resolved; edit each deployment's own copy.
     raw["deployments"] = [copy.deepcopy(d) for d in raw["deployments"]]
-    edit(raw["deployments"])
+    edit(raw)
     path = tmp_path / "prefect.yaml"
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(SetupError) as err:

@@ -1,6 +1,6 @@
 """`eyrie verify` (a full re-hash of what the manifests list, removing what is damaged so the next run redoes it),
 `eyrie status` checking the listed files by stat, and `remove_staging` leaving the hidden-state folder unwalked.
-Fake extraction (tests/test_extract_unit.py's client); no vLLM, no Prefect."""
+Fake extraction (tests/unit/test_extract_unit.py's client); no vLLM, no Prefect."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import pytest
 from test_extract_unit import HIDDEN, LAYERS, FakeClient, prepared  # noqa: F401 (prepared: a fixture)
 
 from eyrie.extract import extract_shard, sample_path, shard_complete
+from eyrie.manifest import list_files
 from eyrie.prepare import load_shards
 from eyrie.status import format_status, run_status
-from eyrie.store import RunFolder, atomic_write_json, read_json, remove_staging, sha256_file
+from eyrie.store import RunFolder, atomic_write_json, read_json, remove_staging
 from eyrie.verify import verify_run
 from flows.cli import main
 
@@ -51,7 +52,7 @@ def run(prepared, tmp_path) -> RunFolder:  # noqa: F811
     run.vocab.mkdir()
     for name in ("d2t-8.npy", "t2d-8.npy"):
         (run.vocab / name).write_bytes(name.encode() * 100)
-    files = {name: sha256_file(run.vocab / name) for name in ("d2t-8.npy", "t2d-8.npy")}
+    files = list_files(run.vocab, [run.vocab / name for name in ("d2t-8.npy", "t2d-8.npy")])
     atomic_write_json(run.manifest("vocab"), {"stage": "vocab", "key": "v", "files": files})
     return run
 

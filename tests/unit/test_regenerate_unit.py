@@ -473,3 +473,33 @@ def test_status_follows_the_stage(tmp_path, prepared, tok):
     # Its manifest lists its files (for `eyrie verify` too): one gone shows.
     (stage / "dataset" / "token_freq.pt").unlink()
     assert run_status(run)["stages"]["regenerate"].startswith("damaged")
+
+
+@pytest.mark.parametrize(("enabled", "concurrency", "warned"), [(True, 16, True), (True, 8, False), (False, 16, False)])
+def test_preflight_warns_when_regeneration_outruns_the_servers_max_num_seqs(tmp_path, enabled, concurrency, warned):
+    """Regeneration generates on the extraction server: more conversations in flight than its --max-num-seqs only
+    queue in vLLM, their wait counted against the request timeout. Preflight says so, as for extraction."""
+    from conftest import VLLM_SERVER_ARGS, write_config
+
+    from eyrie.preflight import check_server_arguments
+
+    _, config = write_config(
+        tmp_path / "config.yaml",
+        build_tiny_target("tiny-llama-chat"),
+        "tiny-llama-chat",
+        concurrency=8,
+        extraction={"server_args": [*VLLM_SERVER_ARGS, "--max-num-seqs=8"]},
+        regenerate={"enabled": enabled, "concurrency": concurrency},
+    )
+    failures, warnings = check_server_arguments(config, [2, 4, 5, 8], serve=False)
+    assert failures == []
+    ours = [w for w in warnings if w.startswith("regenerate.concurrency")]
+    if warned:
+        assert ours == [
+            "regenerate.concurrency 16 is above the extraction server's --max-num-seqs 8, which regeneration "
+            "generates on: the requests beyond it wait in vLLM's queue, their wait counted against "
+            "regenerate.request_timeout_s; set regenerate.concurrency to 8"
+        ]
+    else:
+        assert ours == []
+    assert not any(w.startswith("extraction.concurrency") for w in warnings)  # 8 of 8: within it

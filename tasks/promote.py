@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import get_run_logger, task
+
+from eyrie.promote import decide_and_promote
+
+
+@task(name="promote")
+def promote_task(
+    promo_dir: str, drafter: str, version: str, candidate: dict, current: dict | None, context: dict
+) -> dict:
+    """Point `<promo_dir>/current` at the new drafter if it is at least as good as the current one."""
+    decision = decide_and_promote(Path(promo_dir), Path(drafter), version, candidate, current, context)
+    log = get_run_logger()
+    (log.info if decision["promoted"] else log.warning)(
+        f"{'promoted' if decision['promoted'] else 'not promoted'}: {decision['reason']} ({decision['current']})"
+    )
+    return decision

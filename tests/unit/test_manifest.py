@@ -1,0 +1,96 @@
+"""What "done" means (eyrie/manifest.py), and the stage tasks' cache policy that trusts Prefect's cache only while
+it holds (tasks/caching.py): pure logic, then one real flow in process on the session's Prefect server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from prefect import flow
+
+from eyrie.manifest import done, list_files, problems
+from eyrie.store import atomic_write_json, read_json, sha256_file
+from tasks import caching
+from tasks.caching import StageDone
+from tasks.vocab import vocab_task
+
+
+@pytest.fixture
+def stage(tmp_path) -> Path:
+    """A stage folder with two files (one in a subfolder) and a manifest listing them under key "k"."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.bin").write_bytes(b"a" * 100)
+    (tmp_path / "sub" / "b.bin").write_bytes(b"b" * 50)
+    files = list_files(tmp_path, [tmp_path / "a.bin", tmp_path / "sub" / "b.bin"])
+    atomic_write_json(tmp_path / "manifest.json", {"key": "k", "files": files})
+    return tmp_path
+
+
+def test_a_whole_stage_with_its_key_is_done(stage):
+    m = done(stage / "manifest.json", "k")
+    assert m is not None and m["files"]["sub/b.bin"] == {"bytes": 50, "sha256": sha256_file(stage / "sub" / "b.bin")}
+    assert done(stage / "manifest.json", None) == m  # any key
+    assert done(stage / "manifest.json", "other") is None
+    assert done(stage / "missing.json", "k") is None
+
+
+def test_a_missing_or_resized_file_undoes_the_stage(stage):
+    (stage / "sub" / "b.bin").unlink()
+    assert done(stage / "manifest.json", "k") is None
+    assert problems(stage, read_json(stage / "manifest.json")) == ["sub/b.bin missing"]
+    (stage / "sub" / "b.bin").write_bytes(b"b" * 49)
+    assert problems(stage, read_json(stage / "manifest.json")) == ["sub/b.bin 49 bytes, its manifest records 50"]
+
+
+def test_changed_content_of_the_same_size_is_found_only_with_hashes(stage):
+    (stage / "a.bin").write_bytes(b"x" * 100)
+    assert done(stage / "manifest.json", "k") is not None  # a stat-only check cannot see it
+    assert done(stage / "manifest.json", "k", hashes=True) is None
+    assert problems(stage, read_json(stage / "manifest.json"), hashes=True) == [
+        "a.bin content differs from its manifest (sha256)"
+    ]
+
+
+def test_a_manifest_from_before_sizes_were_recorded_is_checked_for_presence(stage):
+    atomic_write_json(stage / "manifest.json", {"key": "k", "files": {"a.bin": sha256_file(stage / "a.bin")}})
+    assert done(stage / "manifest.json", "k") is not None
+    (stage / "a.bin").unlink()
+    assert done(stage / "manifest.json", "k") is None
+
+
+def test_the_cache_policy_never_uses_a_record_that_outlived_its_files(stage, monkeypatch):
+    policy = StageDone(manifest="{out_dir}/manifest.json")
+    ctx = SimpleNamespace(task=SimpleNamespace(name="vocab"))
+    inputs = {"out_dir": str(stage), "key": "k"}
+    assert policy.compute_key(ctx, inputs, {}) == "eyrie-vocab-k"
+    recorded = {"eyrie-vocab-k"}  # Prefect's result store, holding a result for that key
+    monkeypatch.setattr(caching, "get_result_store", lambda: SimpleNamespace(exists=recorded.__contains__))
+    assert policy.compute_key(ctx, inputs, {}) == "eyrie-vocab-k"  # done: the record is used
+    (stage / "a.bin").unlink()
+    assert policy.compute_key(ctx, inputs, {}).startswith("eyrie-vocab-k-redo-")  # it outlived its files: not used
+    recorded.clear()
+    assert policy.compute_key(ctx, inputs, {}) == "eyrie-vocab-k"  # nothing recorded: this run's result will be
+
+
+@pytest.mark.usefixtures("flow_api")
+def test_a_stage_task_whose_files_vanished_runs_again(tmp_path):
+    """The real vocab task in a real flow: cached on its second run, run again once a listed file is gone."""
+    torch.save({i: 10 - i for i in range(10)}, tmp_path / "token_freq.pt")
+    out = tmp_path / "vocab"
+
+    @flow
+    def vocab_flow() -> str:
+        state = vocab_task(str(tmp_path / "token_freq.pt"), 4, 10, str(out), "key-1", return_state=True)
+        return state.name
+
+    assert vocab_flow() == "Completed"
+    assert vocab_flow() == "Cached"
+    d2t = out / "d2t-4.npy"
+    kept = np.load(d2t)
+    d2t.unlink()
+    assert vocab_flow() == "Completed"  # not "Cached": its manifest is no longer done
+    assert np.array_equal(np.load(d2t), kept) and done(out / "manifest.json", "key-1") is not None
+    assert vocab_flow() == "Cached"
