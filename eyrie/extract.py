@@ -30,6 +30,7 @@ from eyrie.errors import DiskFullError, ExtractionError
 from eyrie.faults import fault_point
 from eyrie.hidden_states import BFLOAT16, FP8, check_encoding
 from eyrie.hidden_states import ENV as HIDDEN_STATES_DTYPE_ENV
+from eyrie.online import staging_dir
 from eyrie.prepare import Shard, load_dataset_rows
 from eyrie.store import (
     atomic_write_json,
@@ -488,8 +489,6 @@ class ExtractionPlan:
     @property
     def staging(self) -> Path:
         if self.online:  # train.hidden_states: online: the trainer reads each file once and deletes it (eyrie.online)
-            from eyrie.online import staging_dir
-
             return staging_dir(self.run.root, self.node)
         # Inside the run folder: files are renamed from here into hidden_states, which needs one filesystem.
         return self.server_dir / "staging"

@@ -104,7 +104,7 @@ def online_plan(config, run, report: dict, data_dir: Path):
     """What online training needs from extraction, with nothing extracted: the shard keys extraction would give
     (target identity, captured layers, shard fingerprint: the train key's data keys), the extraction server's spec
     (its storage path on tmpfs, see `ExtractionPlan.staging`) and its folder."""
-    from eyrie.extract import ExtractionPlan
+    from eyrie.extract import ExtractionPlan  # here, not above: eyrie.extract imports this module
     from eyrie.preflight import PreflightReport
     from eyrie.prepare import load_shards
 

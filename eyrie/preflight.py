@@ -279,7 +279,7 @@ def check_server_arguments(config: PipelineConfig, captured: list[int], serve: b
         return [], [
             f"the server arguments were not checked: vLLM {vllm.__version__} has no make_arg_parser in {modules}"
         ]
-    specs = {"extraction": ServerSpec.for_extraction(config, captured, "<staging>")}
+    specs: dict[str, ServerSpec] = {"extraction": ServerSpec.for_extraction(config, captured, "<staging>")}
     if serve:
         specs["export/evaluation"] = ServerSpec.for_serving(config, "<drafter>")
     failures = []

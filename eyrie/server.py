@@ -29,13 +29,16 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import requests
 
 from eyrie.errors import ExtractionError, RequestRejected, ServerUnavailable
 from eyrie.store import atomic_write_json, read_json, sha256_json
 from eyrie.vllm_plugin import CONNECTOR_NAME, SKIP_HIDDEN_STATES
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is 3.11+; the package supports 3.10
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 GENERATION_CACHE_SALT = "eyrie-regenerate"  # see ServerClient.generate
@@ -78,6 +81,10 @@ def run_server_folders(run_root: Path) -> list[Path]:
 
 @dataclass
 class ServerSpec:
+    """What a vLLM server of the target is started with. Built as one of its two kinds, `ExtractionSpec` or
+    `ServingSpec` (below, through `for_extraction` / `for_serving`); the fields and the fingerprint are shared, so a
+    server keeps its identity whichever type describes it."""
+
     model: str
     layer_ids: list[int] | None = None  # extraction: everything captured, the aux ids and the last layer's id
     storage_path: str | None = None  # extraction: where the connector writes each request's file
@@ -100,18 +107,18 @@ class ServerSpec:
         if self.drafter and self.layer_ids is not None:
             raise ValueError("a server either extracts hidden states (layer_ids) or serves a drafter, not both")
 
-    @classmethod
-    def for_extraction(cls, config, layer_ids: list[int], storage_path: str) -> ServerSpec:
-        """The extraction server: the target capturing `layer_ids`, its connector writing under `storage_path`."""
-        return cls.from_config(config, layer_ids=layer_ids, storage_path=storage_path)
+    @staticmethod
+    def for_extraction(config, layer_ids: list[int], storage_path: str) -> ExtractionSpec:
+        return ExtractionSpec.from_config(config, layer_ids=layer_ids, storage_path=storage_path)
+
+    @staticmethod
+    def for_serving(config, drafter: str | None = None) -> ServingSpec:
+        return ServingSpec.from_config(
+            config, drafter=drafter, num_speculative_tokens=config.evaluate.num_speculative_tokens
+        )
 
     @classmethod
-    def for_serving(cls, config, drafter: str | None = None) -> ServerSpec:
-        """Target plus an EAGLE-3 drafter as evaluation serves it (`drafter` set per use), or the target alone."""
-        return cls.from_config(config, drafter=drafter, num_speculative_tokens=config.evaluate.num_speculative_tokens)
-
-    @classmethod
-    def from_config(cls, config, **kw) -> ServerSpec:
+    def from_config(cls, config, **kw) -> Self:
         """The target as the pipeline config serves it; `kw` picks extraction or drafter serving."""
         t, x = config.target, config.extraction
         model = str(Path(t.model).resolve()) if Path(t.model).exists() else t.model
@@ -204,6 +211,28 @@ class ServerSpec:
         if self.gpu_memory_utilization is not None:
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         return cmd + list(self.server_args)
+
+
+@dataclass
+class ExtractionSpec(ServerSpec):
+    """The extraction server: the target capturing `layer_ids` (aux ids and the last layer's), Eyrie's connector
+    writing each request's hidden states under `storage_path`. It also generates, for the regenerate stage."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.layer_ids is None or not self.storage_path:
+            raise ValueError("an extraction server needs the layer ids it captures and the connector's storage path")
+
+
+@dataclass
+class ServingSpec(ServerSpec):
+    """What export's proof and evaluation serve: the target plus the EAGLE-3 drafter `drafter`, drafting
+    `num_speculative_tokens`, or the target alone (no drafter: evaluation's throughput baseline)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.layer_ids is not None or self.storage_path:
+            raise ValueError("a serving server captures no hidden states: no layer_ids, no storage_path")
 
 
 def free_port(host: str) -> int:

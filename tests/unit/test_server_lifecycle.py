@@ -19,13 +19,23 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 import eyrie.server as server_mod
 from eyrie.errors import ExtractionError
-from eyrie.server import HEALTH_PROBES, ServerSpec, VllmServer, _alive, _group_members, free_port
+from eyrie.server import (
+    HEALTH_PROBES,
+    ExtractionSpec,
+    ServerSpec,
+    ServingSpec,
+    VllmServer,
+    _alive,
+    _group_members,
+    free_port,
+)
 from eyrie.status import format_status, run_status
 from eyrie.store import RunFolder, atomic_write_json, read_json
 from flows.cli import main
@@ -384,5 +394,12 @@ def test_a_server_spec_is_one_kind(tmp_path):
     serving = ServerSpec.for_serving(config, "/drafter")
     assert (extraction.kind, serving.kind, ServerSpec.for_serving(config).kind) == ("extraction", "serving", "target")
     assert serving.num_speculative_tokens == config.evaluate.num_speculative_tokens
+    assert isinstance(extraction, ExtractionSpec) and isinstance(serving, ServingSpec)
+    # One fingerprint rule for both kinds: a server recorded before the kinds were types keeps its identity.
+    assert extraction.fingerprint() == ServerSpec(**extraction.__dict__).fingerprint()
     with pytest.raises(ValueError, match="either extracts hidden states"):
         ServerSpec(model="m", layer_ids=[1], drafter="/drafter")
+    with pytest.raises(ValueError, match="captures no hidden states"):
+        replace(serving, drafter=None, layer_ids=[1, 2])
+    with pytest.raises(ValueError, match="needs the layer ids"):
+        replace(extraction, storage_path=None)
