@@ -180,8 +180,7 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
                 )
             )
         # Validation counted over the draft starts vLLM makes too (eyrie.progress.like_for_like): like with like.
-        data = extraction_source(run, config) / "dataset"
-        val = like_for_like_metrics(trained["val_metrics"], data, config.train.val_fraction)
+        val = like_for_like_metrics(trained["val_metrics"], data_dir / "dataset", config.train.val_fraction)
         evaluation = report_task(results, str(run.evaluate), val, config.evaluate.max_train_serve_gap)
         if sweep:
             skey = draft_tokens_key(results[0]["key"], sweep)
