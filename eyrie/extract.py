@@ -383,13 +383,20 @@ def extract_shard(
             await asyncio.gather(*(sender() for _ in range(concurrency)))
         return failed
 
-    def disk_full_error(err: OSError) -> DiskFullError:
-        return DiskFullError(
-            f"{shard.name}: the disk is full ({err}); {done[0]} of {len(rows)} samples are "
-            "saved and the shard is not marked done: free space and run again"
-        )
+    @contextlib.contextmanager
+    def full_disk_explained():
+        """A full disk (or quota) as a DiskFullError saying what is saved; any other OSError as it is."""
+        try:
+            yield
+        except OSError as err:
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFullError(
+                    f"{shard.name}: the disk is full ({err}); {done[0]} of {len(rows)} samples are "
+                    "saved and the shard is not marked done: free space and run again"
+                ) from None
+            raise
 
-    try:
+    with full_disk_explained():
         with post:
             failed = _run_coroutine(send_all)
         # Leaving the pool's block waited for every file answered; the first failure in row order is raised.
@@ -398,20 +405,12 @@ def extract_shard(
                 failed[idx] = exc
         if failed:
             raise failed[min(failed)]
-    except OSError as err:
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise disk_full_error(err) from None
-        raise
     # The files on disk before the manifest that vouches for them: a power cut must not leave a manifest listing
     # files whose data (or whose names in the folder) never reached the disk.
-    try:
+    with full_disk_explained():
         for idx, _ in todo:
             fsync_path(sample_path(hidden_dir, idx))
         fsync_path(hidden_dir)
-    except OSError as err:
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise disk_full_error(err) from None
-        raise
     files = {}
     for offset, ids in enumerate(rows):
         name = str(shard.start + offset)
@@ -439,12 +438,8 @@ def extract_shard(
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 1) if todo and seconds > 0 else None,
     }
-    try:
+    with full_disk_explained():  # every sample is saved, and a disk filled since may have no room for the manifest
         write_manifest(manifest_path, manifest)
-    except OSError as err:  # every sample is saved, and a disk filled since has no room for the manifest
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise disk_full_error(err) from None
-        raise
     return manifest
 
 

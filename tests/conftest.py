@@ -14,6 +14,16 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# The target facts preflight hands the train command (the tensors the drafter borrows, the mask token), for tests
+# that build the command without a preflight.
+TARGET_FACTS = {
+    "verifier_weights": {
+        "embed_tokens.weight": "model.embed_tokens.weight",
+        "lm_head.weight": "lm_head.weight",
+        "model.norm.weight": "model.norm.weight",
+    },
+    "mask_token_id": 7,
+}
 CACHE = REPO / ".cache"  # ignored by git
 DEMO_DATA = REPO / "eyrie" / "data" / "demo_chat.jsonl"
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import TARGET_FACTS as FACTS
 from conftest import build_tiny_target, config_dict, register_server_folder, stop_server
 
 from eyrie.config import TrainConfig, parse_config
@@ -33,15 +34,6 @@ from eyrie.online import (
 )
 from eyrie.store import sha256_json
 from eyrie.train import run_training, train_key, training_command
-
-FACTS = {
-    "verifier_weights": {
-        "embed_tokens.weight": "model.embed_tokens.weight",
-        "lm_head.weight": "lm_head.weight",
-        "model.norm.weight": "model.norm.weight",
-    },
-    "mask_token_id": 7,
-}
 
 
 def _config(tmp_path: Path, **train):

@@ -10,20 +10,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import TARGET_FACTS as FACTS
 from conftest import config_dict
 
 from eyrie.config import parse_config
 from eyrie.errors import ConfigError
 from eyrie.train import training_command, untrained_key
-
-FACTS = {
-    "verifier_weights": {
-        "embed_tokens.weight": "model.embed_tokens.weight",
-        "lm_head.weight": "lm_head.weight",
-        "model.norm.weight": "model.norm.weight",
-    },
-    "mask_token_id": 7,
-}
 
 
 def _command(tmp_path: Path, device: str = "cuda", **train) -> list[str]:
