@@ -22,7 +22,7 @@ from eyrie.config import PipelineConfig, TargetConfig
 from eyrie.errors import EyrieError
 from eyrie.manifest import done, files_under, list_files
 from eyrie.online import clean, leftover_bytes, on_tmpfs, online_args
-from eyrie.progress import PLATEAU, epoch_validation, history, still_improving
+from eyrie.progress import PLATEAU, epoch_validation, history, like_for_like_metrics, still_improving
 from eyrie.store import atomic_write_json, read_json, sha256_json
 from eyrie.target import context_limit, load_hf_config, read_target_config, target_identity, text_config
 
@@ -280,7 +280,7 @@ def run_training(
     plateau = read_json(save_path / PLATEAU)
     if plateau:  # stopped on a plateau before its manifest was written: nothing left to train
         log(f"training stopped on a validation plateau at epoch {plateau.get('epoch')}; not relaunched")
-        return _train_manifest(config, out_dir, key, save_path, device, work / "train.log", resumed_from)
+        return _train_manifest(config, out_dir, key, save_path, device, work / "train.log", resumed_from, data_dir)
     state = read_json(resumed_from / "training_state.json") if resumed_from else None
     log(
         f"training on {device} ({spe} steps/epoch, checkpoint every {freq:g} epoch)"
@@ -304,11 +304,18 @@ def run_training(
             f"training exited with code {rc}; checkpoints so far are kept in {save_path} and the "
             f"next run resumes from them. End of {log_path}:\n{tail}"
         )
-    return _train_manifest(config, out_dir, key, save_path, device, log_path, resumed_from)
+    return _train_manifest(config, out_dir, key, save_path, device, log_path, resumed_from, data_dir)
 
 
 def _train_manifest(
-    config: PipelineConfig, out_dir: Path, key: str, save_path: Path, device: str, log_path: Path, resumed_from
+    config: PipelineConfig,
+    out_dir: Path,
+    key: str,
+    save_path: Path,
+    device: str,
+    log_path: Path,
+    resumed_from,
+    data_dir: Path,
 ) -> dict:
     final = newest_whole_checkpoint(save_path)
     if final is None:
@@ -327,7 +334,8 @@ def _train_manifest(
         "epochs": config.train.epochs,
         "global_step": state.get("global_step"),
         "resumed_from": str(resumed_from) if resumed_from else None,
-        "val_metrics": epoch_validation(final),
+        # Counted over the draft starts vLLM makes (what the train/serve gap compares): once, here, not per run.
+        "val_metrics": like_for_like_metrics(epoch_validation(final), data_dir, config.train.val_fraction),
         "stopped_on_plateau": plateau,
         "warnings": [improving] if improving else [],
         "log": str(log_path),

@@ -19,7 +19,6 @@ from eyrie.hub import pin_revisions
 from eyrie.manifest import done
 from eyrie.online import online_plan
 from eyrie.prepare import is_hub_source, iter_eval_prompts, load_seq_lens
-from eyrie.progress import like_for_like_metrics
 from eyrie.promote import choose_base, current_version
 from eyrie.regenerate import extraction_source
 from eyrie.server import ServerSpec, VllmServer
@@ -179,9 +178,10 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
                     concurrency,
                 )
             )
-        # Validation counted over the draft starts vLLM makes too (eyrie.progress.like_for_like): like with like.
-        val = like_for_like_metrics(trained["val_metrics"], data_dir / "dataset", config.train.val_fraction)
-        evaluation = report_task(results, str(run.evaluate), val, config.evaluate.max_train_serve_gap)
+        # The train manifest's validation is counted over the draft starts vLLM makes (eyrie.progress.like_for_like).
+        evaluation = report_task(
+            results, str(run.evaluate), trained["val_metrics"], config.evaluate.max_train_serve_gap
+        )
         if sweep:
             skey = draft_tokens_key(results[0]["key"], sweep)
             evaluation["draft_tokens"] = draft_tokens_task(
