@@ -61,6 +61,19 @@ def test_a_manifest_from_before_sizes_were_recorded_is_checked_for_presence(stag
     assert done(stage / "manifest.json", "k") is None
 
 
+def test_an_export_manifest_from_before_sizes_were_recorded_finds_its_files_in_the_drafter_folder(tmp_path):
+    """Export manifests used to name the drafter's files inside `drafter/` by name and sha256 only: still done,
+    so an existing run is not exported and proven again (a 27-minute load on Kimi)."""
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "model.safetensors").write_bytes(b"w" * 10)
+    digest = sha256_file(tmp_path / "drafter" / "model.safetensors")
+    legacy = {"stage": "export", "key": "k", "files": {"model.safetensors": digest}}
+    atomic_write_json(tmp_path / "manifest.json", legacy)
+    assert done(tmp_path / "manifest.json", "k", hashes=True) is not None
+    (tmp_path / "drafter" / "model.safetensors").unlink()
+    assert problems(tmp_path, read_json(tmp_path / "manifest.json")) == ["drafter/model.safetensors missing"]
+
+
 def test_the_cache_policy_never_uses_a_record_that_outlived_its_files(stage, monkeypatch):
     policy = StageDone(manifest="{out_dir}/manifest.json")
     ctx = SimpleNamespace(task=SimpleNamespace(name="vocab"))
