@@ -6,7 +6,8 @@ with the same concurrency to the same running extraction server (Eyrie's ServerS
 method and Eyrie's connector, served model "target"). Eyrie and speculators write `hs_<i>.safetensors` files into
 their own folder:
 
-- Eyrie: `eyrie.extract.extract_shard` over every shard, in this process, into `<work-dir>/eyrie_hs`.
+- Eyrie: `eyrie.extract.extract_shard` over every shard, in this process, into `<work-dir>/eyrie_hs`, two shards at
+  a time as the extraction flow's task runner runs them (their requests share one window of `--concurrency`).
 - speculators: its CLI as a subprocess, timed end to end, into `<work-dir>/spec_hs`. It runs with
   `--validate-outputs` (Eyrie always loads and checks each file) and `--fail-on-error` (it skips failed samples
   otherwise). Its own in-process time (its "Timing: ...s elapsed" log line) is reported too: the difference from
@@ -29,9 +30,10 @@ prefix caching on (its default; the server keeps the blocks and their hidden sta
 all its samples cached: the server's work per request is small and the figures compare the clients' own costs,
 as a server many times faster than this CPU one would. `--no-prefix-caching` starts the server without it (as
 the Kimi preset does): every pass computes every token and the server is the bound. Each repeat empties the output
-folders and rotates which client goes first (each goes first once in three repeats). After the first repeat Eyrie's
-and speculators' outputs are compared: the same file names, and a few files with equal token ids and equal (or
-allclose) hidden states. Figures are medians over repeats; the server is always stopped at the end.
+folders and rotates which client goes first (each goes first once in three repeats); every pass starts after an
+untimed `sync`, so that none pays for the writeback of the files an earlier pass left dirty. After the first repeat
+Eyrie's and speculators' outputs are compared: the same file names, and a few files with equal token ids and equal
+(or allclose) hidden states. Figures are medians over repeats; the server is always stopped at the end.
 
 Run from the repository root (make sets the cache and offline variables the server needs):
 
@@ -56,6 +58,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -81,11 +84,15 @@ def output_size(folder: Path) -> tuple[int, int]:
     return len(files), sum(p.stat().st_size for p in files)
 
 
+# The extraction flow's task runner runs this many shard tasks at once (flows/extract.py); their requests share one
+# window of `concurrency` (eyrie.extract._Window), so the server sees as many in flight as from the other clients.
+FLOW_SHARD_TASKS = 2
+
+
 def run_eyrie(
     client, plan: ExtractionPlan, shards, prepare_dir: Path, out: Path, concurrency: int, timeout_s: float
 ) -> dict:
-    t0 = time.perf_counter()
-    for s in shards:
+    def one(s) -> None:
         extract_shard(
             client,
             prepare_dir,
@@ -99,6 +106,10 @@ def run_eyrie(
             timeout_s,
             log=quiet,
         )
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=FLOW_SHARD_TASKS) as tasks:
+        list(tasks.map(one, shards))  # in shard order, two at a time, as the flow submits them
     return {"wall_s": time.perf_counter() - t0}
 
 
@@ -296,6 +307,9 @@ def main() -> None:
             order = clients[r % 3 :] + clients[: r % 3]  # each client goes first once in three repeats
             for name in order:
                 print(f"repeat {r + 1}/{args.repeats}: {name} ...", flush=True)
+                # Untimed: the previous pass's files written out, so no pass pays for another's writeback (Eyrie's
+                # fsyncs waited for speculators' 100 MB when they ran next).
+                os.sync()
                 if name == "eyrie":
                     res = run_eyrie(client, plan, shards, run.prepare, eyrie_out, concurrency, timeout_s)
                     res["files"], res["bytes"] = output_size(eyrie_out)

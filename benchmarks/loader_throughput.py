@@ -4,15 +4,23 @@ in one run, against what the trainer consumes.
 It writes synthetic samples in Eyrie's format (`hs_<i>.safetensors`: `hidden_states` [T, layers, hidden] and
 `token_ids`, fp8 ones with speculators' `hidden_states_scales`; eyrie/hidden_states.py) at chosen dimensions (default
 Kimi-K2.5's: 4 captured layers x 7168, 2047-token samples packed 4096), plus a prepared dataset beside them. Then it
-reads them the way the trainer does: speculators' `ArrowDataset` with its `file` backend (bf16) or its `fp8` backend
-(fp8, dequantized to bf16 in the loader workers), its packing batch sampler, `CollateFn` and `shift_batch`, through a
-`DataLoader` with spawned workers (speculators' `_setup_dataloader`). Before every pass the page cache is dropped for
-those files (fsync, then posix_fadvise DONTNEED), so each pass reads from the disk. Passes alternate bf16 / fp8.
+reads them the way the trainer does: speculators' `ArrowDataset`, its packing batch sampler, `CollateFn` and
+`shift_batch`, through a `DataLoader` with spawned workers (speculators' `_setup_dataloader`), each batch then copied
+to the trainer's device (`--device`, the GPU when there is one). Three readers:
 
-Reported per dtype: loader tokens/s over cold passes with the workers already up (median; the first pass, which
+- `bf16`: bf16 files, speculators' `file` backend.
+- `fp8`: fp8 files, speculators' `fp8` backend (FP8Transfer): dequantized to bf16 on the CPU, in the loader workers.
+- `fp8-dev`: fp8 files as Eyrie's GPU trainer reads them (eyrie/gpu_decode.py, train_entry's FP8_ON_GPU): the
+  workers pass the file's bytes on, and the batch is decoded on `--device` after the copy (on a CPU-only machine
+  that is the main process: not the trainer's path, marked as such).
+
+Before every pass the page cache is dropped for those files (fsync, then posix_fadvise DONTNEED), so each pass reads
+from the disk. Passes alternate between the readers.
+
+Reported per reader: loader tokens/s over cold passes with the workers already up (median; the first pass, which
 also starts the workers, beside it), the file bytes read per second, a bare cold read of the same files (plain reads,
 nothing decoded: the disk's ceiling), bytes per token, and the ratio to `--trainer-tokens-per-s` (default 32,000:
-issue 13's target for one H200), whose bytes per second at Kimi dimensions are printed too. A last pass per dtype
+issue 13's target for one H200), whose bytes per second at Kimi dimensions are printed too. A last pass per reader
 reads the files from the page cache ("warm": the loader's CPU ceiling, decoding included).
 
 Needs torch, safetensors and speculators (with `datasets`), no vLLM: `.venv/bin/python benchmarks/loader_throughput.py`
@@ -87,26 +95,50 @@ def write_dataset(folder: Path, paths: list[Path]) -> None:
     Dataset.from_dict(cols).with_format("torch").save_to_disk(str(folder))
 
 
+# reader -> the files it reads
+READERS = {BFLOAT16: BFLOAT16, FP8: FP8, "fp8-dev": FP8}
+
+
 def speculators_loader(
-    data: Path, hidden_dir: Path, dtype: str, total_seq_len: int, hidden: int, layers: int, workers: int
+    data: Path, hidden_dir: Path, reader: str, total_seq_len: int, hidden: int, layers: int, workers: int
 ):
     from hs_connectors import FileTransfer, FP8Transfer
     from speculators.models.eagle3.data import shift_batch
+    from speculators.train import dataloader
     from speculators.train.data import ArrowDataset
-    from speculators.train.dataloader import _limit_worker_threads, _setup_dataloader
 
-    _limit_worker_threads()
-    transfer = FP8Transfer(hidden_dir) if dtype == FP8 else FileTransfer(hidden_dir)
-    dataset = ArrowDataset(total_seq_len, data, transfer=transfer, on_missing="raise")
-    return _setup_dataloader(
-        dataset,
-        total_seq_len,
-        hidden,
-        num_workers=workers,
-        num_target_layers=layers - 1,
-        prefetch_factor=4 if workers else None,
-        preprocess=shift_batch,
-    )
+    dataloader._limit_worker_threads()
+    transfer = {BFLOAT16: FileTransfer, FP8: FP8Transfer}.get(reader)
+    collate = dataloader.CollateFn
+    if transfer is None:  # fp8-dev: as train_entry's FP8_ON_GPU installs it
+        from eyrie import gpu_decode
+
+        transfer, dataloader.CollateFn = gpu_decode.CarriedFP8Transfer, gpu_decode.CarryingCollate
+    dataset = ArrowDataset(total_seq_len, data, transfer=transfer(hidden_dir), on_missing="raise")
+    try:
+        return dataloader._setup_dataloader(
+            dataset,
+            total_seq_len,
+            hidden,
+            num_workers=workers,
+            num_target_layers=layers - 1,
+            prefetch_factor=4 if workers else None,
+            preprocess=shift_batch,
+        )
+    finally:
+        dataloader.CollateFn = collate
+
+
+def on_device(batches, device: torch.device):
+    """Each batch copied to `device` as the trainer's feed copies it, carried fp8 decoded there, the copy waited for."""
+    from eyrie.gpu_decode import decode_batch
+
+    for batch in batches:
+        moved = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        moved = decode_batch(moved) if "eyrie_fp8_carried" in moved else moved
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        yield moved
 
 
 def eyrie_reader(hidden_dir: Path, n: int):
@@ -167,9 +199,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=KIMI_HIDDEN)
     ap.add_argument("--total-seq-len", type=int, default=4096, help="the trainer's packed length")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="loader workers (trainer: 12)")
-    ap.add_argument("--passes", type=int, default=2, help="cold passes per dtype (alternating)")
+    ap.add_argument("--passes", type=int, default=2, help="cold passes per reader (alternating)")
     ap.add_argument("--trainer-tokens-per-s", type=float, default=32000.0)
     ap.add_argument("--reader", choices=["speculators", "eyrie"], default="speculators")
+    ap.add_argument("--device", help="where batches are copied (and fp8-dev decoded): default cuda when available")
     ap.add_argument("--json", help="append the result as one JSON line to this file")
     args = ap.parse_args()
     args.samples = args.samples or max(24, 8 * args.workers)
@@ -181,6 +214,8 @@ def main() -> None:
             file=sys.stderr,
         )
 
+    readers = list(READERS) if args.reader == "speculators" else [BFLOAT16, FP8]
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="eyrie-loader-bench-"))
     try:
         files, t_write = {}, {}
@@ -192,69 +227,73 @@ def main() -> None:
             t_write[dtype] = time.perf_counter() - t0
             if args.reader == "speculators":
                 write_dataset(root / dtype / "dataset", files[dtype])
-        results: dict[str, list[dict]] = {BFLOAT16: [], FP8: []}
-        raw: dict[str, list[float]] = {BFLOAT16: [], FP8: []}
-        batches, startup = {}, {}
-        for dtype in (BFLOAT16, FP8):
+        results: dict[str, list[dict]] = {r: [] for r in readers}
+        raw: dict[str, list[float]] = {r: [] for r in readers}
+        batches, startup, warm = {}, {}, {}
+        for reader in readers:
+            dtype = READERS[reader]
             hidden_dir = root / dtype / "hidden_states"
             if args.reader == "speculators":
                 loader = speculators_loader(
                     root / dtype / "dataset",
                     hidden_dir,
-                    dtype,
+                    reader,
                     args.total_seq_len,
                     args.hidden,
                     args.layers,
                     args.workers,
                 )
-                batches[dtype] = lambda loader=loader: iter(loader)
+                batches[reader] = lambda loader=loader: on_device(iter(loader), device)
             else:
-                batches[dtype] = lambda hidden_dir=hidden_dir: eyrie_reader(hidden_dir, args.samples)
+                batches[reader] = lambda hidden_dir=hidden_dir: eyrie_reader(hidden_dir, args.samples)
             # Warm-up: a first cold pass that also starts the (persistent) workers; reported, not counted.
-            startup[dtype] = timed_pass(batches[dtype], files[dtype])
-        warm = {}
+            startup[reader] = timed_pass(batches[reader], files[dtype])
         for _ in range(args.passes):
-            for dtype in (BFLOAT16, FP8):
-                results[dtype].append(timed_pass(batches[dtype], files[dtype]))
-                raw[dtype].append(raw_read_pass(files[dtype]))
-        for dtype in (BFLOAT16, FP8):  # the files were just read: in the page cache if memory holds them
-            warm[dtype] = timed_pass(batches[dtype], files[dtype], cold=False)
+            for reader in readers:
+                results[reader].append(timed_pass(batches[reader], files[READERS[reader]]))
+                raw[reader].append(raw_read_pass(files[READERS[reader]]))
+        for reader in readers:  # the files were just read: in the page cache if memory holds them
+            warm[reader] = timed_pass(batches[reader], files[READERS[reader]], cold=False)
 
         need_bf16 = args.trainer_tokens_per_s * bytes_per_token(KIMI_LAYERS, KIMI_HIDDEN, BFLOAT16) / 1e9
         need_fp8 = args.trainer_tokens_per_s * bytes_per_token(KIMI_LAYERS, KIMI_HIDDEN, FP8) / 1e9
         print(
             f"loader throughput, cold files, {args.samples} x {args.seq_len} tokens per dtype at {args.layers} layers "
-            f"x {args.hidden} (packed {args.total_seq_len}), {args.workers} workers, reader: {args.reader}"
-            + ("" if args.reader == "speculators" else " (NOT the trainer's path)")
+            f"x {args.hidden} (packed {args.total_seq_len}), {args.workers} workers, batches to {device}, "
+            f"reader: {args.reader}" + ("" if args.reader == "speculators" else " (NOT the trainer's path)")
         )
+        if device.type != "cuda" and "fp8-dev" in readers:
+            print(
+                "fp8-dev decodes on the CPU here, in the main process (NOT the trainer's path: it decodes on its GPU)"
+            )
         print(
             f"trainer consumes {args.trainer_tokens_per_s:,.0f} tokens/s = {need_bf16:.2f} GB/s bf16, "
             f"{need_fp8:.2f} GB/s fp8 at Kimi dims ({KIMI_LAYERS} x {KIMI_HIDDEN})"
         )
-        header = f"{'dtype':<14}{'bytes/token':>12}{'tok/s cold':>12}{'1st pass':>10}{'file GB/s':>11}"
+        header = f"{'reader':<14}{'bytes/token':>12}{'tok/s cold':>12}{'1st pass':>10}{'file GB/s':>11}"
         print(header + f"{'raw read GB/s':>15}{'x trainer':>11}{'tok/s warm':>12}{'write s':>9}")
-        out = {"args": vars(args), "results": {}}
-        for dtype in (BFLOAT16, FP8):
-            rs = results[dtype]
+        out = {"args": vars(args), "device": str(device), "results": {}}
+        for reader in readers:
+            rs = results[reader]
             steady = statistics.median(r["tokens_per_s"] for r in rs)
-            total = startup[dtype]["tokens_per_s"]
+            total = startup[reader]["tokens_per_s"]
             gbs = statistics.median(r["file_gb_per_s"] for r in rs)
-            rawr = statistics.median(raw[dtype])
+            rawr = statistics.median(raw[reader])
             bpt = rs[0]["file_bytes"] / (args.samples * args.seq_len)
             print(
-                f"{dtype:<14}{bpt:>12,.0f}{steady:>12,.0f}{total:>10,.0f}{gbs:>11.2f}{rawr:>15.2f}"
-                f"{steady / args.trainer_tokens_per_s:>11.2f}{warm[dtype]['tokens_per_s']:>12,.0f}"
-                f"{t_write[dtype]:>9.1f}"
+                f"{reader:<14}{bpt:>12,.0f}{steady:>12,.0f}{total:>10,.0f}{gbs:>11.2f}{rawr:>15.2f}"
+                f"{steady / args.trainer_tokens_per_s:>11.2f}{warm[reader]['tokens_per_s']:>12,.0f}"
+                f"{t_write[READERS[reader]]:>9.1f}"
             )
-            out["results"][dtype] = {
+            out["results"][reader] = {
                 "bytes_per_token": bpt,
                 "tokens_per_s": steady,
                 "first_pass_tokens_per_s": total,
                 "file_gb_per_s": gbs,
                 "raw_read_gb_per_s": rawr,
                 "passes": rs,
-                "raw_passes": raw[dtype],
-                "warm_pass": warm[dtype],
+                "raw_passes": raw[reader],
+                "warm_pass": warm[reader],
             }
         out["trainer_gb_per_s_kimi"] = {BFLOAT16: need_bf16, FP8: need_fp8}
         if args.json:

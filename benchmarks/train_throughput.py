@@ -211,6 +211,7 @@ def cmd_gen(args) -> None:
     import yaml
     from safetensors.torch import save_file
 
+    from eyrie.hidden_states import encode
     from eyrie.prepare import _save_dataset
     from eyrie.vocab import build_vocab
 
@@ -245,9 +246,8 @@ def cmd_gen(args) -> None:
     pool = [torch.randn(T, L, H, device=dev, generator=g, dtype=torch.bfloat16).cpu() for _ in range(4)]
 
     def write(i: int) -> None:
-        save_file(
-            {"hidden_states": pool[i % 4], "token_ids": torch.from_numpy(ids[i])}, str(hs_dir / f"hs_{i}.safetensors")
-        )
+        sample = {"hidden_states": pool[i % 4], "token_ids": torch.from_numpy(ids[i])}
+        save_file(encode(sample, args.hs_dtype), str(hs_dir / f"hs_{i}.safetensors"))
 
     with ThreadPoolExecutor(8) as ex:
         list(ex.map(write, range(min(args.distinct, args.rows))))
@@ -261,6 +261,7 @@ def cmd_gen(args) -> None:
     )
     preset["data"]["source"] = str(root / "unused.jsonl")
     preset["extraction"]["layer_ids"] = d["aux"]
+    preset["extraction"]["hidden_states_dtype"] = args.hs_dtype
     preset["vocab"]["draft_vocab_size"] = d["draft_vocab"]
     preset["train"].update(devices=1, device="cpu" if args.tiny else "cuda", mask_token_id=d["mask"])
     if args.tiny:
@@ -278,6 +279,7 @@ def cmd_gen(args) -> None:
             "rows": args.rows,
             "distinct_files": args.distinct,
             "tokens_per_row": T,
+            "hidden_states_dtype": args.hs_dtype,
             "bytes_per_token": round((hs_dir / "hs_0.safetensors").stat().st_size / T, 1),
             "target_facts": facts,
             "draft": geo,
@@ -1344,6 +1346,9 @@ def main() -> None:
     p.add_argument("--regen", action="store_true")
     # gen
     p.add_argument("--rows", type=int, default=3000)
+    p.add_argument(
+        "--hs-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"], help="gen: the hidden-state files'"
+    )
     p.add_argument("--distinct", type=int, default=64, help="distinct hidden-state files (others are links)")
     # step
     p.add_argument("--opt", default="adamw", choices=["adamw", "muon"])

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import fcntl
 import hashlib
 import os
 import shutil
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -198,18 +200,8 @@ def shard_complete(manifest_path: Path, key: str, hidden_dir: Path, rehash_chang
     return True
 
 
-def _run_coroutine(fn: Callable[[], Coroutine[Any, Any, dict]]) -> dict:
-    """`asyncio.run(fn())`, in a thread of its own when this one already runs an event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(fn())
-    with ThreadPoolExecutor(max_workers=1) as one:
-        return one.submit(lambda: asyncio.run(fn())).result()
-
-
 # Threads that check, hash and move the files answered (extract_shard), beside the requests in flight. Two keep
-# up with the server (about 0.5 ms of CPU a file); eight measured 5-9% slower (benchmarks/extract_throughput.py),
+# up with the server (0.3-0.5 ms of CPU a file); eight measured 5-9% slower (benchmarks/extract_throughput.py),
 # holding the GIL away from the request loop and the cores away from the server.
 FILE_THREADS = 2
 
@@ -233,6 +225,110 @@ async def _extractor(client, concurrency: int) -> AsyncIterator[Callable[[list[i
             return await loop.run_in_executor(pool, client.extract, ids, timeout_s)
 
         yield extract
+
+
+class _Window:
+    """The requests of every shard this process extracts from one server: one asyncio loop (in a thread of its own),
+    one session, at most `concurrency` requests in flight over all those shards, and the file threads.
+
+    Shards extracting at the same time (the flow runs two shard tasks at once) share it, so a shard's last requests
+    and its finalisation (fsyncs, manifest) overlap the next shard's requests instead of draining the server's queue
+    at every shard boundary, and the server sees `concurrency` requests in flight, not `concurrency` per shard.
+    Slots are taken in the order requests were queued: the shard that started first finishes first."""
+
+    def __init__(self, client, concurrency: int):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="eyrie-requests", daemon=True)
+        self.thread.start()
+        self.files = ThreadPoolExecutor(
+            max_workers=min(concurrency, FILE_THREADS), thread_name_prefix="eyrie-files", initializer=_one_thread
+        )
+        self.users = 0
+        self._session = contextlib.AsyncExitStack()
+
+        async def start() -> None:
+            self.slots = asyncio.Semaphore(concurrency)
+            self.extract = await self._session.enter_async_context(_extractor(client, concurrency))
+
+        try:
+            self.run(start())
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Run `coro` on the window's loop and wait for it (cancelled if this thread stops waiting)."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()
+            raise
+
+    def close(self) -> None:
+        try:
+            self.run(self._session.aclose())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join()
+            self.loop.close()
+            self.files.shutdown()
+
+
+_windows: dict[tuple, _Window] = {}
+_windows_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _shared_window(client, concurrency: int):
+    """The window for `client`'s server, opened by its first user and closed by its last. Each shard task builds a
+    ServerClient of its own: clients of one URL and API key share a window; any other client (a test double) has
+    one of its own."""
+    if hasattr(client, "async_extractor"):
+        key: tuple = (client.base_url, client.session.headers.get("Authorization"), concurrency)
+    else:
+        key = (id(client), concurrency)
+    with _windows_lock:
+        window = _windows.get(key)
+        if window is None:
+            window = _windows[key] = _Window(client, concurrency)
+        window.users += 1
+    try:
+        yield window
+    finally:
+        with _windows_lock:
+            window.users -= 1
+            last = window.users == 0
+            if last:
+                del _windows[key]
+        if last:
+            window.close()
+
+
+def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):  # not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    return fn
+
+
+_sync_file_range = _libc_sync_file_range()
+SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(path: str) -> None:
+    """Have the kernel start writing the file's data to disk now, without waiting for it (Linux's sync_file_range),
+    so that the fsync before the shard's manifest finds it mostly written instead of writing the whole shard then.
+    Only a head start: the fsync is the guarantee. A no-op elsewhere."""
+    if _sync_file_range is None:
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)  # ctypes leaves the GIL meanwhile
+    finally:
+        os.close(fd)
 
 
 def _wait_and_release(path: str) -> None:
@@ -323,10 +419,11 @@ def extract_shard(
         )
 
     # Requests and the work on their files are apart, so that a request's slot is free again as soon as the server
-    # answers: `concurrency` requests stay in flight (on one asyncio loop) while the files already answered are
-    # checked, hashed and moved beside them in a small thread pool (the writer's lock, the load and the checksum
-    # are off the request path; none is skipped). Their fsyncs come once the shard's requests are done, in one
-    # batch (below): an fsync per file among the server's writes cost a journal commit each.
+    # answers: the requests go through the window shared by the shards extracting at the same time (`_Window`) while
+    # the files already answered are checked, hashed and moved in its file threads (the writer's lock, the load and
+    # the checksum are off the request path; none is skipped). Their fsyncs come once the shard's requests are done,
+    # in one batch (below): an fsync per file among the server's writes cost a journal commit each. Each file's
+    # writeback is started as it is moved, so that batch mostly finds its data on disk.
     records: dict[str, dict] = {}  # manifest entries of the files extracted here, hashed as they arrive
     finishing: list[tuple[int, Future]] = []
 
@@ -349,38 +446,28 @@ def extract_shard(
                     f"the server's storage path {src} is on another filesystem than {hidden_dir}"
                 ) from None
             raise
+        start_writeback(os.fspath(dest))
         records[str(idx)] = rec
         done[0] += 1
         if progress:
             progress(done[0], len(rows))
 
-    # Waiting for writers leaves the GIL; checks and hashes are short: a few threads keep up. Each runs torch on one
-    # thread: a parallel check of a small tensor spins a second core the server needs.
-    post = ThreadPoolExecutor(
-        max_workers=min(concurrency, FILE_THREADS),
-        thread_name_prefix=f"eyrie-{shard.name}-files",
-        initializer=_one_thread,
-    )
-
-    async def send_all() -> dict[int, BaseException]:
+    async def send_all(window: _Window) -> dict[int, BaseException]:
         failed: dict[int, BaseException] = {}
-        queue = iter(todo)
-        async with _extractor(client, concurrency) as extract:
 
-            async def sender() -> None:
-                # One queue for all senders: each takes the next sample once its answer is in. As with the thread
-                # pool before, every sample is tried and failures are raised after.
-                for idx, ids in queue:
-                    try:
-                        # Before the server spends a forward pass on a file it cannot write.
-                        if err := disk_full(idx, ids):
-                            raise err
-                        src = await extract(ids, timeout_s)
-                        finishing.append((idx, post.submit(finish, idx, ids, src)))
-                    except Exception as err:
-                        failed[idx] = err
+        async def send(idx: int, ids: list[int]) -> None:
+            # Every sample is tried and failures are raised after.
+            try:
+                async with window.slots:
+                    # Before the server spends a forward pass on a file it cannot write.
+                    if err := disk_full(idx, ids):
+                        raise err
+                    src = await window.extract(ids, timeout_s)
+                finishing.append((idx, window.files.submit(finish, idx, ids, src)))
+            except Exception as err:
+                failed[idx] = err
 
-            await asyncio.gather(*(sender() for _ in range(concurrency)))
+        await asyncio.gather(*(send(idx, ids) for idx, ids in todo))
         return failed
 
     @contextlib.contextmanager
@@ -397,14 +484,17 @@ def extract_shard(
             raise
 
     with full_disk_explained():
-        with post:
-            failed = _run_coroutine(send_all)
-        # Leaving the pool's block waited for every file answered; the first failure in row order is raised.
-        for idx, f in finishing:
-            if (exc := f.exception()) is not None:
-                failed[idx] = exc
-        if failed:
-            raise failed[min(failed)]
+        if todo:
+            with _shared_window(client, concurrency) as window:
+                try:
+                    failed = window.run(send_all(window))
+                finally:  # every file answered is checked and moved (or failed) before this shard goes on
+                    wait([f for _, f in finishing])
+            for idx, f in finishing:
+                if (exc := f.exception()) is not None:
+                    failed[idx] = exc
+            if failed:  # the first failure in row order
+                raise failed[min(failed)]
     # The files on disk before the manifest that vouches for them: a power cut must not leave a manifest listing
     # files whose data (or whose names in the folder) never reached the disk.
     with full_disk_explained():

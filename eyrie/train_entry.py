@@ -101,6 +101,10 @@ def _gpu_speedups() -> None:
         _clip_inside_fused_adamw()
     if GPU_FEED:
         _feed_the_gpu_ahead()
+        if FP8_ON_GPU:
+            from eyrie import gpu_decode
+
+            gpu_decode.install()
     if QUIET_PROGRESS:
         # speculators draws a rich progress bar (tqdm.rich) over every loader on rank 0: a refresh thread competing
         # for the GIL with the thread that launches the step's kernels, for a bar that lands in a log file as noise.
@@ -126,6 +130,7 @@ PINNED_LOADER = True  # with GPU_FEED: the loader pins batches (its pin-memory t
 SYNC_FREE_METRICS = True
 CLIP_IN_ADAMW = True
 BF16_WEIGHTS = True  # forward and backward on bfloat16 copies of the float32 weights, made once a step
+FP8_ON_GPU = True  # with GPU_FEED: fp8 hidden-state files reach the GPU as fp8 and are decoded there (gpu_decode.py)
 FEED_AHEAD = 2  # batches on the GPU, or being copied there, ahead of the step that takes them
 
 
@@ -138,6 +143,8 @@ def _copied_ahead(batches, device):
     import threading
 
     import torch
+
+    from eyrie.gpu_decode import decode_batch
 
     copy_stream = torch.cuda.Stream(device)
     ready = queue.Queue(maxsize=FEED_AHEAD)  # type: ignore[var-annotated]
@@ -162,6 +169,8 @@ def _copied_ahead(batches, device):
                         k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                         for k, v in batch.items()
                     }
+                    if FP8_ON_GPU:
+                        moved = decode_batch(moved)
                     copied = torch.cuda.Event()
                     copied.record(copy_stream)
                 if not put((moved, copied)):

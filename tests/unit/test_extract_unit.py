@@ -475,6 +475,99 @@ def test_every_file_and_its_folder_reach_the_disk_before_the_manifest(prepared, 
         assert rec["sha256"] == eyrie.extract.sha256_file(p) and rec["stat"] == eyrie.extract.stat_record(p.stat())
 
 
+class CountingClient(FakeClient):
+    """Like FakeClient, but counts the requests in flight at once (each answer takes a few milliseconds)."""
+
+    def __init__(self, staging: Path):
+        super().__init__(staging)
+        self.in_flight = self.most_in_flight = 0
+
+    def extract(self, token_ids: list[int], timeout_s: float) -> str:
+        with self.lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            time.sleep(0.005)
+            return super().extract(token_ids, timeout_s)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+
+def test_overlapping_shards_share_one_window_and_each_manifest_comes_last(prepared, tmp_path, monkeypatch):
+    """Two shards extracted at once (the flow runs two shard tasks at a time) share one window: at most
+    `concurrency` requests in flight over both (a shard's finalisation overlaps the other's requests). Each shard
+    still keeps the durability order on its own: every one of its files checked and hashed, fsynced, then
+    the folder, then its manifest; the window is closed once its last shard is done."""
+    import eyrie.extract
+
+    events: list[tuple[str, str, str]] = []  # (shard thread, event, file)
+    lock = threading.Lock()
+    real_fsync, real_record, real_manifest = (
+        eyrie.extract.fsync_path,
+        eyrie.extract.checked_record,
+        eyrie.extract.write_manifest,
+    )
+    shards = load_shards(prepared)[:2]
+    index = {tuple(ids): i for i, ids in enumerate(load_dataset_rows(prepared, 0, shards[-1].stop))}
+
+    def note(event: str, name: str) -> None:
+        with lock:
+            events.append((threading.current_thread().name, event, name))
+
+    def fsync(p):
+        note("fsync", Path(p).name)
+        real_fsync(p)
+
+    def record(p, ids, *a):
+        rec = real_record(p, ids, *a)
+        note("hash", sample_path(Path("."), index[tuple(ids)]).name)
+        return rec
+
+    def manifest(p, m, *a, **k):
+        note("manifest", Path(p).name)
+        real_manifest(p, m, *a, **k)
+
+    monkeypatch.setattr(eyrie.extract, "fsync_path", fsync)
+    monkeypatch.setattr(eyrie.extract, "checked_record", record)
+    monkeypatch.setattr(eyrie.extract, "write_manifest", manifest)
+    client = CountingClient(tmp_path / "staging")
+    hidden = tmp_path / "hidden_states"
+    results: dict[str, dict] = {}
+
+    def run(shard) -> None:
+        results[shard.name] = extract_shard(
+            client,
+            prepared,
+            shard,
+            "k1",
+            hidden,
+            tmp_path / "shards" / f"{shard.name}.json",
+            LAYERS,
+            HIDDEN,
+            concurrency=2,
+            log=lambda *_: None,
+        )
+
+    threads = [threading.Thread(target=run, args=(s,), name=s.name) for s in shards]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == [s.name for s in shards]
+    assert client.most_in_flight <= 2  # one window of 2 for both shards, not 2 each
+    assert not eyrie.extract._windows  # closed with its last shard
+    at = {e: n for n, e in enumerate(events)}
+    for shard in shards:
+        names = [sample_path(hidden, i).name for i in range(shard.start, shard.stop)]
+        mine = [e for e in events if e[0] == shard.name]
+        assert [e[1:] for e in mine[-2:]] == [("fsync", hidden.name), ("manifest", f"{shard.name}.json")]
+        for name in names:
+            assert at[(shard.name, "fsync", name)] < at[(shard.name, "fsync", hidden.name)]
+            assert any(e[1:] == ("hash", name) and at[e] < at[(shard.name, "fsync", name)] for e in events)
+        assert shard_complete(tmp_path / "shards" / f"{shard.name}.json", "k1", hidden, rehash_changed=True)
+
+
 @pytest.fixture
 def fake_vllm(tmp_path):
     """A stand-in for the extraction server's HTTP API (aiohttp, in a thread): writes each prompt's file into
