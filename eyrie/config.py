@@ -319,6 +319,14 @@ class PromotionConfig(_Section):
     warm_start: bool = Field(
         True, description="Train from the current drafter (keeping its draft vocabulary) when there is one."
     )
+    warm_start_lr_scale: float = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description="A warm start trains at train.lr times this. At the from-scratch rate a trained drafter first "
+        "loses what it learned (demo: predicted acceptance length 3.13 -> 2.81 after one epoch at 1e-2, 2.96 after "
+        "five; at 1e-3 it gains: 3.15, then 3.18).",
+    )
 
 
 class PipelineConfig(_Section):

@@ -45,9 +45,17 @@ def train_key(
             "aux": aux_ids,
             "warm": warm_start,
             "train": _train_settings(config),
+            # only when warm: keys of runs from scratch stay as they were
+            **({"warm_lr": learning_rate(config, True)} if warm_start else {}),
             "target": config.target.model,
         }
     )[:16]
+
+
+def learning_rate(config: PipelineConfig, warm: bool) -> float:
+    """train.lr, scaled down for a warm start: at the rate that trains a drafter from scratch, a trained one's first
+    steps undo what it learned (measured in the README, "Retraining")."""
+    return config.train.lr * (config.promotion.warm_start_lr_scale if warm else 1.0)
 
 
 def _train_settings(config: PipelineConfig) -> dict:
@@ -155,7 +163,7 @@ def training_command(
         "--epochs",
         str(t.epochs),
         "--lr",
-        str(t.lr),
+        str(learning_rate(config, warm_start is not None)),
         "--ttt-steps",
         str(t.ttt_steps),
         "--total-seq-len",

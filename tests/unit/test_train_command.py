@@ -67,9 +67,10 @@ def test_configured_optimizer_and_log_frequency_reach_speculators(tmp_path, opti
         flat = _resolved(cmd)
         assert flat["optimizer"] == optimizer
         assert flat["log_freq"] == 7
-        assert flat["lr"] == 2e-4
+        # a warm start (as _command builds): promotion.warm_start_lr_scale (0.1) of train.lr
+        assert flat["lr"] == pytest.approx(2e-5)
         # muon's own rate follows --lr (speculators' default), as it did before Eyrie passed --optimizer
-        assert flat["muon_lr"] == 2e-4
+        assert flat["muon_lr"] == pytest.approx(2e-5)
 
 
 def test_bad_values_are_refused_naming_the_key(tmp_path):
@@ -87,6 +88,25 @@ def test_optimizer_and_log_frequency_are_part_of_the_train_key(tmp_path):
         for t in ({}, {"optimizer": "muon"}, {"log_every_steps": 1})
     }
     assert len(keys) == 3
+
+
+def test_a_warm_start_trains_at_a_scaled_rate_and_keys_it(tmp_path):
+    from eyrie.train import learning_rate, train_key
+
+    def config(scale: float):
+        return parse_config(
+            {**config_dict(tmp_path / "t", train={"lr": 1e-2}), "promotion": {"warm_start_lr_scale": scale}}
+        )
+
+    assert learning_rate(config(0.1), warm=False) == 1e-2
+    assert learning_rate(config(0.1), warm=True) == pytest.approx(1e-3)
+    assert _resolved(_command(tmp_path, "cpu", lr=1e-2))["lr"] == pytest.approx(1e-3)
+    # the scale keys warm starts only: runs from scratch keep their keys
+    cold = {train_key(config(s), ["d"], "v", [2, 4, 5]) for s in (0.1, 0.5)}
+    warm = {train_key(config(s), ["d"], "v", [2, 4, 5], warm_start="/drafters/v1") for s in (0.1, 0.5)}
+    assert len(cold) == 1 and len(warm) == 2
+    with pytest.raises(ConfigError, match="warm_start_lr_scale"):
+        config(0)
 
 
 # --- eyrie.train_entry's GPU-only changes -------------------------------------------------------------------------
