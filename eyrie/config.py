@@ -137,6 +137,14 @@ class ExtractionConfig(_Section):
         "scale per token), about half the bytes per token, dequantized to bfloat16 as the trainer reads them. "
         "Part of the extraction key and of the server's identity: a change extracts again.",
     )
+    storage: Literal["files", "packed"] = Field(
+        "files",
+        description="How hidden states are laid out. files: one safetensors file per sample (`hs_<i>.safetensors`, "
+        "speculators' own layout). packed: each shard's samples in one safetensors file "
+        "(`packs/<start>_<stop>.safetensors`), for runs of millions of samples, whose files would strain a "
+        "directory, a shared filesystem's metadata server and every clean-up; Eyrie's trainer reads both. Part of "
+        "the extraction key: a change repacks (files to packed) or extracts again (packed to files).",
+    )
     min_free_disk_gib: float = Field(1.0, ge=0, description="Head-room kept free after the estimated output.")
     verify_checksums: bool = Field(
         True,

@@ -33,12 +33,12 @@ from eyrie.faults import fault_point
 from eyrie.hidden_states import BFLOAT16, FP8, check_encoding
 from eyrie.hidden_states import ENV as HIDDEN_STATES_DTYPE_ENV
 from eyrie.online import staging_dir
+from eyrie.packs import FILES, PACKED, pack_name, remove_overlapping, shard_entries, write_pack
 from eyrie.prepare import Shard, load_dataset_rows
 from eyrie.store import (
     atomic_write_json,
     fsync_path,
     read_json,
-    sample_name,
     sample_path,
     sha256_file,
     sha256_json,
@@ -46,7 +46,9 @@ from eyrie.store import (
 from eyrie.target import target_identity
 
 
-def shard_key(target_id: str, captured_ids: list[int], shard: Shard, hidden_states_dtype: str = BFLOAT16) -> str:
+def shard_key(
+    target_id: str, captured_ids: list[int], shard: Shard, hidden_states_dtype: str = BFLOAT16, storage: str = FILES
+) -> str:
     """The identity of a shard's output: what it ran on, what it captured, what it read, how it is stored."""
     key = {
         "target": target_id,
@@ -57,6 +59,8 @@ def shard_key(target_id: str, captured_ids: list[int], shard: Shard, hidden_stat
     }
     if hidden_states_dtype != BFLOAT16:  # absent for bfloat16, so keys (and finished shards) from before it stay
         key["hidden_states_dtype"] = hidden_states_dtype
+    if storage != FILES:  # the same: absent for files
+        key["storage"] = storage
     return sha256_json(key)[:16]
 
 
@@ -180,8 +184,9 @@ def shard_complete(manifest_path: Path, key: str, hidden_dir: Path, rehash_chang
         return False
     fresh = {}
     folder = os.fspath(hidden_dir)
-    for idx, rec in m["files"].items():
-        p = os.path.join(folder, sample_name(int(idx)))  # a str, not a Path: this loop runs once per sample
+    for idx, name in shard_entries(m):  # each sample's file, or the shard's pack (eyrie.packs)
+        rec = m["files"][idx]
+        p = os.path.join(folder, name)  # a str, not a Path: this loop runs once per sample
         try:
             st = os.stat(p)
         except OSError:
@@ -355,16 +360,21 @@ def extract_shard(
     log=print,
     rehash_changed: bool = True,
     hidden_states_dtype: str = BFLOAT16,
+    storage: str = FILES,
 ) -> dict:
     """Make every sample of `shard` valid on disk and write its manifest; returns the manifest.
 
     Samples already on disk and valid (from an interrupted attempt) are kept; only missing or bad ones are sent.
     `rehash_changed`: see `shard_complete`. `client` None: the shard must be complete already (no server runs).
     `hidden_states_dtype`: the encoding every file must have (the server's connector writes it); a file in the
-    other one is redone.
+    other one is redone. `storage` packed: the checked files are then copied into one pack (eyrie.packs), which the
+    manifest lists, and removed after it.
     """
     if shard_complete(manifest_path, key, hidden_dir, rehash_changed):
-        return read_json(manifest_path) or {}
+        manifest = read_json(manifest_path) or {}
+        if manifest.get("storage") == PACKED:
+            drop_unpacked(hidden_dir, shard)
+        return manifest
     if client is None:
         raise ExtractionError(
             f"{shard.name}: no complete manifest at {manifest_path} and no server was started for it (the shard was "
@@ -373,8 +383,12 @@ def extract_shard(
     fault_point(f"extract.{shard.name}")
     old_mtime = _mtime_ns(manifest_path) or 0
     old = read_json(manifest_path) or {}
-    recorded = old.get("files", {}) if old.get("key") == key else {}
+    recorded = old.get("files", {}) if old.get("key") == key and old.get("storage", FILES) == FILES else {}
     manifest_path.unlink(missing_ok=True)  # a stale manifest must not vouch for files about to change
+    # Readers take a sample from a pack before its file: no pack may keep an older copy of these rows (one written
+    # before a kill, before its manifest; one of the other storage, or of another shard plan).
+    if removed := remove_overlapping(hidden_dir, shard.start, shard.stop):
+        log(f"{shard.name}: removed {removed} pack(s) of its rows that no current manifest vouches for")
     hidden_dir.mkdir(parents=True, exist_ok=True)
     rows = load_dataset_rows(prepare_dir, shard.start, shard.stop)
     todo = []
@@ -502,7 +516,22 @@ def extract_shard(
             fsync_path(sample_path(hidden_dir, idx))
         fsync_path(hidden_dir)
     files = {}
-    for offset, ids in enumerate(rows):
+    if storage == PACKED:
+        # Every sample's file is checked (kept ones above, new ones as they arrived) and on disk: copied into one pack
+        # that the manifest lists instead. They are removed only once the manifest is written, so a kill before it
+        # leaves them to be packed again, and the pack it may leave is removed above.
+        name = pack_name(shard.start, shard.stop)
+        samples = [(i, sample_path(hidden_dir, i)) for i in range(shard.start, shard.stop)]
+        with full_disk_explained():
+            pack = write_pack(samples, hidden_dir / name, key)
+        tokens_in = sum(len(ids) for ids in rows)
+        files[name] = {
+            **{k: pack[k] for k in ("bytes", "sha256")},
+            "tokens": tokens_in,
+            "stat": stat_record(pack["stat"]),
+        }
+        fault_point(f"extract.{shard.name}.packed")
+    for offset, ids in enumerate(rows if storage != PACKED else []):
         name = str(shard.start + offset)
         if name in records:
             files[name] = records[name]
@@ -528,9 +557,26 @@ def extract_shard(
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 1) if todo and seconds > 0 else None,
     }
+    if storage != FILES:  # absent for files, as the key's
+        manifest["storage"] = storage
     with full_disk_explained():  # every sample is saved, and a disk filled since may have no room for the manifest
         write_manifest(manifest_path, manifest)
+    if storage == PACKED:
+        drop_unpacked(hidden_dir, shard)
     return manifest
+
+
+def drop_unpacked(hidden_dir: Path, shard: Shard) -> int:
+    """Remove the per-sample files of a shard whose pack its manifest vouches for, last first: a kill midway leaves
+    a run of leading files, so one stat (of the first) tells whether any are left. Returns how many went."""
+    if not sample_path(hidden_dir, shard.start).exists():
+        return 0
+    n = 0
+    for i in reversed(range(shard.start, shard.stop)):
+        with contextlib.suppress(FileNotFoundError):
+            sample_path(hidden_dir, i).unlink()
+            n += 1
+    return n
 
 
 def clean_staging(storage_path: Path) -> int:
@@ -562,9 +608,12 @@ class ExtractionPlan:
         self.hidden_size = report.hidden_size
         tid = target_identity(config.target)
         self.hidden_states_dtype = config.extraction.hidden_states_dtype
+        self.storage = config.extraction.storage
         self.node = node
         self.online = config.train.hidden_states == "online"
-        self.keys = {s.name: shard_key(tid, self.captured_ids, s, self.hidden_states_dtype) for s in shards}
+        self.keys = {
+            s.name: shard_key(tid, self.captured_ids, s, self.hidden_states_dtype, self.storage) for s in shards
+        }
         self.spec = ServerSpec.for_extraction(config, self.captured_ids, str(self.staging))
         if self.hidden_states_dtype != BFLOAT16:
             # The connector reads it from its environment; bfloat16 sets nothing, so servers from before keep their
@@ -590,7 +639,12 @@ class ExtractionPlan:
         return self.run.shard_manifests / f"{shard.name}.json"
 
     def is_complete(self, shard: Shard, rehash_changed: bool = False) -> bool:
-        return shard_complete(self.manifest_path(shard), self.keys[shard.name], self.run.hidden_states, rehash_changed)
+        """`shard_complete`; a complete packed shard also loses the per-sample files a kill left after its manifest
+        (`drop_unpacked`: one stat when there are none)."""
+        done = shard_complete(self.manifest_path(shard), self.keys[shard.name], self.run.hidden_states, rehash_changed)
+        if done and self.storage == PACKED:
+            drop_unpacked(self.run.hidden_states, shard)
+        return done
 
     def pending(self, rehash_changed: bool = False) -> list[Shard]:
         return [s for s in self.shards if not self.is_complete(s, rehash_changed)]

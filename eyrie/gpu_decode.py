@@ -17,28 +17,29 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from hs_connectors import FP8Transfer, HiddenStatesBackend
+from hs_connectors import HiddenStatesBackend
 from hs_connectors.transfer import FP8Backend
 from speculators.train.data import CollateFn
 
 from eyrie.hidden_states import FP8, READER_BACKEND, SCALES_KEY, dequantize
+from eyrie.pack_reader import PackedFP8Transfer
 
 CARRIED_KEY = "eyrie_fp8_carried"  # on a collated batch of carried samples: (hidden size, the trainer's dtype name)
 SCALE_BYTES = 4  # a float32 scale per token
 HIDDEN_KEYS = ("hidden_states", "verifier_last_hidden_states")
 
 
-def pack(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def to_carried(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """fp8 values [T, L, H] and float32 scales [T, 1, 1] -> uint8 [T, L, H + 4]: each row's bytes, then its scale's."""
     tokens, layers, _ = values.shape
     scale_bytes = scales.reshape(tokens, 1, 1).to(torch.float32).contiguous().view(torch.uint8)
     return torch.cat([values.view(torch.uint8), scale_bytes.expand(tokens, layers, SCALE_BYTES)], dim=-1)
 
 
-def unpack(packed: torch.Tensor, hidden_size: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def from_carried(carried: torch.Tensor, hidden_size: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """uint8 [..., n * (H + 4)] (n rows side by side, as speculators flattens layers) -> [..., n * H] in `dtype`,
     decoded as FP8Transfer decodes (to bfloat16) and then cast as speculators' collate casts."""
-    rows = packed.unflatten(-1, (-1, hidden_size + SCALE_BYTES))
+    rows = carried.unflatten(-1, (-1, hidden_size + SCALE_BYTES))
     values = rows[..., :hidden_size].view(getattr(torch, FP8))
     scales = rows[..., hidden_size:].contiguous().view(torch.float32)
     return dequantize(values, scales).to(dtype).flatten(-2)
@@ -51,18 +52,19 @@ def decode_batch(batch: dict[str, Any]) -> dict[str, Any]:
         return batch
     hidden_size, dtype = carried
     for key in HIDDEN_KEYS:
-        batch[key] = unpack(batch[key], hidden_size, getattr(torch, dtype))
+        batch[key] = from_carried(batch[key], hidden_size, getattr(torch, dtype))
     return batch
 
 
-class CarriedFP8Transfer(FP8Transfer):
-    """FP8Transfer that leaves fp8 files packed (`pack`) for the GPU to decode; bf16 files pass unchanged."""
+class CarriedFP8Transfer(PackedFP8Transfer):
+    """FP8Transfer that leaves fp8 samples as bytes (`to_carried`) for the GPU to decode; bf16 files pass
+    unchanged. It reads packed storage as well (`extraction.storage: packed`, eyrie/pack_reader.py)."""
 
     def _dequantize(self, sample: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
         if sample is None or SCALES_KEY not in sample:
             return sample
         out = {k: v for k, v in sample.items() if k != SCALES_KEY}
-        out["hidden_states"] = pack(sample["hidden_states"], sample[SCALES_KEY])
+        out["hidden_states"] = to_carried(sample["hidden_states"], sample[SCALES_KEY])
         return out
 
 
@@ -76,7 +78,7 @@ class CarriedFP8Backend(FP8Backend):
 
 
 class CarryingCollate(CollateFn):
-    """speculators' collate, packing carried samples as bytes (its cast to the trainer's dtype would read fp8 bytes
+    """speculators' collate, collating carried samples as bytes (its cast to the trainer's dtype would read fp8 bytes
     as numbers) and marking the batch for `decode_batch`."""
 
     def __call__(self, batch):  # type: ignore[no-untyped-def]

@@ -39,6 +39,7 @@ def run_status(run: RunFolder) -> dict:
                         done += 1
                         out["shards"][s.name] = "done"
                     continue
+                # Packed storage too: a shard's samples are files until its pack and manifest are written.
                 partial = sum(sample_path(run.hidden_states, i).exists() for i in range(s.start, s.stop))
                 out["shards"][s.name] = f"partial {partial}/{s.stop - s.start}" if partial else "pending"
             out["stages"][stage] = (

@@ -672,6 +672,9 @@ def main(argv: list[str]) -> None:
     from eyrie.hidden_states import reader_arguments
 
     argv = reader_arguments(argv)  # speculators' fp8 backend: dequantizes fp8 files, reads bf16 ones unchanged
+    from eyrie import pack_reader
+
+    pack_reader.install()  # ... and reads packed storage (extraction.storage: packed); the GPU's install keeps it
     _online_hidden_states(argv)
     if os.environ.get("EYRIE_TRAIN_DEVICE") == "cpu":
         _run_on_cpu()

@@ -7,7 +7,8 @@ bit rot or a write that keeps size, mtime and inode, only a full read finds: thi
 What it does with a damaged file, so that the next `eyrie run` redoes exactly that work and nothing else:
 
 - a hidden-state file (listed by `extract/shards/<shard>.json`) is removed: its shard then fails the stat check (a
-  listed file is missing) and the next run extracts only the missing samples;
+  listed file is missing) and the next run extracts only the missing samples (a damaged pack, `extraction.storage:
+  packed`: its whole shard);
 - a file listed by a stage manifest (regenerate, vocab, export): that `<stage>/manifest.json` is removed, and the
   next run redoes the stage.
 
@@ -26,10 +27,11 @@ from pathlib import Path
 from eyrie import FORMAT_VERSION
 from eyrie.errors import EyrieError, RunFolderError
 from eyrie.manifest import file_problem, listed
+from eyrie.packs import shard_entries
 from eyrie.prepare import load_shards
 from eyrie.regenerate import extraction_source
 from eyrie.stages import RUN_FOLDER_STAGES
-from eyrie.store import STAMP, RunFolder, read_json, sample_path
+from eyrie.store import STAMP, RunFolder, read_json
 
 CHUNK = 64  # files per task handed to a worker: 200,000 files make 3,125 tasks, not 200,000 futures
 SHOWN = 50  # damaged files named in the summary; the count covers all of them
@@ -48,9 +50,17 @@ class Listed:
 
 def shard_files(run: RunFolder, manifest_path: Path, manifest: dict) -> list[Listed]:
     owner = manifest.get("shard") or manifest_path.stem
+    if not manifest.get("files"):
+        return []
     return [
-        Listed(sample_path(run.hidden_states, int(idx)), rec["sha256"], rec["bytes"], owner, manifest_path)
-        for idx, rec in manifest.get("files", {}).items()
+        Listed(
+            run.hidden_states / name,
+            manifest["files"][idx]["sha256"],
+            manifest["files"][idx]["bytes"],
+            owner,
+            manifest_path,
+        )
+        for idx, name in shard_entries(manifest)  # each sample's file, or the shard's pack
     ]
 
 

@@ -100,6 +100,7 @@ def extract_flow(
                     config.extraction.request_timeout_s,
                     rehash,
                     plan.hidden_states_dtype,
+                    plan.storage,
                 ),
             )
             for shard in todo

@@ -51,6 +51,7 @@ def extract_shard_task(
     timeout_s: float,
     rehash_changed: bool = True,
     hidden_states_dtype: str = "bfloat16",
+    storage: str = "files",
 ) -> dict:
     log = get_run_logger()
     # No server: the flow found this shard complete and Prefect had no cache record of it (a new PREFECT_HOME or
@@ -84,6 +85,7 @@ def extract_shard_task(
         log=log.info,
         rehash_changed=rehash_changed,
         hidden_states_dtype=hidden_states_dtype,
+        storage=storage,
     )
     log.info(f"{shard.name}: {manifest['extracted_samples']} extracted, {manifest['reused_samples']} reused")
     return {k: v for k, v in manifest.items() if k != "files"}

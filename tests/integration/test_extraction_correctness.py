@@ -255,3 +255,58 @@ def test_concurrent_requests_each_get_their_own_sample(servers, tmp_path, tiny_l
     batched = load_file(str(sample_path(hidden, 3)))["hidden_states"]
     assert _rel_err(batched, alone) < REL_TOL
     assert not [p for p in Path(r.spec.storage_path).iterdir()]  # nothing left in the server's staging folder
+
+
+def test_packed_extraction_trains(servers, tmp_path):
+    """`extraction.storage: packed` against the same server: each shard lands as one pack (no per-sample file
+    left), holding the states the server computed, and speculators' trainer (on the CPU, through Eyrie's entry and
+    its packed reader) trains on the packs alone."""
+    from conftest import config_dict, synthetic_training_inputs
+
+    from eyrie.config import parse_config
+    from eyrie.packs import PackReader, pack_ranges
+    from eyrie.prepare import load_dataset_rows, load_shards
+    from eyrie.train import run_training
+
+    r = servers[KEPT]
+    client = r.client()
+    config = parse_config(
+        config_dict(
+            r.model,
+            max_samples=8,
+            shard_size=4,
+            max_length=128,
+            layer_ids=default_aux_layer_ids(r.num_layers),
+            extraction={"storage": "packed"},
+            train={"epochs": 1, "max_seq_len": 128},
+            vocab={"draft_vocab_size": 128},
+        )
+    )
+    report, inputs, seq_lens = synthetic_training_inputs(config, tmp_path)  # prepared data and vocab
+    assert report.captured_layer_ids == r.spec.layer_ids
+    prepared, hidden = inputs[0].parent, tmp_path / "packed"
+    shards = load_shards(prepared)
+    for shard in shards:
+        m = extract_shard(
+            client,
+            prepared,
+            shard,
+            "key",
+            hidden,
+            tmp_path / "shards" / f"{shard.name}.json",
+            len(r.spec.layer_ids),
+            r.hidden_size,
+            concurrency=8,
+            timeout_s=120,
+            log=lambda *_: None,
+            storage=config.extraction.storage,
+        )
+        assert m["storage"] == "packed" and len(m["files"]) == 1
+    assert len(pack_ranges(hidden)) == len(shards) > 1 and not list(hidden.glob("hs_*"))
+    reader = PackReader(hidden)
+    for i, ids in enumerate(load_dataset_rows(prepared, 0, len(seq_lens))):
+        sample = reader.read(i)
+        assert sample["token_ids"].tolist() == ids
+        assert tuple(sample["hidden_states"].shape) == (len(ids), len(r.spec.layer_ids), r.hidden_size)
+    trained = run_training(config, tmp_path / "train", "k", inputs[0], hidden, *inputs[2:], seq_lens, log=print)
+    assert trained["global_step"] and trained["global_step"] > 0
