@@ -421,6 +421,7 @@ class PreflightReport:
     revisions: dict = field(default_factory=dict)  # hub revisions as this run pinned them (commits)
     estimated_bytes: int | None = None
     free_bytes: int | None = None
+    hidden_states: str = "offline"  # train.hidden_states: online runs have no extract stage (`eyrie status` reads it)
     warnings: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
@@ -629,6 +630,7 @@ def run_preflight(
         config.max_model_len,
     )
     report.revisions = {"target": config.target.revision, "data": config.data.revision}
+    report.hidden_states = config.train.hidden_states
     report.warnings += arg_warnings
     mask = config.train.mask_token_id
     report.target_facts["mask_token_id"] = mask if mask is not None or tok is None else mask_token_id(tok, vocab)

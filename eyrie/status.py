@@ -20,8 +20,11 @@ def run_status(run: RunFolder) -> dict:
     and of its recorded size where the manifest records one); nothing is read or hashed (`eyrie verify` does)."""
     out: dict = {"run_dir": str(run.root), "stages": {}, "shards": {}}
     shards = load_shards(extraction_source(run))  # the regenerated data's, when that is what was extracted
+    online = (read_json(run.root / "preflight.json") or {}).get("hidden_states") == "online"
     for stage in RUN_FOLDER_STAGES:
-        if stage == "extract":
+        if stage == "extract" and online:
+            out["stages"][stage] = "not used (train.hidden_states: online: the trainer asks the extraction server)"
+        elif stage == "extract":
             done = damaged = 0
             for s in shards:
                 path = run.shard_manifests / f"{s.name}.json"

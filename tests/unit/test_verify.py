@@ -168,3 +168,20 @@ def test_remove_staging_leaves_the_hidden_states_unwalked(run, monkeypatch):
     assert not (run.shard_manifests / ".shard-00000.json.x1.tmp").exists()
     assert (run.hidden_states / ".hs_0.safetensors.x2.tmp").exists()
     assert str(run.hidden_states) not in walked and str(run.shard_manifests) in walked
+
+
+def test_status_of_an_online_run_does_not_call_its_shards_pending(tmp_path):
+    """train.hidden_states: online has no extract stage: preflight records the mode and status says so, instead of
+    listing every shard as pending forever."""
+    run = RunFolder(tmp_path / "run")
+    run.prepare.mkdir(parents=True)
+    atomic_write_json(
+        run.prepare / "shards.json", [{"index": 0, "start": 0, "stop": 4, "fingerprint": "f", "num_tokens": 40}]
+    )
+    atomic_write_json(run.root / "preflight.json", {"hidden_states": "offline"})
+    assert run_status(run)["stages"]["extract"] == "0/1 shards"
+    atomic_write_json(run.root / "preflight.json", {"hidden_states": "online"})
+    status = run_status(run)
+    assert status["stages"]["extract"].startswith("not used (train.hidden_states: online")
+    assert status["shards"] == {}
+    assert "shard-00000" not in format_status(status)
