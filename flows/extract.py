@@ -36,6 +36,26 @@ def shard_failures(submitted) -> dict:
     return out
 
 
+def start_server(plan, server, startup_timeout_s: float) -> str:
+    """The shards' server, started unless it runs; one that does not run leaves staging files nobody will read.
+    `plan`: an extraction or regeneration plan (its server folder, staging folder and spec)."""
+    removed = clean_staging(plan.staging) if not server.healthy() else 0
+    if removed:
+        get_run_logger().info(f"removed {removed} orphaned staging files")
+    return start_server_task(plan.spec, str(plan.server_dir), startup_timeout_s)
+
+
+def run_shards(submit, shards, url: str | None, server, restart) -> dict:
+    """`submit(shards, url)` and wait; when shards failed because the server died under them (killed, OOM) and
+    `restart` is given, start it once more (`restart()` -> its URL) and redo only those: their finished work on disk
+    is kept. Returns the failures left, by shard name."""
+    failed = shard_failures(submit(shards, url))
+    if failed and restart is not None and not server.healthy():
+        get_run_logger().warning(f"the vLLM server died ({len(failed)} shards failed); restarting it once")
+        failed = shard_failures(submit([s for s in shards if s.name in failed], restart()))
+    return failed
+
+
 @flow(name="eyrie-extract", task_runner=ThreadPoolTaskRunner(max_workers=2))
 def extract_flow(
     config: PipelineConfig, run_dir: str, report: dict | None = None, shards: list[str] | None = None
@@ -75,12 +95,8 @@ def extract_flow(
         # Prefect's bookkeeping of cached shard tasks alone took 10 s of a fully cached run.)
         return outcome
     server = ExtractionServer(plan.server_dir)
-    base_url = None
-    if pending:
-        removed = clean_staging(plan.staging) if not server.healthy() else 0
-        if removed:
-            log.info(f"removed {removed} orphaned staging files")
-        base_url = start_server_task(plan.spec, str(plan.server_dir), config.extraction.startup_timeout_s)
+    timeout_s = config.extraction.startup_timeout_s
+    base_url = start_server(plan, server, timeout_s)
 
     def submit(todo, url):
         return [
@@ -106,14 +122,11 @@ def extract_flow(
             for shard in todo
         ]
 
-    failed = shard_failures(submit(plan.shards, base_url))
-    if failed and pending and not server.healthy():
-        # The server died under us (killed, OOM): start it once more and redo only the unfinished shards; their
-        # valid samples on disk are kept, so only the missing ones are sent again.
-        log.warning(f"the vLLM server died ({len(failed)} shards failed); restarting it once")
-        base_url = start_server_task(plan.spec, str(plan.server_dir), config.extraction.startup_timeout_s)
-        failed = shard_failures(submit([s for s in plan.shards if s.name in failed], base_url))
-    failed = list(failed.values())
+    # A restarted server's shards keep their valid samples on disk: only the missing ones are sent again.
+    def restart() -> str:
+        return start_server_task(plan.spec, str(plan.server_dir), timeout_s)
+
+    failed = list(run_shards(submit, plan.shards, base_url, server, restart).values())
     # A success must never leave samples missing: re-check the manifests of the shards that ran against their files.
     # The others were found complete when this flow began and nothing here wrote to them (a task that found one
     # incomplete failed above): a second stat of every file, about 1 s per 100,000 files, would add nothing.

@@ -9,12 +9,11 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import RegenerationError
-from eyrie.extract import clean_staging
 from eyrie.preflight import PreflightReport
 from eyrie.regenerate import RegenerationPlan
 from eyrie.server import VllmServer, node_name
 from eyrie.store import RunFolder
-from flows.extract import shard_failures
+from flows.extract import run_shards, start_server
 from tasks.extract import start_server_task, stop_server_task
 from tasks.regenerate import assemble_task, regenerate_shard_task
 
@@ -29,12 +28,8 @@ def regenerate_flow(config: PipelineConfig, run_dir: str, report: dict, keep_ser
     pending = {s.name for s in plan.pending()}
     log.info(f"{len(plan.shards)} shards, {len(pending)} to regenerate")
     server = VllmServer(plan.server_dir)
-    base_url = None
-    if pending:
-        removed = clean_staging(plan.staging) if not server.healthy() else 0
-        if removed:
-            log.info(f"removed {removed} orphaned staging files")
-        base_url = start_server_task(plan.spec, str(plan.server_dir), config.extraction.startup_timeout_s)
+    timeout_s = config.extraction.startup_timeout_s
+    base_url = start_server(plan, server, timeout_s) if pending else None
 
     def submit(todo, url):
         return [
@@ -47,12 +42,10 @@ def regenerate_flow(config: PipelineConfig, run_dir: str, report: dict, keep_ser
             for shard in todo
         ]
 
-    failed = shard_failures(submit(plan.shards, base_url))
-    if failed and pending and not server.healthy():
-        # The server died under us: start it once more and redo only the unfinished shards.
-        log.warning(f"the vLLM server died ({len(failed)} shards failed); restarting it once")
-        base_url = start_server_task(plan.spec, str(plan.server_dir), config.extraction.startup_timeout_s)
-        failed = shard_failures(submit([s for s in plan.shards if s.name in failed], base_url))
+    def restart() -> str:
+        return start_server_task(plan.spec, str(plan.server_dir), timeout_s)
+
+    failed = run_shards(submit, plan.shards, base_url, server, restart if pending else None)
     missing = [s.name for s in plan.shards if not plan.is_complete(s)]
     if failed or missing:
         if pending and not config.extraction.keep_server_after_failure:
