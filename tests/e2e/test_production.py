@@ -122,14 +122,17 @@ class Production:
         )
 
     def stop(self) -> None:
-        for proc in self.workers.values():
-            for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, None)):
+        # Every worker is asked at once and given 20 s together (one after another, three took a minute).
+        for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, None)):
+            for proc in self.workers.values():
                 try:
                     os.killpg(proc.pid, sig)
                 except ProcessLookupError:
                     pass
+            deadline = None if wait_s is None else time.monotonic() + wait_s
+            for proc in self.workers.values():
                 try:
-                    proc.wait(timeout=wait_s)
+                    proc.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
         for folder in self.server_folders:
