@@ -531,14 +531,15 @@ def extract_shard(
             "stat": stat_record(pack["stat"]),
         }
         fault_point(f"extract.{shard.name}.packed")
-    for offset, ids in enumerate(rows if storage != PACKED else []):
-        name = str(shard.start + offset)
-        if name in records:
-            files[name] = records[name]
-            continue
-        p = sample_path(hidden_dir, shard.start + offset)
-        rec = known.get(name)
-        files[name] = rec if rec and rec["stat"] == stat_record(p.stat()) else file_record(p, len(ids))
+    else:
+        for offset, ids in enumerate(rows):
+            name = str(shard.start + offset)
+            if name in records:
+                files[name] = records[name]
+                continue
+            p = sample_path(hidden_dir, shard.start + offset)
+            rec = known.get(name)
+            files[name] = rec if rec and rec["stat"] == stat_record(p.stat()) else file_record(p, len(ids))
     seconds = time.perf_counter() - t0
     tokens = sum(len(ids) for _, ids in todo)
     manifest = {
