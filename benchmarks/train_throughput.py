@@ -1215,22 +1215,26 @@ def cmd_ab(args) -> None:
     report = json.loads((run / "preflight.json").read_text())  # what the pipeline hands the train stage
     facts, aux = report["target_facts"], report["aux_layer_ids"]
     d2t, t2d = mapping_paths(run / "vocab", base.vocab.draft_vocab_size)
-    for opt in args.optimizers.split(","):
+    warm = Path(args.ab_warm_start).resolve() if args.ab_warm_start else None
+    lrs = [float(x) for x in args.ab_lr.split(",")] if args.ab_lr else [None]
+    for opt, lr in ((o, r) for o in args.optimizers.split(",") for r in lrs):
         train = base.train.model_copy(
             update={
                 "optimizer": opt,
                 "epochs": args.ab_epochs,
                 "device": args.ab_device,
-                **({"lr": args.ab_lr} if args.ab_lr else {}),
+                **({"lr": lr} if lr else {}),
             }
         )
         config = base.model_copy(
             update={
                 "train": train,
                 "target": base.target.model_copy(update={"model": str(Path(args.ab_target).resolve())}),
+                # a warm start at exactly the rate asked for (the pipeline scales train.lr down for one)
+                "promotion": base.promotion.model_copy(update={"warm_start_lr_scale": 1.0}),
             }
         )
-        out = Path(args.root) / "ab" / opt
+        out = Path(args.root) / "ab" / (opt if len(lrs) == 1 else f"{opt}-{lr}")
         shutil.rmtree(out, ignore_errors=True)
         os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
         os.environ["COLUMNS"] = "2000"  # one log line per record
@@ -1246,6 +1250,7 @@ def cmd_ab(args) -> None:
             aux,
             facts,
             load_seq_lens(run / "prepare"),
+            warm_start=warm,
             log=lambda m: None,
         )
         wall = time.time() - t0
@@ -1275,6 +1280,7 @@ def cmd_ab(args) -> None:
                 "what": "ab",
                 "optimizer": opt,
                 "lr": train.lr,
+                "warm_start": str(warm) if warm else None,
                 "device": manifest["device"],
                 "epochs": args.ab_epochs,
                 "wall_s": round(wall, 1),
@@ -1378,7 +1384,8 @@ def main() -> None:
     p.add_argument("--ab-target", default="runs/gpu-ab/target")
     p.add_argument("--ab-epochs", type=int, default=10)
     p.add_argument("--ab-device", default="cuda")
-    p.add_argument("--ab-lr", type=float, default=0.0, help="train.lr for every A/B run (default: the config's)")
+    p.add_argument("--ab-lr", default="", help="train.lr of the A/B runs, or several: 0.01,0.001")
+    p.add_argument("--ab-warm-start", default="", help="a drafter checkpoint every A/B run starts from (a warm start)")
     args = p.parse_args()
     if args.what == "step":
         cmd_step(args)

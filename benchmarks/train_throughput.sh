@@ -10,6 +10,7 @@
 #   bash benchmarks/train_throughput.sh eyrie --optimizer adamw --tag retry   # again: compile cache now warm
 #   bash benchmarks/train_throughput.sh step --master fp32 --clip --opt adamw # the trainer's own math
 #   bash benchmarks/train_throughput.sh ab --ab-epochs 10   # optimizer A/B on a carried demo run (runs/gpu-ab/)
+#   bash benchmarks/train_throughput.sh ab --optimizers adamw --ab-lr 0.01,0.001 --ab-warm-start CKPT  # warm-start rates
 #
 # Fetch the wheels once on a machine with an index (python 3.12, manylinux x86_64), into .whl/:
 #   for p in speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 dill==0.4.1 multiprocess==0.70.19 \
