@@ -41,7 +41,8 @@ def from_carried(carried: torch.Tensor, hidden_size: int, dtype: torch.dtype = t
     decoded as FP8Transfer decodes (to bfloat16) and then cast as speculators' collate casts."""
     rows = carried.unflatten(-1, (-1, hidden_size + SCALE_BYTES))
     values = rows[..., :hidden_size].view(getattr(torch, FP8))
-    scales = rows[..., hidden_size:].contiguous().view(torch.float32)
+    # a copy of its own: a view (already contiguous when there is one row) may start off a 4-byte boundary
+    scales = rows[..., hidden_size:].clone(memory_format=torch.contiguous_format).view(torch.float32)
     return dequantize(values, scales).to(dtype).flatten(-2)
 
 

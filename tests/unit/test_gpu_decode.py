@@ -111,3 +111,16 @@ def test_install_swaps_speculators_reader_and_collate(monkeypatch):
     gpu_decode.install()
     assert HiddenStatesBackend.registry["fp8"] is gpu_decode.CarriedFP8Backend
     assert dataloader.CollateFn is gpu_decode.CarryingCollate
+
+
+@pytest.mark.parametrize("tokens,layers,hidden", [(5, 2, 7), (1, 5, 3), (1, 1, 5), (0, 4, 16)])
+def test_carried_rows_decode_whatever_their_shape(tokens, layers, hidden):
+    """Odd widths, one token (a carried row that is contiguous on its own, its scale off a 4-byte boundary), none."""
+    from eyrie.hidden_states import dequantize, quantize
+
+    x = (torch.randn(tokens, layers, hidden) * torch.logspace(-2, 3, layers).reshape(1, layers, 1)).bfloat16()
+    values, scales = quantize(x)
+    carried = gpu_decode.to_carried(values, scales)
+    want = dequantize(values, scales)
+    assert torch.equal(gpu_decode.from_carried(carried[:, :-1].flatten(1), hidden), want[:, :-1].flatten(1))
+    assert torch.equal(gpu_decode.from_carried(carried[:, -1], hidden), want[:, -1])
