@@ -135,7 +135,7 @@ def on_device(batches, device: torch.device):
 
     for batch in batches:
         moved = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        moved = decode_batch(moved) if "eyrie_fp8_carried" in moved else moved
+        moved = decode_batch(moved)  # batches not carried pass through
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         yield moved
