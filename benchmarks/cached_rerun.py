@@ -18,7 +18,7 @@ functions the flow calls:
 - flows/extract.py: `plan.pending(extraction.verify_checksums)`, then `plan.is_complete(s)` for the shards that ran
   (none); old: `shard_complete` as it was (kept below as `old_shard_complete`), re-hashing every file, then every
   shard's files stat'ed again;
-- tasks/caching.py: the cache policy's `eyrie.manifest.done` for each stage (its manifest, a stat per listed file);
+- tasks/caching.py: the cache policy's `eyrie.run.manifest.done` for each stage (its manifest, a stat per listed file);
 
 and `eyrie status` (`run_status`, which now stats every listed file) and `eyrie verify` (`verify_run`, report only).
 Not timed: Prefect (its temporary server, the task runs of the cached shards) and preflight (the vLLM import): a
@@ -50,15 +50,23 @@ from safetensors.torch import save
 
 from eyrie import FORMAT_VERSION
 from eyrie.config import DataConfig, ExtractionConfig, PipelineConfig, TargetConfig
-from eyrie.extract import ExtractionPlan, file_record, shard_key, write_manifest
-from eyrie.manifest import done, list_files
-from eyrie.preflight import PreflightReport
-from eyrie.prepare import Shard, load_shards
+from eyrie.ops.status import run_status
+from eyrie.ops.verify import default_workers, verify_run
+from eyrie.run.folder import (
+    RunFolder,
+    atomic_write_json,
+    read_json,
+    remove_staging,
+    sample_path,
+    sha256_file,
+    sha256_json,
+)
+from eyrie.run.manifest import done, list_files
 from eyrie.stages import RUN_FOLDER_STAGES
-from eyrie.status import run_status
-from eyrie.store import RunFolder, atomic_write_json, read_json, remove_staging, sample_path, sha256_file, sha256_json
-from eyrie.target import target_identity
-from eyrie.verify import default_workers, verify_run
+from eyrie.stages.extract import ExtractionPlan, file_record, shard_key, write_manifest
+from eyrie.stages.preflight import PreflightReport
+from eyrie.stages.prepare import Shard, load_shards
+from eyrie.target.metadata import target_identity
 
 LAYERS = [2, 4, 5, 8]  # captured ids of an 8-layer stand-in target
 HIDDEN = 64

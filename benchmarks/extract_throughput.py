@@ -6,7 +6,8 @@ with the same concurrency to the same running extraction server (Eyrie's ServerS
 method and Eyrie's connector, served model "target"). Eyrie and speculators write `hs_<i>.safetensors` files into
 their own folder:
 
-- Eyrie: `eyrie.extract.extract_shard` over every shard, in this process, into `<work-dir>/eyrie_hs`, two shards at
+- Eyrie: `eyrie.stages.extract.extract_shard` over every shard, in this process, into `<work-dir>/eyrie_hs`, two shards
+at
   a time as the extraction flow's task runner runs them (their requests share one window of `--concurrency`).
 - speculators: its CLI as a subprocess, timed end to end, into `<work-dir>/spec_hs`. It runs with
   `--validate-outputs` (Eyrie always loads and checks each file) and `--fail-on-error` (it skips failed samples
@@ -66,13 +67,13 @@ import torch
 from safetensors.torch import load_file
 
 from eyrie.config import load_config
-from eyrie.extract import ExtractionPlan, _wait_and_release, clean_staging, extract_shard
-from eyrie.preflight import run_preflight
-from eyrie.prepare import load_dataset_rows, load_shards, prepare
-from eyrie.server import ExtractionServer, ServerClient
-from eyrie.store import RunFolder
-from eyrie.target import load_tokenizer
-from eyrie.tiny import build_target
+from eyrie.run.folder import RunFolder
+from eyrie.stages.extract import ExtractionPlan, _wait_and_release, clean_staging, extract_shard
+from eyrie.stages.preflight import run_preflight
+from eyrie.stages.prepare import load_dataset_rows, load_shards, prepare
+from eyrie.target.metadata import load_tokenizer
+from eyrie.target.tiny import build_target
+from eyrie.vllm.server import ExtractionServer, ServerClient
 
 
 def quiet(*_args, **_kw) -> None:
@@ -85,7 +86,8 @@ def output_size(folder: Path) -> tuple[int, int]:
 
 
 # The extraction flow's task runner runs this many shard tasks at once (flows/extract.py); their requests share one
-# window of `concurrency` (eyrie.extract._Window), so the server sees as many in flight as from the other clients.
+# window of `concurrency` (eyrie.stages.extract._Window), so the server sees as many in flight as from the other
+# clients.
 FLOW_SHARD_TASKS = 2
 
 

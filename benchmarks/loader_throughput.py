@@ -2,7 +2,8 @@
 in one run, against what the trainer consumes.
 
 It writes synthetic samples in Eyrie's format (`hs_<i>.safetensors`: `hidden_states` [T, layers, hidden] and
-`token_ids`, fp8 ones with speculators' `hidden_states_scales`; eyrie/hidden_states.py) at chosen dimensions (default
+`token_ids`, fp8 ones with speculators' `hidden_states_scales`; eyrie/hidden_states/encoding.py) at chosen dimensions
+(default
 Kimi-K2.5's: 4 captured layers x 7168, 2047-token samples packed 4096), plus a prepared dataset beside them. Then it
 reads them the way the trainer does: speculators' `ArrowDataset`, its packing batch sampler, `CollateFn` and
 `shift_batch`, through a `DataLoader` with spawned workers (speculators' `_setup_dataloader`), each batch then copied
@@ -10,7 +11,8 @@ to the trainer's device (`--device`, the GPU when there is one). Three readers:
 
 - `bf16`: bf16 files, speculators' `file` backend.
 - `fp8`: fp8 files, speculators' `fp8` backend (FP8Transfer): dequantized to bf16 on the CPU, in the loader workers.
-- `fp8-dev`: fp8 files as Eyrie's GPU trainer reads them (eyrie/gpu_decode.py, train_entry's FP8_ON_GPU): the
+- `fp8-dev`: fp8 files as Eyrie's GPU trainer reads them (eyrie/hidden_states/gpu_decode.py, train_entry's FP8_ON_GPU):
+the
   workers pass the file's bytes on, and the batch is decoded on `--device` after the copy (on a CPU-only machine
   that is the main process: not the trainer's path, marked as such).
 
@@ -45,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from eyrie.hidden_states import BFLOAT16, FP8, bytes_per_token, encode  # noqa: E402
+from eyrie.hidden_states.encoding import BFLOAT16, FP8, bytes_per_token, encode  # noqa: E402
 
 KIMI_LAYERS, KIMI_HIDDEN = 4, 7168
 
@@ -111,7 +113,7 @@ def speculators_loader(
     transfer = {BFLOAT16: FileTransfer, FP8: FP8Transfer}.get(reader)
     collate = dataloader.CollateFn
     if transfer is None:  # fp8-dev: as train_entry's FP8_ON_GPU installs it
-        from eyrie import gpu_decode
+        from eyrie.hidden_states import gpu_decode
 
         transfer, dataloader.CollateFn = gpu_decode.CarriedFP8Transfer, gpu_decode.CarryingCollate
     dataset = ArrowDataset(total_seq_len, data, transfer=transfer(hidden_dir), on_missing="raise")
@@ -131,7 +133,7 @@ def speculators_loader(
 
 def on_device(batches, device: torch.device):
     """Each batch copied to `device` as the trainer's feed copies it, carried fp8 decoded there, the copy waited for."""
-    from eyrie.gpu_decode import decode_batch
+    from eyrie.hidden_states.gpu_decode import decode_batch
 
     for batch in batches:
         moved = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
@@ -145,7 +147,7 @@ def eyrie_reader(hidden_dir: Path, n: int):
     """Without speculators: the files read and decoded as its readers do, one at a time (not the trainer's path)."""
     from safetensors.torch import load_file
 
-    from eyrie.hidden_states import decode
+    from eyrie.hidden_states.encoding import decode
 
     for i in range(n):
         d = decode(load_file(str(hidden_dir / f"hs_{i}.safetensors")))

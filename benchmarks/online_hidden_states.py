@@ -5,7 +5,7 @@ Both train the same config (the demo's, or --config) on the same data and vocabu
 - offline: the run's extracted files (`extract/hidden_states`); the bytes written for them are what extraction
   wrote (their total size; the stage writes each file once, renamed from staging on the same filesystem);
 - online: Eyrie's extraction server (target + extract_hidden_states + Eyrie's connector) with its storage path on
-  tmpfs; the trainer asks it for every sample as it trains (eyrie/online.py).
+  tmpfs; the trainer asks it for every sample as it trains (eyrie/stages/train/online.py).
 
 Reported per mode: training tokens/s (every training sample's tokens x epochs over the trainer's wall time, and
 speculators' own logged `profile/tokens_per_s`), bytes written to persistent storage (the server's and the
@@ -66,14 +66,14 @@ def main() -> None:
     args = ap.parse_args()
 
     from eyrie.config import load_config
-    from eyrie.online import leftover_bytes, staging_dir
-    from eyrie.preflight import run_preflight
-    from eyrie.prepare import load_seq_lens
-    from eyrie.regenerate import extraction_source
-    from eyrie.server import ServerSpec, VllmServer
-    from eyrie.store import RunFolder
-    from eyrie.train import run_training
-    from eyrie.vocab import mapping_paths
+    from eyrie.run.folder import RunFolder
+    from eyrie.stages.preflight import run_preflight
+    from eyrie.stages.prepare import load_seq_lens
+    from eyrie.stages.regenerate import extraction_source
+    from eyrie.stages.train.online import leftover_bytes, staging_dir
+    from eyrie.stages.train.trainer import run_training
+    from eyrie.stages.vocab import mapping_paths
+    from eyrie.vllm.server import ServerSpec, VllmServer
 
     run = RunFolder(Path(args.run_dir).resolve())
     base = load_config(args.config)

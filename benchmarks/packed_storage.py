@@ -1,5 +1,5 @@
 """Hidden-state storage at scale: one file per sample (`extraction.storage: files`) against one pack per shard
-(`packed`, eyrie/packs.py), side by side in one run.
+(`packed`, eyrie/hidden_states/packs.py), side by side in one run.
 
 It writes N small synthetic samples in Eyrie's format (`hs_<i>.safetensors`, bf16 `hidden_states` [T, layers,
 hidden] and `token_ids`; small, so that the run measures the filesystem's metadata work, not its bandwidth) and
@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from safetensors.torch import save  # noqa: E402
 
-from eyrie.packs import pack_name, write_pack  # noqa: E402
-from eyrie.store import sample_path  # noqa: E402
+from eyrie.hidden_states.packs import pack_name, write_pack  # noqa: E402
+from eyrie.run.folder import sample_path  # noqa: E402
 
 DISTINCT = 1000  # distinct samples, cycled: sample i holds sample i % DISTINCT's bytes (the dataset agrees)
 
@@ -140,7 +140,7 @@ def main() -> None:
     a = ap.parse_args()
     from hs_connectors import FileTransfer
 
-    from eyrie.pack_reader import PackedFileTransfer
+    from eyrie.hidden_states.pack_reader import PackedFileTransfer
 
     root = Path(tempfile.mkdtemp(prefix="eyrie-packed-", dir=a.dir))
     try:

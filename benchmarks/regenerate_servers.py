@@ -4,7 +4,7 @@ costs, and whether the extraction server answers as the target does.
 Both servers serve the config's target with its extraction settings; the first is the extraction server the
 pipeline starts (`extract_hidden_states` plus Eyrie's connector), the second the same target without them. Each is
 started (timed), warmed up with one request of a prompt from the data, then answers the same prepared conversations
-through `eyrie.regenerate.regenerate_shard` (timed; the median of `--repeats`). Reported per server: start-up
+through `eyrie.stages.regenerate.regenerate_shard` (timed; the median of `--repeats`). Reported per server: start-up
 seconds, generated tokens per second, and the hidden-state files it wrote meanwhile; then how many rows came out
 identical on both.
 
@@ -39,12 +39,12 @@ for _var, _value in {
 import pyarrow.parquet as pq  # noqa: E402
 
 from eyrie.config import load_config  # noqa: E402
-from eyrie.preflight import run_preflight  # noqa: E402
-from eyrie.prepare import load_dataset_rows, load_shards, prepare  # noqa: E402
-from eyrie.regenerate import RegenerationPlan, regenerate_shard, shard_paths, shared_tokenizer  # noqa: E402
-from eyrie.server import ServerSpec, VllmServer  # noqa: E402
-from eyrie.store import RunFolder  # noqa: E402
-from eyrie.tiny import build_target  # noqa: E402
+from eyrie.run.folder import RunFolder  # noqa: E402
+from eyrie.stages.preflight import run_preflight  # noqa: E402
+from eyrie.stages.prepare import load_dataset_rows, load_shards, prepare  # noqa: E402
+from eyrie.stages.regenerate import RegenerationPlan, regenerate_shard, shard_paths, shared_tokenizer  # noqa: E402
+from eyrie.target.tiny import build_target  # noqa: E402
+from eyrie.vllm.server import ServerSpec, VllmServer  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

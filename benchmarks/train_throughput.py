@@ -4,16 +4,18 @@ At Kimi-K2.5 dimensions (hidden 7168, target vocabulary 163840, draft vocabulary
 this builds a synthetic run folder in the layout Eyrie's stages write, then measures, in one run:
 
   step    the bare model step: speculators' Eagle3DraftModel at the draft geometry Eyrie builds
-          (`eyrie.train.draft_layer_config`), bf16 weights, fused AdamW, flex attention, eager loss, synthetic
+          (`eyrie.stages.train.trainer.draft_layer_config`), bf16 weights, fused AdamW, flex attention, eager loss,
+          synthetic
           GPU-resident inputs (as ../shared/bench/eagle3_train_step.py). `--master fp32 --clip --opt X` gives the
           trainer's own math (fp32 weights under bf16 autocast, gradient clipping, optimizer X) on the same inputs;
           `--trainer-norms` adds the two norms speculators' CLI turns on for eagle3, `--shifted-docs` packs the
           documents as the trainer's batches hold them (2047 tokens each after the shift, then padding, so their
-          boundaries miss flex attention's 128-token blocks), `--eyrie-patches` applies eyrie.train_entry's
+          boundaries miss flex attention's 128-token blocks), `--eyrie-patches` applies eyrie.stages.train.entry's
           sync-free accuracy and loss scalars, `--bf16-weights` (with `--master fp32`) its bfloat16 working copies
           of the float32 weights (BF16_WEIGHTS). `--iters` steps are timed (20: a 2 s burst; the trainer's window
           is 20-25 s at the GPU's sustained clock); GPU clocks and power are sampled over them.
-  eyrie   the command `eyrie.train.training_command()` builds from the Kimi preset pointed at the synthetic target,
+  eyrie   the command `eyrie.stages.train.trainer.training_command()` builds from the Kimi preset pointed at the
+  synthetic target,
           run as Eyrie runs it (a subprocess with EYRIE_TRAIN_DEVICE), reading the hidden-state files; tokens/s
           between logged steps after warm-up (real tokens, as speculators counts them), the time from launch to
           the first step and where it went, GPU utilisation, clocks and CPU load sampled alongside. The same argv
@@ -22,13 +24,13 @@ this builds a synthetic run folder in the layout Eyrie's stages write, then meas
           host time per step and collector pauses every 25 steps, and with `--profile START,STEPS` a
           torch.profiler window analysed by `analyse_trace` (GPU busy and idle, kernel time by kind, host syncs,
           the largest idle gaps and what the training thread did meanwhile; the trace comes back gzipped).
-          `--off NAME` turns off one of eyrie.train_entry's GPU switches (GPU_FEED, SYNC_FREE_METRICS, ...).
+          `--off NAME` turns off one of eyrie.stages.train.entry's GPU switches (GPU_FEED, SYNC_FREE_METRICS, ...).
           `--optimizer` sets `train.optimizer`; everything else is the preset's. `--inmem` swaps speculators' data
           loaders for one pinned batch served from memory (same trainer, model and optimizer): the trainer without
           its loader. A second launch on the same run folder is a retry: torch.compile's cache
-          (`<run>/train/compile-cache`, where eyrie.train_entry puts it) is then warm.
+          (`<run>/train/compile-cache`, where eyrie.stages.train.entry puts it) is then warm.
   loader  speculators' train loader as Eyrie's command configures it, drained with no model: batches/s it can
-          deliver (with eyrie.train_entry's GPU patches, `--off` as above).
+          deliver (with eyrie.stages.train.entry's GPU patches, `--off` as above).
   ab      optimizer A/B on a carried Eyrie run folder (the demo's extracted hidden states): `run_training` with
           each optimizer, validation accuracy per position per epoch against wall-clock seconds.
 
@@ -173,7 +175,7 @@ def write_target(root: Path, d: dict, dev: str) -> tuple[Path, dict, str]:
     from safetensors.torch import save_file
 
     from eyrie.config import TargetConfig
-    from eyrie.target import read_target_config, resolve_borrowed_weights
+    from eyrie.target.metadata import read_target_config, resolve_borrowed_weights
 
     tgt = root / "target"
     g = torch.Generator(device=dev).manual_seed(1)
@@ -211,9 +213,9 @@ def cmd_gen(args) -> None:
     import yaml
     from safetensors.torch import save_file
 
-    from eyrie.hidden_states import encode
-    from eyrie.prepare import _save_dataset
-    from eyrie.vocab import build_vocab
+    from eyrie.hidden_states.encoding import encode
+    from eyrie.stages.prepare import _save_dataset
+    from eyrie.stages.vocab import build_vocab
 
     d = dims(args)
     root = Path(args.root)
@@ -296,7 +298,7 @@ def load(root: Path):
 
 
 def draft_geometry(root: Path) -> dict:
-    from eyrie.train import draft_layer_config
+    from eyrie.stages.train.trainer import draft_layer_config
 
     config, _ = load(root)
     c = draft_layer_config(config.target, config.train.num_layers)
@@ -316,7 +318,7 @@ def draft_geometry(root: Path) -> dict:
 
 def sync_probe() -> dict:
     """Does a scalar made on the GPU wait for it? torch.tensor(number, device=cuda) (what speculators' trainer does
-    twice a step) against the torch.full that eyrie.train_entry substitutes."""
+    twice a step) against the torch.full that eyrie.stages.train.entry substitutes."""
     import torch
 
     out = {}
@@ -343,10 +345,10 @@ def cmd_step(args) -> dict:
     from speculators.models.eagle3.core import Eagle3DraftModel
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
-    from eyrie.train import draft_layer_config
+    from eyrie.stages.train.trainer import draft_layer_config
 
-    if args.eyrie_patches:  # eyrie.train_entry's changes to the model's step: no data-dependent syncs
-        import eyrie.train_entry as entry
+    if args.eyrie_patches:  # eyrie.stages.train.entry's changes to the model's step: no data-dependent syncs
+        import eyrie.stages.train.entry as entry
 
         entry._accuracy_without_sync()
         entry._loss_scalars_without_sync()
@@ -411,8 +413,8 @@ def cmd_step(args) -> dict:
         mask = doc != -1
     amp = args.master == "fp32" and dev == "cuda"
     working = None
-    if args.bf16_weights and amp:  # eyrie.train_entry's bfloat16 working copies of the float32 weights
-        import eyrie.train_entry as entry
+    if args.bf16_weights and amp:  # eyrie.stages.train.entry's bfloat16 working copies of the float32 weights
+        import eyrie.stages.train.entry as entry
 
         working = entry._WorkingWeights(model, torch.bfloat16)
     timing = {"fwd": 0.0, "bwd": 0.0, "opt": 0.0}
@@ -593,9 +595,9 @@ def metric(line: str, key: str) -> float | None:
 
 
 def eyrie_command(args, root: Path, optimizer: str) -> tuple[list[str], Path, dict]:
-    from eyrie.prepare import load_seq_lens
-    from eyrie.train import steps_per_epoch, training_command
-    from eyrie.vocab import mapping_paths
+    from eyrie.stages.prepare import load_seq_lens
+    from eyrie.stages.train.trainer import steps_per_epoch, training_command
+    from eyrie.stages.vocab import mapping_paths
 
     config, facts = load(root)
     config = config.model_copy(update={"train": config.train.model_copy(update={"optimizer": optimizer})})
@@ -659,7 +661,7 @@ def _memory_loaders(
     from datasets import load_from_disk
     from speculators.train.data import CollateFn
 
-    import eyrie.train_entry as entry
+    import eyrie.stages.train.entry as entry
 
     class MemoryLoader:
         batch_sampler = None
@@ -672,7 +674,7 @@ def _memory_loaders(
 
         def __iter__(self):
             batches = (dict(self.batch) for _ in range(self.n))
-            if entry.GPU_FEED and torch.cuda.is_available():  # as eyrie.train_entry feeds speculators' loaders
+            if entry.GPU_FEED and torch.cuda.is_available():  # as eyrie.stages.train.entry feeds speculators' loaders
                 return entry._copied_ahead(batches, torch.device("cuda", 0))
             return batches
 
@@ -710,14 +712,15 @@ def _memory_loaders(
 
 
 def _bench_entry(argv: list[str]) -> None:
-    """Eyrie's train entry (`eyrie.train_entry.main`, the same argv) with measuring hooks that change nothing it
+    """Eyrie's train entry (`eyrie.stages.train.entry.main`, the same argv) with measuring hooks that change nothing it
     does: marks of where start-up time goes, the time the training thread waits for each batch, host time per step
     and, with `profile`, a torch.profiler window over a few steps, analysed (`analyse_trace`) and written beside
     the log. Options come as JSON in EYRIE_BENCH: inmem (the loaders replaced by `_memory_loaders`), profile
-    ([first step, steps]), off (eyrie.train_entry switches turned off), out (folder for the trace and summary)."""
+    ([first step, steps]), off (eyrie.stages.train.entry switches turned off), out (folder for the trace and
+    summary)."""
     opts = json.loads(os.environ.pop("EYRIE_BENCH", "{}"))
     _mark("entry")
-    import eyrie.train_entry as entry  # light: its imports come inside main()
+    import eyrie.stages.train.entry as entry  # light: its imports come inside main()
 
     for name in opts.get("off", []):
         assert isinstance(getattr(entry, name), bool), name
@@ -808,7 +811,7 @@ def _bench_entry(argv: list[str]) -> None:
 
         def after_step() -> None:
             nonlocal prof
-            if step_callback is not None:  # eyrie.train_entry's own, outside this one
+            if step_callback is not None:  # eyrie.stages.train.entry's own, outside this one
                 step_callback()
             n = self.global_step
             if n == 1:
@@ -962,7 +965,7 @@ def analyse_trace(path: Path, gap_ms: float = 0.3) -> dict:
 
 def cmd_loader(args) -> dict:
     """speculators' train loader exactly as Eyrie's command configures it (workers, prefetch, pinned memory, with
-    eyrie.train_entry's GPU patches unless --off), drained with no model: the batches per second that reading the
+    eyrie.stages.train.entry's GPU patches unless --off), drained with no model: the batches per second that reading the
     files, collating and (with GPU_FEED) the copy to the GPU can deliver on their own."""
     import argparse
 
@@ -972,11 +975,11 @@ def cmd_loader(args) -> dict:
     from speculators.train import dataloader
     from speculators.train.config import TrainConfig
 
-    import eyrie.train_entry as entry
+    import eyrie.stages.train.entry as entry
 
     d = dims(args)
     cmd, _, _ = eyrie_command(args, Path(args.root), args.optimizer)
-    argv = cmd[cmd.index("eyrie.train_entry") + 1 :]
+    argv = cmd[cmd.index("eyrie.stages.train.entry") + 1 :]
     i = argv.index("--eyrie-verifier-weights")
     a = argparse.Namespace(**TrainConfig.resolve(argv[:i] + argv[i + 2 :]).flatten())
     for name in args.off:
@@ -1048,8 +1051,8 @@ def cmd_eyrie(args, optimizer: str | None = None) -> dict:
     root = Path(args.root)
     cmd, save_path, info = eyrie_command(args, root, optimizer)
     env = dict(os.environ, EYRIE_TRAIN_DEVICE=info["device"], PYTHONUNBUFFERED="1", COLUMNS="2000")
-    if not args.exact:  # the same argv through eyrie.train_entry.main, with _bench_entry's measuring hooks
-        i = cmd.index("eyrie.train_entry")
+    if not args.exact:  # the same argv through eyrie.stages.train.entry.main, with _bench_entry's measuring hooks
+        i = cmd.index("eyrie.stages.train.entry")
         cmd = [cmd[0], str(Path(__file__).resolve()), "_bench_entry", *cmd[i + 1 :]]
         bench = {"inmem": args.inmem, "off": args.off, "out": str(Path(args.log_dir).resolve())}
         if args.profile:
@@ -1058,7 +1061,7 @@ def cmd_eyrie(args, optimizer: str | None = None) -> dict:
         info["hooks"] = bench
     if args.inmem:
         info["loader"] = "one pinned batch from memory (speculators' loaders replaced)"
-    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # eyrie.train_entry's default: <run>/train/compile-cache
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # eyrie.stages.train.entry's default: <run>/train/compile-cache
     compile_cache = root / "train" / "compile-cache"
     cache_files_before = sum(1 for _ in compile_cache.rglob("*")) if compile_cache.exists() else 0
     log_path = Path(args.log_dir) / f"train_{optimizer}{'_' + args.tag if args.tag else ''}.log"
@@ -1157,7 +1160,7 @@ def cmd_eyrie(args, optimizer: str | None = None) -> dict:
     try:  # every setting as speculators resolves the argv train_entry hands it
         from speculators.train.config import TrainConfig
 
-        argv = cmd[cmd.index("eyrie.train_entry" if args.exact else "_bench_entry") + 1 :]
+        argv = cmd[cmd.index("eyrie.stages.train.entry" if args.exact else "_bench_entry") + 1 :]
         i = argv.index("--eyrie-verifier-weights")
         flat = TrainConfig.resolve(argv[:i] + argv[i + 2 :]).flatten()
         out["resolved"] = {
@@ -1206,9 +1209,9 @@ def cmd_eyrie(args, optimizer: str | None = None) -> dict:
 
 def cmd_ab(args) -> None:
     from eyrie.config import load_config
-    from eyrie.prepare import load_seq_lens
-    from eyrie.train import run_training
-    from eyrie.vocab import mapping_paths
+    from eyrie.stages.prepare import load_seq_lens
+    from eyrie.stages.train.trainer import run_training
+    from eyrie.stages.vocab import mapping_paths
 
     run = Path(args.ab_run).resolve()
     base = load_config(Path(args.ab_config))
@@ -1364,7 +1367,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--trainer-norms", action="store_true", help="norm_before_fc and norm_output, as the trainer")
     p.add_argument("--shifted-docs", action="store_true", help="documents as the trainer packs them (2047 + pad)")
-    p.add_argument("--eyrie-patches", action="store_true", help="eyrie.train_entry's sync-free metrics and loss")
+    p.add_argument("--eyrie-patches", action="store_true", help="eyrie.stages.train.entry's sync-free metrics and loss")
     p.add_argument("--bf16-weights", action="store_true", help="with --master fp32: eyrie's bf16 working weights")
     # eyrie
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
@@ -1377,7 +1380,9 @@ def main() -> None:
     p.add_argument("--inmem", action="store_true", help="the trainer fed one batch from memory (no loader)")
     p.add_argument("--exact", action="store_true", help="Eyrie's command itself, without _bench_entry's hooks")
     p.add_argument("--profile", default="", help="START,STEPS: a torch.profiler window from step START")
-    p.add_argument("--off", action="append", default=[], help="an eyrie.train_entry switch to turn off (GPU_FEED, ...)")
+    p.add_argument(
+        "--off", action="append", default=[], help="an eyrie.stages.train.entry switch to turn off (GPU_FEED, ...)"
+    )
     # ab
     p.add_argument("--ab-run", default="runs/gpu-ab/run")
     p.add_argument("--ab-config", default="runs/gpu-ab/demo.yaml")

@@ -27,7 +27,7 @@ def _run(args) -> int:
 
 def _preflight(args) -> int:
     from eyrie.config import load_config
-    from eyrie.preflight import run_preflight
+    from eyrie.stages.preflight import run_preflight
 
     config = load_config(args.config)
     report = run_preflight(config, Path(args.run_dir or f"runs/{config.name}"), raise_on_failure=False)
@@ -45,15 +45,15 @@ def _preflight(args) -> int:
 
 
 def _status(args) -> int:
-    from eyrie.status import format_status, run_status
-    from eyrie.store import RunFolder
+    from eyrie.ops.status import format_status, run_status
+    from eyrie.run.folder import RunFolder
 
     print(format_status(run_status(RunFolder(args.run_dir))))
     return 0
 
 
 def _verify(args) -> int:
-    from eyrie.verify import verify_run
+    from eyrie.ops.verify import verify_run
 
     report = verify_run(args.run_dir, workers=args.workers, report_only=args.report_only)
     print(report.summary())
@@ -61,8 +61,8 @@ def _verify(args) -> int:
 
 
 def _stop_server(args) -> int:
-    from eyrie.server import VllmServer, run_server_folders
-    from eyrie.store import RunFolder
+    from eyrie.run.folder import RunFolder
+    from eyrie.vllm.server import VllmServer, run_server_folders
 
     # Every server recorded under the run folder: extraction's (and each node's when nodes share the folder),
     # export's and evaluation's. Servers of other hosts, and pids that are no longer the recorded server, are left.

@@ -15,12 +15,12 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import ExtractionError
-from eyrie.extract import ExtractionPlan, clean_staging
-from eyrie.preflight import PreflightReport
-from eyrie.prepare import load_shards
-from eyrie.regenerate import extraction_source, record_extraction_source
-from eyrie.server import ExtractionServer, node_name
-from eyrie.store import RunFolder
+from eyrie.run.folder import RunFolder
+from eyrie.stages.extract import ExtractionPlan, clean_staging
+from eyrie.stages.preflight import PreflightReport
+from eyrie.stages.prepare import load_shards
+from eyrie.stages.regenerate import extraction_source, record_extraction_source
+from eyrie.vllm.server import ExtractionServer, node_name
 from tasks.extract import extract_shard_task, start_server_task, stop_server_task
 from tasks.preflight import preflight_task
 
@@ -76,7 +76,7 @@ def extract_flow(
         raise ExtractionError(f"{source / 'shards.json'} lists no shards: run the {source.name} stage first")
     if shards is not None:
         plan.select(shards)
-    # Stat only for unchanged files: a cached run reads no hidden-state bytes (see eyrie.extract.shard_complete).
+    # Stat only for unchanged files: a cached run reads no hidden-state bytes (see eyrie.stages.extract.shard_complete).
     rehash = config.extraction.verify_checksums
     pending = {s.name for s in plan.pending(rehash)}
     log.info(

@@ -20,11 +20,11 @@ from prefect.deployments import run_deployment
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import ExtractionError
-from eyrie.extract import ExtractionPlan
-from eyrie.preflight import PreflightReport
-from eyrie.prepare import load_shards
-from eyrie.regenerate import extraction_source
-from eyrie.store import RunFolder
+from eyrie.run.folder import RunFolder
+from eyrie.stages.extract import ExtractionPlan
+from eyrie.stages.preflight import PreflightReport
+from eyrie.stages.prepare import load_shards
+from eyrie.stages.regenerate import extraction_source
 from tasks.preflight import preflight_task
 from tasks.prepare import compute_prepare_key, ensure_target, prepare_task
 

@@ -13,20 +13,20 @@ from prefect.artifacts import create_markdown_artifact
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import EyrieError
-from eyrie.evaluate import draft_tokens_key, evaluate_key, gap_warning
-from eyrie.export import export_key
-from eyrie.hub import pin_revisions
-from eyrie.manifest import done
-from eyrie.online import online_plan
-from eyrie.prepare import is_hub_source, iter_eval_prompts, load_seq_lens
-from eyrie.promote import choose_base, current_version
-from eyrie.regenerate import extraction_source
-from eyrie.server import ServerSpec, VllmServer
+from eyrie.run.folder import RunFolder, read_json, remove_staging, sha256_json
+from eyrie.run.manifest import done
 from eyrie.stages import UNTIL
-from eyrie.store import RunFolder, read_json, remove_staging, sha256_json
-from eyrie.target import is_local_target
-from eyrie.train import train_key, untrained_key
-from eyrie.vocab import mapping_paths, vocab_key
+from eyrie.stages.evaluate import draft_tokens_key, evaluate_key, gap_warning
+from eyrie.stages.export import export_key
+from eyrie.stages.prepare import is_hub_source, iter_eval_prompts, load_seq_lens
+from eyrie.stages.promote import choose_base, current_version
+from eyrie.stages.regenerate import extraction_source
+from eyrie.stages.train.online import online_plan
+from eyrie.stages.train.trainer import train_key, untrained_key
+from eyrie.stages.vocab import mapping_paths, vocab_key
+from eyrie.target.hub import pin_revisions
+from eyrie.target.metadata import is_local_target
+from eyrie.vllm.server import ServerSpec, VllmServer
 from flows.extract import extract_flow
 from flows.regenerate import regenerate_flow
 from tasks.evaluate import draft_tokens_task, evaluate_task, report_task
@@ -85,7 +85,8 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
             return {"run_dir": str(run.root), "regenerated": str(data_dir / "dataset")}
         online = config.train.hidden_states == "online"
         if online:
-            # No extract stage: the trainer asks the extraction server for each sample as it trains (eyrie/online.py).
+            # No extract stage: the trainer asks the extraction server for each sample as it trains
+            # (eyrie/stages/train/online.py).
             plan = online_plan(config, run, report, data_dir)
             keys = [plan.keys[s.name] for s in plan.shards]
             extracted = {"keys": keys, "hidden_states": str(plan.staging), "shards": len(keys)}
@@ -178,7 +179,8 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
                     concurrency,
                 )
             )
-        # The train manifest's validation is counted over the draft starts vLLM makes (eyrie.progress.like_for_like).
+        # The train manifest's validation is counted over the draft starts vLLM makes
+        # (eyrie.stages.train.validation.like_for_like).
         evaluation = report_task(
             results, str(run.evaluate), trained["val_metrics"], config.evaluate.max_train_serve_gap
         )

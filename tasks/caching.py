@@ -1,5 +1,5 @@
 """The cache policy of Eyrie's tasks: keyed on what determines a stage's output, and trusted only while the stage's
-manifest on disk says it is done (`eyrie.manifest.done`: that key, every listed file there with its size).
+manifest on disk says it is done (`eyrie.run.manifest.done`: that key, every listed file there with its size).
 
 Prefect's default policy (inputs + task source + run id) never reuses work across flow runs and throws hours away on
 a comment edit. Here a task's identity is its `key` argument: fingerprints of the target and revision, layer ids,
@@ -18,7 +18,7 @@ from prefect import task
 from prefect.cache_policies import CachePolicy
 from prefect.results import get_result_store
 
-from eyrie.manifest import done
+from eyrie.run.manifest import done
 
 
 @dataclass

@@ -9,7 +9,10 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.artifacts import create_image_artifact, create_table_artifact
 
-from eyrie.evaluate import (
+from eyrie.run.faults import fault_point
+from eyrie.run.folder import atomic_write_json
+from eyrie.run.manifest import done
+from eyrie.stages.evaluate import (
     draft_token_report,
     gap_warning,
     measure,
@@ -17,10 +20,7 @@ from eyrie.evaluate import (
     plot_draft_tokens,
     train_serve_gap,
 )
-from eyrie.faults import fault_point
-from eyrie.manifest import done
-from eyrie.server import ServerClient, ServerSpec
-from eyrie.store import atomic_write_json
+from eyrie.vllm.server import ServerClient, ServerSpec
 from tasks.caching import stage_task
 from tasks.serving import serve, stop
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from eyrie.export import export_and_prove
-from eyrie.server import ServerClient, ServerSpec
+from eyrie.stages.export import export_and_prove
+from eyrie.vllm.server import ServerClient, ServerSpec
 from tasks.caching import stage_task
 from tasks.serving import serve
 

@@ -7,9 +7,9 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from eyrie.errors import DiskFullError
-from eyrie.extract import extract_shard
-from eyrie.prepare import Shard
-from eyrie.server import ExtractionServer, ServerClient, ServerSpec
+from eyrie.stages.extract import extract_shard
+from eyrie.stages.prepare import Shard
+from eyrie.vllm.server import ExtractionServer, ServerClient, ServerSpec
 from tasks.caching import BY_KEY
 
 

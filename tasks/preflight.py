@@ -6,8 +6,8 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
 from eyrie.config import PipelineConfig
-from eyrie.preflight import report_markdown, run_preflight
-from eyrie.store import atomic_write_json
+from eyrie.run.folder import atomic_write_json
+from eyrie.stages.preflight import report_markdown, run_preflight
 
 
 @task(name="preflight", retries=0)

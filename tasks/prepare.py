@@ -6,8 +6,8 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from eyrie.config import PipelineConfig
-from eyrie.prepare import prepare, prepare_key
-from eyrie.tiny import build_target
+from eyrie.stages.prepare import prepare, prepare_key
+from eyrie.target.tiny import build_target
 from tasks.caching import stage_task
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 
-from eyrie.promote import decide_and_promote
+from eyrie.stages.promote import decide_and_promote
 
 
 @task(name="promote")

@@ -7,9 +7,9 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
 from eyrie.config import PipelineConfig
-from eyrie.prepare import Shard
-from eyrie.regenerate import assemble, regenerate_shard, shared_tokenizer
-from eyrie.server import ServerClient
+from eyrie.stages.prepare import Shard
+from eyrie.stages.regenerate import assemble, regenerate_shard, shared_tokenizer
+from eyrie.vllm.server import ServerClient
 from tasks.caching import BY_KEY, stage_task
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from eyrie.server import ServerClient, ServerSpec, VllmServer
+from eyrie.vllm.server import ServerClient, ServerSpec, VllmServer
 
 
 def serve(spec: ServerSpec, folder: Path, timeout_s: float) -> ServerClient:

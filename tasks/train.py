@@ -6,9 +6,9 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
-from eyrie.checkpoints import newest_whole_checkpoint
 from eyrie.config import PipelineConfig
-from eyrie.train import run_training, untrained_drafter
+from eyrie.stages.train.checkpoints import newest_whole_checkpoint
+from eyrie.stages.train.trainer import run_training, untrained_drafter
 from tasks.caching import stage_task
 
 

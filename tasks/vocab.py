@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eyrie.vocab import build_vocab
+from eyrie.stages.vocab import build_vocab
 from tasks.caching import stage_task
 
 

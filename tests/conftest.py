@@ -71,7 +71,7 @@ import yaml  # noqa: E402
 
 def _builder_hash() -> str:
     h = hashlib.sha256()
-    for p in sorted((REPO / "eyrie" / "tiny").glob("*.py")) + [REPO / "eyrie" / "demo_data.py"]:
+    for p in sorted((REPO / "eyrie" / "target" / "tiny").glob("*.py")):
         h.update(p.name.encode() + p.read_bytes())
     return h.hexdigest()[:12]
 
@@ -84,7 +84,7 @@ for _old in (CACHE / "test-targets").glob("*"):  # targets of earlier builder ve
 
 def build_tiny_target(kind: str) -> Path:
     """The tiny target `kind`, built on first use; the build goes to a temporary folder renamed into place."""
-    from eyrie.tiny import build_target
+    from eyrie.target.tiny import build_target
 
     final = TARGETS_DIR / kind
     if (final / ".complete").exists():
@@ -215,9 +215,9 @@ def synthetic_training_inputs(config, root: Path):
     import torch
     from safetensors.torch import save_file
 
-    from eyrie.preflight import run_preflight
-    from eyrie.prepare import load_dataset_rows, load_seq_lens, prepare
-    from eyrie.vocab import build_vocab, mapping_paths
+    from eyrie.stages.preflight import run_preflight
+    from eyrie.stages.prepare import load_dataset_rows, load_seq_lens, prepare
+    from eyrie.stages.vocab import build_vocab, mapping_paths
 
     report = run_preflight(config, root / "run", serve=False)
     prepared = root / "prepare"
@@ -250,7 +250,7 @@ def register_server_folder(folder: Path) -> Path:
 
 
 def stop_server(folder: Path) -> None:
-    from eyrie.server import ExtractionServer
+    from eyrie.vllm.server import ExtractionServer
 
     ExtractionServer(Path(folder)).stop(log=lambda *_: None)
 

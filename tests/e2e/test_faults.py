@@ -15,9 +15,9 @@ import requests
 from conftest import REPO, register_server_folder, stop_server, write_config
 
 from eyrie.errors import RunFolderError
-from eyrie.extract import load_checked, sample_path
-from eyrie.prepare import load_dataset_rows, load_shards
-from eyrie.store import RunFolder, read_json
+from eyrie.run.folder import RunFolder, read_json
+from eyrie.stages.extract import load_checked, sample_path
+from eyrie.stages.prepare import load_dataset_rows, load_shards
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.usefixtures("flow_api")]
 
@@ -200,7 +200,7 @@ def test_disk_full_mid_shard_is_a_clear_error_and_loses_nothing(tmp_path, tiny_l
     finished = {p.stem: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (extract / "shards").glob("*.json")}
     assert 0 < len(finished) < len(shards), finished
     # What finished before the disk filled is intact (checksums), and no partial file passes as a sample.
-    from eyrie.extract import shard_complete
+    from eyrie.stages.extract import shard_complete
 
     keys = {p.stem: read_json(p)["key"] for p in (extract / "shards").glob("*.json")}
     for name in finished:

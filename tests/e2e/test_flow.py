@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, register_server_folder, stop_server, write_config
 
-from eyrie.extract import load_checked
-from eyrie.server import ExtractionServer, _alive
-from eyrie.store import RunFolder
+from eyrie.run.folder import RunFolder
+from eyrie.stages.extract import load_checked
+from eyrie.vllm.server import ExtractionServer, _alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.usefixtures("flow_api")]
 

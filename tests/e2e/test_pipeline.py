@@ -30,8 +30,8 @@ import pytest
 import yaml
 from conftest import DEMO_DATA, REPO, VLLM_SERVER_ARGS, HubDatasetRepo, build_tiny_target, register_server_folder
 
-from eyrie.prepare import load_shards
-from eyrie.store import read_json
+from eyrie.run.folder import read_json
+from eyrie.stages.prepare import load_shards
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.usefixtures("flow_api")]
 
@@ -262,9 +262,9 @@ def test_interrupted_stages_end_as_an_uninterrupted_run(pipeline, tmp_path):
     import torch
 
     from eyrie.config import load_config
-    from eyrie.export import export_drafter
-    from eyrie.prepare import prepare
-    from eyrie.vocab import build_vocab
+    from eyrie.stages.export import export_drafter
+    from eyrie.stages.prepare import prepare
+    from eyrie.stages.vocab import build_vocab
 
     run, config = pipeline.run, load_config(pipeline.config)
     ref = tmp_path / "prepare"
@@ -359,7 +359,7 @@ def test_training_predicts_serving(pipeline):
     """The demo's drafter (regenerated data, the demo's recipe): per draft position, its validation accuracy is
     within evaluate.max_train_serve_gap (plus the served estimate's noise, as the report counts it) of the
     acceptance vLLM measured on held-out prompts, over enough drafts for that to mean something (validation counted
-    over the draft starts vLLM makes: eyrie.progress.like_for_like_metrics); and it clears
+    over the draft starts vLLM makes: eyrie.stages.train.validation.like_for_like_metrics); and it clears
     issue 12's bar: acceptance length at least 3 at 3 draft tokens, every position above 0.5."""
     gap = read_json(pipeline.run / "evaluate" / "manifest.json")["train_serve_gap"]
     trained = read_json(pipeline.run / "evaluate" / "trained.json")

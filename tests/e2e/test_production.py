@@ -26,9 +26,9 @@ import pytest
 from conftest import REPO, register_server_folder, stop_server, write_config
 from prefect_server import running_prefect_server
 
-from eyrie.extract import load_checked, sample_path
-from eyrie.prepare import load_dataset_rows, load_shards
-from eyrie.store import RunFolder
+from eyrie.run.folder import RunFolder
+from eyrie.stages.extract import load_checked, sample_path
+from eyrie.stages.prepare import load_dataset_rows, load_shards
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 

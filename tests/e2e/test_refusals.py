@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO, build_tiny_target, write_config
 from safetensors.torch import load_file, save_file
 
-from eyrie.tiny.tokenizer import build_tokenizer
+from eyrie.target.tiny.tokenizer import build_tokenizer
 from flows.cli import main as eyrie_main
 
 

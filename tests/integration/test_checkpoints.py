@@ -1,4 +1,5 @@
-"""A checkpoint counts only when it is whole, and a save cut short never poisons a resume (eyrie/checkpoints.py).
+"""A checkpoint counts only when it is whole, and a save cut short never poisons a resume
+(eyrie/stages/train/checkpoints.py).
 
 The unit tests build checkpoint folders as speculators 0.9.0 lays them out; the last test kills the real trainer
 between a save's weights and its training state, then resumes and ends with the step count of an uninterrupted run.
@@ -13,10 +14,16 @@ from pathlib import Path
 import pytest
 from conftest import build_tiny_target, config_dict, synthetic_training_inputs
 
-from eyrie.checkpoints import completion_link, is_whole, newest_whole_checkpoint, recover, set_aside_previous
 from eyrie.config import parse_config
 from eyrie.errors import EyrieError
-from eyrie.train import run_training, steps_per_epoch
+from eyrie.stages.train.checkpoints import (
+    completion_link,
+    is_whole,
+    newest_whole_checkpoint,
+    recover,
+    set_aside_previous,
+)
+from eyrie.stages.train.trainer import run_training, steps_per_epoch
 
 
 def save(save_path: Path, epoch: int, local_step: int, global_step: int, *, cut_after_weights: bool = False) -> Path:
@@ -67,7 +74,7 @@ def test_recover_sets_a_cut_save_aside_and_restores_the_checkpoint_it_replaced(t
     save(ckpts, 0, 0, 10)
     mid = save(ckpts, 1, 4, 14)
     age(mid, 5)
-    set_aside_previous(mid)  # what the next save of epoch 1 does first (eyrie/train_entry.py)
+    set_aside_previous(mid)  # what the next save of epoch 1 does first (eyrie/stages/train/entry.py)
     save(ckpts, 1, 8, 18, cut_after_weights=True)
 
     notes = recover(ckpts)

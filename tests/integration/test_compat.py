@@ -15,9 +15,9 @@ from conftest import REPO, build_tiny_target, register_server_folder, write_conf
 from safetensors.torch import load_file
 
 from eyrie.config import TargetConfig
-from eyrie.preflight import probe_eagle3, resolve_vllm_class
-from eyrie.store import read_json
-from eyrie.target import read_target_config
+from eyrie.run.folder import read_json
+from eyrie.stages.preflight import probe_eagle3, resolve_vllm_class
+from eyrie.target.metadata import read_target_config
 
 LAYER_IDS = [2, 4, 5]
 

@@ -1,5 +1,6 @@
 """What the vLLM extraction server writes is what the target computes: for each tiny target of the compatibility
-matrix (Llama, DeepseekV3, the Kimi-K2.5-style multimodal wrapper and the families of eyrie/tiny/families.py, native
+matrix (Llama, DeepseekV3, the Kimi-K2.5-style multimodal wrapper and the families of eyrie/target/tiny/families.py,
+native
 and through Eyrie's compatibility layer) one sample goes through Eyrie's server, client and file checks, and every
 captured layer is compared with transformers' hidden states on the same token ids.
 
@@ -28,10 +29,10 @@ import torch
 from conftest import DEMO_DATA, VLLM_SERVER_ARGS, register_server_folder, stop_server
 from safetensors.torch import load_file
 
-from eyrie.extract import _wait_and_release, extract_shard, load_checked, sample_path
-from eyrie.preflight import captured_layer_ids, default_aux_layer_ids
-from eyrie.server import ExtractionServer, ServerClient, ServerSpec
-from eyrie.target import text_config
+from eyrie.stages.extract import _wait_and_release, extract_shard, load_checked, sample_path
+from eyrie.stages.preflight import captured_layer_ids, default_aux_layer_ids
+from eyrie.target.metadata import text_config
+from eyrie.vllm.server import ExtractionServer, ServerClient, ServerSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -168,7 +169,7 @@ def test_hidden_states_match_transformers(servers, kind, record_property):
 def _check_one_sample(r: Running, client: ServerClient, kind: str, record_property) -> None:
     from transformers import AutoTokenizer
 
-    from eyrie.prepare import tokenize_conversation
+    from eyrie.stages.prepare import tokenize_conversation
 
     tok = AutoTokenizer.from_pretrained(str(r.model))
     ids, _, _ = tokenize_conversation(tok, MESSAGES, MAX_MODEL_LEN)
@@ -216,7 +217,7 @@ def _check_one_sample(r: Running, client: ServerClient, kind: str, record_proper
 def test_concurrent_requests_each_get_their_own_sample(servers, tmp_path, tiny_llama):
     """extract_shard against the real server, 8 requests in flight: every file holds its own prompt's states."""
     from eyrie.config import DataConfig, TargetConfig
-    from eyrie.prepare import load_dataset_rows, load_shards, prepare
+    from eyrie.stages.prepare import load_dataset_rows, load_shards, prepare
 
     r = servers["tiny-llama"]
     client = r.client()
@@ -264,9 +265,9 @@ def test_packed_extraction_trains(servers, tmp_path):
     from conftest import config_dict, synthetic_training_inputs
 
     from eyrie.config import parse_config
-    from eyrie.packs import PackReader, pack_ranges
-    from eyrie.prepare import load_dataset_rows, load_shards
-    from eyrie.train import run_training
+    from eyrie.hidden_states.packs import PackReader, pack_ranges
+    from eyrie.stages.prepare import load_dataset_rows, load_shards
+    from eyrie.stages.train.trainer import run_training
 
     r = servers[KEPT]
     client = r.client()

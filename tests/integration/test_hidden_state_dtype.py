@@ -1,4 +1,5 @@
-"""`extraction.hidden_states_dtype: float8_e4m3fn`: speculators' own fp8 format (eyrie/hidden_states.py), written by
+"""`extraction.hidden_states_dtype: float8_e4m3fn`: speculators' own fp8 format (eyrie/hidden_states/encoding.py),
+written by
 Eyrie's connector, validated by extract, read by speculators' `fp8` backend.
 
 In-process: the encoding is speculators' byte for byte, its decoding stays within fp8's error bound (massive
@@ -17,8 +18,7 @@ from conftest import DEMO_DATA, VLLM_SERVER_ARGS, config_dict, register_server_f
 from safetensors.torch import load_file, save_file
 
 from eyrie.config import PipelineConfig
-from eyrie.extract import ExtractionPlan, check_sample, extract_shard, load_checked, sample_path, shard_key
-from eyrie.hidden_states import (
+from eyrie.hidden_states.encoding import (
     BFLOAT16,
     ENV,
     FP8,
@@ -31,7 +31,8 @@ from eyrie.hidden_states import (
     quantize,
     reader_arguments,
 )
-from eyrie.prepare import Shard
+from eyrie.stages.extract import ExtractionPlan, check_sample, extract_shard, load_checked, sample_path, shard_key
+from eyrie.stages.prepare import Shard
 
 LAYERS, HIDDEN = 4, 64
 
@@ -70,7 +71,7 @@ def test_encoding_is_speculators_own_byte_for_byte(tmp_path):
     assert torch.equal(ours["hidden_states"].view(torch.uint8), values.view(torch.uint8))
     assert torch.equal(ours[SCALES_KEY], scales) and ours[SCALES_KEY].shape == (50, 1, 1)
     assert ours[SCALES_KEY].dtype == torch.float32
-    # speculators' fp8 reader (what the trainer uses) sees what eyrie.hidden_states.decode gives.
+    # speculators' fp8 reader (what the trainer uses) sees what eyrie.hidden_states.encoding.decode gives.
     save_file(ours, str(tmp_path / "hs_0.safetensors"))
     save_file(sample, str(tmp_path / "hs_1.safetensors"))
     read = FP8Transfer(tmp_path).get_cached(0)
@@ -140,8 +141,8 @@ def test_fp8_halves_the_bytes_per_token(tmp_path):
 
 
 def test_dtype_is_part_of_the_key_and_the_server(tiny_llama, tmp_path):
-    from eyrie.preflight import PreflightReport
-    from eyrie.store import RunFolder
+    from eyrie.run.folder import RunFolder
+    from eyrie.stages.preflight import PreflightReport
 
     shard = Shard(0, 0, 8, "f" * 16, 400)
     bf16 = shard_key("t", [2, 4, 8], shard)
@@ -196,8 +197,8 @@ def test_fp8_extraction_decodes_to_the_bf16_one_and_speculators_reads_it(tmp_pat
     from speculators.train.data import ArrowDataset
 
     from eyrie.config import DataConfig, TargetConfig
-    from eyrie.prepare import load_dataset_rows, load_shards, prepare
-    from eyrie.server import ExtractionServer, ServerSpec
+    from eyrie.stages.prepare import load_dataset_rows, load_shards, prepare
+    from eyrie.vllm.server import ExtractionServer, ServerSpec
 
     prepared = tmp_path / "prepare"
     prepare(

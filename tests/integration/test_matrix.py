@@ -20,9 +20,9 @@ from conftest import REPO, build_tiny_target, config_dict, synthetic_training_in
 from safetensors.torch import load_file
 
 from eyrie.config import parse_config
-from eyrie.export import export_drafter
-from eyrie.preflight import run_preflight
-from eyrie.train import run_training, untrained_drafter
+from eyrie.stages.export import export_drafter
+from eyrie.stages.preflight import run_preflight
+from eyrie.stages.train.trainer import run_training, untrained_drafter
 
 README = REPO / "README.md"
 

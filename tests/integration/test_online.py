@@ -1,4 +1,5 @@
-"""Online hidden states (`train.hidden_states: online`, eyrie/online.py): the trainer asks the extraction server for
+"""Online hidden states (`train.hidden_states: online`, eyrie/stages/train/online.py): the trainer asks the extraction
+server for
 each sample through speculators' on-missing `generate` path, through transient files on tmpfs.
 
 The unit tests cover the option, the key, the trainer's command (resolved by speculators itself), the entry point's
@@ -21,7 +22,8 @@ from conftest import build_tiny_target, config_dict, register_server_folder, sto
 
 from eyrie.config import TrainConfig, parse_config
 from eyrie.errors import ConfigError, EyrieError
-from eyrie.online import (
+from eyrie.run.folder import sha256_json
+from eyrie.stages.train.online import (
     API_KEY_ENV_FLAG,
     CONCURRENCY_FLAG,
     ONLINE_FLAG,
@@ -32,8 +34,7 @@ from eyrie.online import (
     on_tmpfs,
     staging_dir,
 )
-from eyrie.store import sha256_json
-from eyrie.train import run_training, train_key, training_command
+from eyrie.stages.train.trainer import run_training, train_key, training_command
 
 
 def _config(tmp_path: Path, **train):
@@ -96,16 +97,17 @@ def test_offline_keys_are_those_of_runs_made_before_the_option_and_online_ones_d
 
 
 def _resolved(cmd: list[str], monkeypatch) -> tuple[dict, list]:
-    """speculators' own resolution of the arguments `eyrie.train_entry` hands it, after the entry point took its own
+    """speculators' own resolution of the arguments `eyrie.stages.train.entry` hands it, after the entry point took its
+    own
     (the online switch's `install` recorded instead of run)."""
     from speculators.train.config import TrainConfig as SpeculatorsConfig
 
-    import eyrie.online_dataset
-    from eyrie import train_entry
+    import eyrie.stages.train.online_dataset
+    from eyrie.stages.train import entry as train_entry
 
     installed: list = []
-    monkeypatch.setattr(eyrie.online_dataset, "install", lambda *a: installed.append(a))
-    argv = cmd[cmd.index("eyrie.train_entry") + 1 :]
+    monkeypatch.setattr(eyrie.stages.train.online_dataset, "install", lambda *a: installed.append(a))
+    argv = cmd[cmd.index("eyrie.stages.train.entry") + 1 :]
     train_entry._pop_option(argv, "--eyrie-verifier-weights")
     train_entry._online_hidden_states(argv)
     return SpeculatorsConfig.resolve(argv).flatten(), installed
@@ -194,7 +196,7 @@ def test_clean_removes_unread_files_and_locks_only(tmp_path):
 
 
 def test_the_lock_wait_returns_as_the_writer_lets_go_and_removes_the_lock(tmp_path):
-    from eyrie.online_dataset import wait_for_lock
+    from eyrie.stages.train.online_dataset import wait_for_lock
 
     lock = tmp_path / "req.safetensors.lock"
     fd = os.open(lock, os.O_CREAT | os.O_WRONLY)
@@ -216,7 +218,7 @@ def test_the_lock_wait_returns_as_the_writer_lets_go_and_removes_the_lock(tmp_pa
 def test_a_batch_is_fetched_concurrently_in_order(tmp_path):
     import pickle
 
-    from eyrie.online_dataset import OnlineDataset
+    from eyrie.stages.train.online_dataset import OnlineDataset
 
     class Fake(OnlineDataset):
         def __init__(self):  # no dataset on disk, no server
@@ -248,10 +250,10 @@ def test_a_batch_is_fetched_concurrently_in_order(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_online_training_killed_mid_run_resumes_with_no_hidden_states_left(tmp_path, monkeypatch):
-    from eyrie.preflight import run_preflight
-    from eyrie.prepare import load_seq_lens, prepare
-    from eyrie.server import ServerSpec, VllmServer
-    from eyrie.vocab import build_vocab, mapping_paths
+    from eyrie.stages.preflight import run_preflight
+    from eyrie.stages.prepare import load_seq_lens, prepare
+    from eyrie.stages.vocab import build_vocab, mapping_paths
+    from eyrie.vllm.server import ServerSpec, VllmServer
 
     monkeypatch.setenv("EYRIE_ONLINE_TMPFS", "/dev/shm" if on_tmpfs(Path("/dev/shm")) else str(tmp_path / "shm"))
     target = build_tiny_target("tiny-llama")

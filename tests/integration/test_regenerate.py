@@ -16,10 +16,10 @@ from conftest import build_tiny_target, register_server_folder, stop_server, wri
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import RegenerationError
-from eyrie.prepare import _render, iter_eval_prompts, load_dataset_rows, load_shards, prepare
-from eyrie.regenerate import RegenerationPlan, shard_paths, shared_tokenizer
-from eyrie.server import ServerClient, VllmServer
-from eyrie.store import RunFolder, read_json
+from eyrie.run.folder import RunFolder, read_json
+from eyrie.stages.prepare import _render, iter_eval_prompts, load_dataset_rows, load_shards, prepare
+from eyrie.stages.regenerate import RegenerationPlan, shard_paths, shared_tokenizer
+from eyrie.vllm.server import ServerClient, VllmServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.usefixtures("flow_api")]
 
@@ -46,7 +46,7 @@ def _stat(path: Path) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def regenerated(tmp_path_factory) -> Regenerated:
-    from eyrie.preflight import run_preflight
+    from eyrie.stages.preflight import run_preflight
     from flows.regenerate import regenerate_flow
 
     root = tmp_path_factory.mktemp("regenerate")
@@ -101,7 +101,7 @@ def regenerated(tmp_path_factory) -> Regenerated:
 
 
 def _report(report: dict):
-    from eyrie.preflight import PreflightReport
+    from eyrie.stages.preflight import PreflightReport
 
     return PreflightReport(**report)
 

@@ -21,11 +21,11 @@ from safetensors.torch import load_file
 from test_extraction_correctness import MESSAGES, REL_TOL, _hf_reference, _rel_err
 
 from eyrie.config import parse_config
-from eyrie.extract import _wait_and_release, load_checked
-from eyrie.preflight import run_preflight
-from eyrie.prepare import tokenize_conversation
-from eyrie.server import ExtractionServer, ServerSpec
-from eyrie.vllm_plugin import HIDE_EAGLE3
+from eyrie.stages.extract import _wait_and_release, load_checked
+from eyrie.stages.preflight import run_preflight
+from eyrie.stages.prepare import tokenize_conversation
+from eyrie.vllm.plugin import HIDE_EAGLE3
+from eyrie.vllm.server import ExtractionServer, ServerSpec
 
 OLD_VLLM = "KimiK25ForConditionalGeneration,DeepseekV3ForCausalLM"
 

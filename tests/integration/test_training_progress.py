@@ -1,4 +1,5 @@
-"""What validation says about training (eyrie/progress.py): the per-epoch history, a stop on a plateau, and the
+"""What validation says about training (eyrie/stages/train/validation.py): the per-epoch history, a stop on a plateau,
+and the
 warning for a drafter that was still improving when its epochs ran out."""
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ import pytest
 from conftest import build_tiny_target, config_dict, synthetic_training_inputs
 
 from eyrie.config import parse_config
-from eyrie.progress import plateaued, predicted_acceptance_length, still_improving
-from eyrie.train import run_training
+from eyrie.stages.train.trainer import run_training
+from eyrie.stages.train.validation import plateaued, predicted_acceptance_length, still_improving
 
 
 def test_predicted_acceptance_length_sums_the_position_accuracies():

@@ -117,7 +117,7 @@ def test_load_config_file_errors(tmp_path):
 def test_demo_config_is_valid():
     from conftest import REPO
 
-    from eyrie.tiny import TINY_TARGETS
+    from eyrie.target.tiny import TINY_TARGETS
 
     config = load_config(REPO / "configs" / "demo.yaml")
     assert config.target.tiny in TINY_TARGETS
@@ -135,11 +135,12 @@ def test_fingerprint_stable_and_section_specific(tmp_path):
 
 
 def test_tiny_choices_are_the_tiny_targets():
-    """The config's `tiny` choices (a Literal, so the Prefect form offers them) are exactly what eyrie.tiny builds."""
+    """The config's `tiny` choices (a Literal, so the Prefect form offers them) are exactly what eyrie.target.tiny
+    builds."""
     from typing import get_args
 
     from eyrie.config import TargetConfig
-    from eyrie.tiny import TINY_TARGETS
+    from eyrie.target.tiny import TINY_TARGETS
 
     choices = next(a for a in get_args(TargetConfig.model_fields["tiny"].annotation) if a is not type(None))
     assert set(get_args(choices)) == set(TINY_TARGETS)

@@ -3,7 +3,7 @@ that says whether validation predicted what vLLM measured."""
 
 from __future__ import annotations
 
-from eyrie.evaluate import acceptance, gap_warning, spec_counters, train_serve_gap
+from eyrie.stages.evaluate import acceptance, gap_warning, spec_counters, train_serve_gap
 
 METRICS = """
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -46,7 +46,7 @@ def test_the_gap_is_flagged_per_position_beyond_the_bound():
 
 
 def test_draft_token_table_and_throughput_rows(tmp_path):
-    from eyrie.evaluate import draft_token_table, plot_draft_tokens, throughput_rows
+    from eyrie.stages.evaluate import draft_token_table, plot_draft_tokens, throughput_rows
 
     swept = {"per_position_acceptance": [0.8, 0.6, 0.4, 0.2, 0.1]}
     served = {"per_position_acceptance": [0.82, 0.61, 0.38], "acceptance_length": 2.81}
@@ -75,8 +75,8 @@ def test_the_sweep_takes_its_acceptance_from_its_throughput_traffic():
     prompts, once per concurrency) and sends no separate pass; the target alone gives the baseline speed."""
     from contextlib import contextmanager
 
-    from eyrie.evaluate import draft_token_report
-    from eyrie.server import ServerSpec
+    from eyrie.stages.evaluate import draft_token_report
+    from eyrie.vllm.server import ServerSpec
 
     class Fake:
         def __init__(self, drafting: bool):
@@ -128,7 +128,7 @@ def test_validation_is_counted_over_the_draft_starts_vllm_makes():
     just before each answer (never right: the start is not in the mask) are counted and the i at its end are not.
     Per answer of L tokens the figure is capped at (L - i) / L; the like-for-like figure is counted over the starts
     that can be right, and the gap report shows both."""
-    from eyrie.progress import draft_start_counts, like_for_like
+    from eyrie.stages.train.validation import draft_start_counts, like_for_like
 
     # two rows (as stored: the trainer drops each row's first token): answers of 4 and 5 tokens, and one of 3
     rows = [[0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1]]

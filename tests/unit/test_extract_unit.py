@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 
 from eyrie.config import DataConfig, TargetConfig
 from eyrie.errors import ExtractionError
-from eyrie.extract import (
+from eyrie.run.folder import atomic_write_json
+from eyrie.stages.extract import (
     check_sample,
     clean_staging,
     extract_shard,
@@ -25,10 +26,9 @@ from eyrie.extract import (
     shard_complete,
     shard_key,
 )
-from eyrie.prepare import load_dataset_rows, load_shards, prepare
-from eyrie.server import ServerSpec
-from eyrie.store import atomic_write_json
-from eyrie.vllm_plugin import CONNECTOR_NAME
+from eyrie.stages.prepare import load_dataset_rows, load_shards, prepare
+from eyrie.vllm.plugin import CONNECTOR_NAME
+from eyrie.vllm.server import ServerSpec
 
 LAYERS, HIDDEN = 4, 8
 
@@ -242,10 +242,10 @@ def reads(monkeypatch):
     import builtins
     import io
 
-    import eyrie.extract
+    import eyrie.stages.extract
 
     seen: list[str] = []
-    real_open, real_load = builtins.open, eyrie.extract.load_file
+    real_open, real_load = builtins.open, eyrie.stages.extract.load_file
 
     def spy_open(file, *args, **kw):
         if str(file).endswith(".safetensors"):
@@ -258,7 +258,7 @@ def reads(monkeypatch):
 
     monkeypatch.setattr(builtins, "open", spy_open)
     monkeypatch.setattr(io, "open", spy_open)
-    monkeypatch.setattr(eyrie.extract, "load_file", spy_load)
+    monkeypatch.setattr(eyrie.stages.extract, "load_file", spy_load)
     return seen
 
 
@@ -341,7 +341,7 @@ def test_changed_bytes_with_forged_stat_caught_only_within_the_manifests_tick(pr
 def test_pending_shard_hashes_only_changed_and_new_files(prepared, tmp_path, monkeypatch):
     """A shard redone after a sample went missing keeps its intact files without hashing them again (their stat is
     the recorded one), re-hashes a file whose stat changed, and redoes it when its bytes differ."""
-    import eyrie.extract
+    import eyrie.stages.extract
 
     client = FakeClient(tmp_path / "staging")
     shard, hidden, manifest, _ = _run(prepared, tmp_path, client)
@@ -351,8 +351,8 @@ def test_pending_shard_hashes_only_changed_and_new_files(prepared, tmp_path, mon
     # Whole, finite and right-shaped, wrong values: only its checksum tells.
     save_file({"hidden_states": torch.zeros_like(fake_hidden(ids)), "token_ids": torch.tensor(ids)}, str(victim))
     hashed: list[str] = []
-    real = eyrie.extract.sha256_file
-    monkeypatch.setattr(eyrie.extract, "sha256_file", lambda p: hashed.append(Path(p).name) or real(p))
+    real = eyrie.stages.extract.sha256_file
+    monkeypatch.setattr(eyrie.stages.extract, "sha256_file", lambda p: hashed.append(Path(p).name) or real(p))
     sent = len(client.sent)
     _, _, _, again = _run(prepared, tmp_path, client)
     assert len(client.sent) == sent + 2 and again["extracted_samples"] == 2 and again["reused_samples"] == 4
@@ -431,14 +431,14 @@ def test_requests_do_not_wait_for_the_files_of_earlier_ones(prepared, tmp_path):
 def test_every_file_and_its_folder_reach_the_disk_before_the_manifest(prepared, tmp_path, monkeypatch):
     """The durability order: each extracted file checked and hashed, fsynced once in place, then the folder (the
     names renamed into it), then the manifest, whose checksum and stat are the file's."""
-    import eyrie.extract
+    import eyrie.stages.extract
 
     events: list[tuple[str, str]] = []
     lock = threading.Lock()
     real_fsync, real_record, real_manifest = (
-        eyrie.extract.fsync_path,
-        eyrie.extract.checked_record,
-        eyrie.extract.write_manifest,
+        eyrie.stages.extract.fsync_path,
+        eyrie.stages.extract.checked_record,
+        eyrie.stages.extract.write_manifest,
     )
 
     def fsync(p):
@@ -460,9 +460,9 @@ def test_every_file_and_its_folder_reach_the_disk_before_the_manifest(prepared, 
         events.append(("manifest", Path(p).name))
         real_manifest(p, m, *a, **k)
 
-    monkeypatch.setattr(eyrie.extract, "fsync_path", fsync)
-    monkeypatch.setattr(eyrie.extract, "checked_record", record)
-    monkeypatch.setattr(eyrie.extract, "write_manifest", manifest)
+    monkeypatch.setattr(eyrie.stages.extract, "fsync_path", fsync)
+    monkeypatch.setattr(eyrie.stages.extract, "checked_record", record)
+    monkeypatch.setattr(eyrie.stages.extract, "write_manifest", manifest)
     shard, hidden, manifest_path, m = _run(prepared, tmp_path, FakeClient(tmp_path / "staging"))
     names = [sample_path(hidden, i).name for i in range(shard.start, shard.stop)]
     assert [e for e in events if e[0] == "manifest"] == [("manifest", manifest_path.name)]
@@ -472,7 +472,9 @@ def test_every_file_and_its_folder_reach_the_disk_before_the_manifest(prepared, 
         assert at[("hash", name)] < at[("fsync", name)]
         idx = int(name[3:].split(".")[0])
         rec, p = m["files"][str(idx)], sample_path(hidden, idx)
-        assert rec["sha256"] == eyrie.extract.sha256_file(p) and rec["stat"] == eyrie.extract.stat_record(p.stat())
+        assert rec["sha256"] == eyrie.stages.extract.sha256_file(p) and rec["stat"] == eyrie.stages.extract.stat_record(
+            p.stat()
+        )
 
 
 class CountingClient(FakeClient):
@@ -499,14 +501,14 @@ def test_overlapping_shards_share_one_window_and_each_manifest_comes_last(prepar
     `concurrency` requests in flight over both (a shard's finalisation overlaps the other's requests). Each shard
     still keeps the durability order on its own: every one of its files checked and hashed, fsynced, then
     the folder, then its manifest; the window is closed once its last shard is done."""
-    import eyrie.extract
+    import eyrie.stages.extract
 
     events: list[tuple[str, str, str]] = []  # (shard thread, event, file)
     lock = threading.Lock()
     real_fsync, real_record, real_manifest = (
-        eyrie.extract.fsync_path,
-        eyrie.extract.checked_record,
-        eyrie.extract.write_manifest,
+        eyrie.stages.extract.fsync_path,
+        eyrie.stages.extract.checked_record,
+        eyrie.stages.extract.write_manifest,
     )
     shards = load_shards(prepared)[:2]
     index = {tuple(ids): i for i, ids in enumerate(load_dataset_rows(prepared, 0, shards[-1].stop))}
@@ -528,9 +530,9 @@ def test_overlapping_shards_share_one_window_and_each_manifest_comes_last(prepar
         note("manifest", Path(p).name)
         real_manifest(p, m, *a, **k)
 
-    monkeypatch.setattr(eyrie.extract, "fsync_path", fsync)
-    monkeypatch.setattr(eyrie.extract, "checked_record", record)
-    monkeypatch.setattr(eyrie.extract, "write_manifest", manifest)
+    monkeypatch.setattr(eyrie.stages.extract, "fsync_path", fsync)
+    monkeypatch.setattr(eyrie.stages.extract, "checked_record", record)
+    monkeypatch.setattr(eyrie.stages.extract, "write_manifest", manifest)
     client = CountingClient(tmp_path / "staging")
     hidden = tmp_path / "hidden_states"
     results: dict[str, dict] = {}
@@ -556,7 +558,7 @@ def test_overlapping_shards_share_one_window_and_each_manifest_comes_last(prepar
         t.join(60)
     assert sorted(results) == [s.name for s in shards]
     assert client.most_in_flight <= 2  # one window of 2 for both shards, not 2 each
-    assert not eyrie.extract._windows  # closed with its last shard
+    assert not eyrie.stages.extract._windows  # closed with its last shard
     at = {e: n for n, e in enumerate(events)}
     for shard in shards:
         names = [sample_path(hidden, i).name for i in range(shard.start, shard.stop)]
@@ -618,7 +620,7 @@ def fake_vllm(tmp_path):
 def test_server_client_extracts_on_one_asyncio_session(prepared, tmp_path, fake_vllm):
     """ServerClient's own path (async_extractor): every sample sent with the API key, answered, checked and vouched
     for; an answer echoing other prompt ids fails the shard, and no manifest vouches for it."""
-    from eyrie.server import ServerClient
+    from eyrie.vllm.server import ServerClient
 
     client = ServerClient(fake_vllm["url"], "secret", 10)
     shard, hidden, manifest, m = _run(prepared, tmp_path, client)
@@ -633,7 +635,7 @@ def test_server_client_extracts_on_one_asyncio_session(prepared, tmp_path, fake_
 
 
 def test_checked_record_is_load_checked_and_file_record_in_one_read(tmp_path):
-    from eyrie.extract import checked_record, file_record
+    from eyrie.stages.extract import checked_record, file_record
 
     ids = [5, 6, 7, 8]
     p = tmp_path / "a.safetensors"
@@ -651,14 +653,14 @@ def test_a_disk_full_when_the_manifest_is_written_is_a_disk_full_error(prepared,
     (not retried by the task, told to free space), and a file the server never wrote is a bad file."""
     import errno
 
-    import eyrie.extract
+    import eyrie.stages.extract
     from eyrie.errors import DiskFullError
-    from eyrie.extract import checked_record
+    from eyrie.stages.extract import checked_record
 
     def full(*_a, **_k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(eyrie.extract, "write_manifest", full)
+    monkeypatch.setattr(eyrie.stages.extract, "write_manifest", full)
     with pytest.raises(DiskFullError, match="free space and run again"):
         _run(prepared, tmp_path, FakeClient(tmp_path / "staging"))
     with pytest.raises(ValueError, match="unreadable"):

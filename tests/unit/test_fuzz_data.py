@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eyrie.prepare import RowError, normalize, tokenize_conversation
+from eyrie.stages.prepare import RowError, normalize, tokenize_conversation
 
 TEMPLATE_BITS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "assistant\n", "user", "\n", "{{", "}}", "{%"]
 text = st.one_of(

@@ -1,4 +1,5 @@
-"""fp8 hidden states decoded after the loader (eyrie/gpu_decode.py): through speculators' own dataset, shift and
+"""fp8 hidden states decoded after the loader (eyrie/hidden_states/gpu_decode.py): through speculators' own dataset,
+shift and
 collate, the carried batches decode to exactly the batches its FP8Transfer path makes. The decode runs on the CPU
 here; on a GPU the trainer's feed runs the same function there."""
 
@@ -8,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eyrie import gpu_decode
-from eyrie.hidden_states import BFLOAT16, FP8, encode
+from eyrie.hidden_states import gpu_decode
+from eyrie.hidden_states.encoding import BFLOAT16, FP8, encode
 
 LAYERS, HIDDEN, PACKED = 4, 24, 64
 
@@ -116,7 +117,7 @@ def test_install_swaps_speculators_reader_and_collate(monkeypatch):
 @pytest.mark.parametrize("tokens,layers,hidden", [(5, 2, 7), (1, 5, 3), (1, 1, 5), (0, 4, 16)])
 def test_carried_rows_decode_whatever_their_shape(tokens, layers, hidden):
     """Odd widths, one token (a carried row that is contiguous on its own, its scale off a 4-byte boundary), none."""
-    from eyrie.hidden_states import dequantize, quantize
+    from eyrie.hidden_states.encoding import dequantize, quantize
 
     x = (torch.randn(tokens, layers, hidden) * torch.logspace(-2, 3, layers).reshape(1, layers, 1)).bfloat16()
     values, scales = quantize(x)

@@ -11,8 +11,8 @@ from conftest import HubDatasetRepo, config_dict
 
 from eyrie.config import DataConfig, parse_config
 from eyrie.errors import ConfigError
-from eyrie.hub import hub_commit, pin_revisions
-from eyrie.prepare import is_hub_source, iter_rows, source_fingerprint
+from eyrie.stages.prepare import is_hub_source, iter_rows, source_fingerprint
+from eyrie.target.hub import hub_commit, pin_revisions
 
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
 
@@ -75,7 +75,7 @@ def test_local_target_identity_follows_its_weights(tmp_path, tiny_llama):
     from safetensors.torch import load_file, save_file
 
     from eyrie.config import TargetConfig
-    from eyrie.target import target_identity
+    from eyrie.target.metadata import target_identity
 
     folder = tmp_path / "target"
     shutil.copytree(tiny_llama, folder)

@@ -1,4 +1,4 @@
-"""What "done" means (eyrie/manifest.py), and the stage tasks' cache policy that trusts Prefect's cache only while
+"""What "done" means (eyrie/run/manifest.py), and the stage tasks' cache policy that trusts Prefect's cache only while
 it holds (tasks/caching.py): pure logic, then one real flow in process on the session's Prefect server."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 from prefect import flow
 
-from eyrie.manifest import done, list_files, problems
-from eyrie.store import atomic_write_json, read_json, sha256_file
+from eyrie.run.folder import atomic_write_json, read_json, sha256_file
+from eyrie.run.manifest import done, list_files, problems
 from tasks import caching
 from tasks.caching import StageDone
 from tasks.vocab import vocab_task

@@ -12,9 +12,9 @@ import pytest
 from conftest import REPO
 
 from eyrie.errors import ExtractionError
-from eyrie.server import ExtractionServer, node_name, server_folder, server_folders
-from eyrie.status import format_status, run_status
-from eyrie.store import RunFolder, atomic_write_json
+from eyrie.ops.status import format_status, run_status
+from eyrie.run.folder import RunFolder, atomic_write_json
+from eyrie.vllm.server import ExtractionServer, node_name, server_folder, server_folders
 
 
 def test_node_name_and_folders(tmp_path, monkeypatch):

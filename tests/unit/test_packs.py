@@ -1,4 +1,5 @@
-"""Packed hidden-state storage (`extraction.storage: packed`, eyrie/packs.py and eyrie/pack_reader.py): a pack holds
+"""Packed hidden-state storage (`extraction.storage: packed`, eyrie/hidden_states/packs.py and
+eyrie/hidden_states/pack_reader.py): a pack holds
 its samples' bytes unchanged, speculators' own dataset and collate read it exactly as they read the files (bf16, fp8,
 and the GPU path's carried fp8), and extraction's bookkeeping leaves nothing a kill can make a re-run mistake for
 done. Fake extraction (tests/unit/test_extract_unit.py's client); no vLLM, no Prefect."""
@@ -16,16 +17,16 @@ from safetensors.torch import load_file
 from test_extract_unit import HIDDEN, LAYERS, FakeClient, prepared  # noqa: F401 (prepared: a fixture)
 from test_gpu_decode import batches, write_run
 
-from eyrie import gpu_decode
-from eyrie.extract import drop_unpacked, extract_shard, shard_complete, shard_key
-from eyrie.faults import InjectedFault
-from eyrie.hidden_states import BFLOAT16, FP8
-from eyrie.pack_reader import PackedFileTransfer, PackedFP8Transfer
-from eyrie.packs import KEY_METADATA, PACKED, PackReader, pack_name, pack_ranges, write_pack
-from eyrie.prepare import load_dataset_rows, load_shards
-from eyrie.status import run_status
-from eyrie.store import RunFolder, sample_path
-from eyrie.verify import verify_run
+from eyrie.hidden_states import gpu_decode
+from eyrie.hidden_states.encoding import BFLOAT16, FP8
+from eyrie.hidden_states.pack_reader import PackedFileTransfer, PackedFP8Transfer
+from eyrie.hidden_states.packs import KEY_METADATA, PACKED, PackReader, pack_name, pack_ranges, write_pack
+from eyrie.ops.status import run_status
+from eyrie.ops.verify import verify_run
+from eyrie.run.faults import InjectedFault
+from eyrie.run.folder import RunFolder, sample_path
+from eyrie.stages.extract import drop_unpacked, extract_shard, shard_complete, shard_key
+from eyrie.stages.prepare import load_dataset_rows, load_shards
 
 
 def _pack_folder(hidden: Path, start: int, stop: int, key: str = "k") -> dict:
@@ -106,7 +107,7 @@ def test_overlapping_packs_are_refused(tmp_path):
 def test_install_puts_packed_readers_behind_speculators_backends(monkeypatch):
     from hs_connectors import HiddenStatesBackend
 
-    from eyrie import pack_reader
+    from eyrie.hidden_states import pack_reader
 
     for name in ("file", "fp8"):
         monkeypatch.setitem(HiddenStatesBackend.registry, name, HiddenStatesBackend.registry[name])

@@ -12,7 +12,7 @@ from conftest import config_dict, write_config
 
 from eyrie.config import parse_config
 from eyrie.errors import ConfigError, PreflightError
-from eyrie.preflight import (
+from eyrie.stages.preflight import (
     captured_layer_ids,
     default_aux_layer_ids,
     probe_eagle3,
@@ -20,12 +20,12 @@ from eyrie.preflight import (
     run_preflight,
     validate_aux_layer_ids,
 )
-from eyrie.tiny.tokenizer import build_tokenizer
+from eyrie.target.tiny.tokenizer import build_tokenizer
 from flows.cli import main as eyrie_main
 
 # Architectures whose vLLM 0.32 class has no `supports_eagle3` (checked in test_unsupported_architectures_exist).
 # OPT's config uses the standard num_hidden_layers/hidden_size keys, so its class is the only problem. OPT and GPT-2
-# generate text, so Eyrie's EAGLE-3 compatibility layer (eyrie/vllm_plugin/compat.py) may take them on; the tests of
+# generate text, so Eyrie's EAGLE-3 compatibility layer (eyrie/vllm/plugin/compat.py) may take them on; the tests of
 # the bare refusal turn it off with EYRIE_EAGLE3_COMPAT=0. BertModel (an embedding model) is refused either way.
 UNSUPPORTED = {
     "OPTForCausalLM": {

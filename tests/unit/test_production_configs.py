@@ -13,9 +13,9 @@ import pytest
 from conftest import REPO, config_dict
 
 from eyrie.config import parse_config
-from eyrie.preflight import run_preflight
-from eyrie.tiny.tokenizer import build_tokenizer
-from eyrie.train import draft_layer_config
+from eyrie.stages.preflight import run_preflight
+from eyrie.stages.train.trainer import draft_layer_config
+from eyrie.target.tiny.tokenizer import build_tokenizer
 
 FIXTURES = REPO / "tests" / "fixtures" / "production"
 PREFIX = {"kimi-k2.5": "language_model."}  # the wrapper keeps its text model under `language_model`
@@ -118,8 +118,8 @@ def test_kimi_preset_runs_what_is_known_to_work(monkeypatch):
     from vllm import envs
 
     from eyrie.config import load_config
-    from eyrie.preflight import check_vllm_version, parse_server_arguments, serve_parser
-    from eyrie.server import ServerSpec
+    from eyrie.stages.preflight import check_vllm_version, parse_server_arguments, serve_parser
+    from eyrie.vllm.server import ServerSpec
 
     config = load_config(KIMI_PRESET)
     assert serve_parser() is not None, "the installed vLLM's `vllm serve` parser was not found"

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from eyrie.faults import InjectedFault, armed_faults, fault_point
-from eyrie.promote import CURRENT, check_base, choose_base, current_version, decide, decide_and_promote
+from eyrie.run.faults import InjectedFault, armed_faults, fault_point
+from eyrie.stages.promote import CURRENT, check_base, choose_base, current_version, decide, decide_and_promote
 
 
 def make_drafter(folder, weights=b"w1", vocab=256, aux=(2, 4, 5), verifier="/targets/t"):

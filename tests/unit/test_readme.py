@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO
 
 README = (REPO / "README.md").read_text()
-# Repository paths in backticks: `eyrie/target.py`, `tests/e2e/test_refusals.py`, `configs/demo.yaml`...
+# Repository paths in backticks: `eyrie/target/metadata.py`, `tests/e2e/test_refusals.py`, `configs/demo.yaml`...
 PATHS = sorted(
     set(re.findall(r"`((?:eyrie|tasks|flows|tests|configs|deployments|infra|benchmarks)/[\w./-]+)`", README))
 )

@@ -18,8 +18,9 @@ from conftest import DEMO_DATA, build_tiny_target
 
 from eyrie.config import PipelineConfig, RegenerateConfig
 from eyrie.errors import RegenerationError, RequestRejected, ServerUnavailable
-from eyrie.prepare import RowError, load_dataset_rows, load_seq_lens, load_shards, prepare
-from eyrie.regenerate import (
+from eyrie.run.folder import RunFolder, atomic_write_json
+from eyrie.stages.prepare import RowError, load_dataset_rows, load_seq_lens, load_shards, prepare
+from eyrie.stages.regenerate import (
     Generation,
     assemble,
     conversation_temperature,
@@ -33,10 +34,9 @@ from eyrie.regenerate import (
     shard_paths,
     stage_key,
 )
-from eyrie.server import GENERATION_CACHE_SALT, ServerClient
-from eyrie.store import RunFolder, atomic_write_json
-from eyrie.target import load_tokenizer
-from eyrie.vllm_plugin import SKIP_HIDDEN_STATES
+from eyrie.target.metadata import load_tokenizer
+from eyrie.vllm.plugin import SKIP_HIDDEN_STATES
+from eyrie.vllm.server import GENERATION_CACHE_SALT, ServerClient
 
 TWO_TURNS = [
     {"role": "system", "content": "Be brief."},
@@ -251,7 +251,7 @@ def test_shard_rows_and_stats(tmp_path, prepared, tok):
 
 
 def test_failed_rows_are_counted_by_reason(tmp_path, prepared, tok, monkeypatch):
-    import eyrie.regenerate as regen
+    import eyrie.stages.regenerate as regen
 
     prepare_dir, config = prepared
     shard = load_shards(prepare_dir)[0]
@@ -426,7 +426,7 @@ def canned():
 
 
 def test_client_request_and_error_mapping(canned, monkeypatch):
-    monkeypatch.setattr("eyrie.server.time.sleep", lambda s: None)
+    monkeypatch.setattr("eyrie.vllm.server.time.sleep", lambda s: None)
     handler, url = canned
     ok = {"choices": [{"token_ids": [7, 8, 2], "finish_reason": "stop", "prompt_token_ids": [1, 2]}]}
     handler.replies = [(500, {"error": "busy"}), (200, ok)]
@@ -455,7 +455,7 @@ def test_client_request_and_error_mapping(canned, monkeypatch):
 def test_status_follows_the_stage(tmp_path, prepared, tok):
     import shutil
 
-    from eyrie.status import run_status
+    from eyrie.ops.status import run_status
 
     prepare_dir, config = prepared
     run = RunFolder(tmp_path / "run")
@@ -481,7 +481,7 @@ def test_preflight_warns_when_regeneration_outruns_the_servers_max_num_seqs(tmp_
     queue in vLLM, their wait counted against the request timeout. Preflight says so, as for extraction."""
     from conftest import VLLM_SERVER_ARGS, write_config
 
-    from eyrie.preflight import check_server_arguments
+    from eyrie.stages.preflight import check_server_arguments
 
     _, config = write_config(
         tmp_path / "config.yaml",

@@ -24,9 +24,11 @@ from pathlib import Path
 
 import pytest
 
-import eyrie.server as server_mod
+import eyrie.vllm.server as server_mod
 from eyrie.errors import ExtractionError
-from eyrie.server import (
+from eyrie.ops.status import format_status, run_status
+from eyrie.run.folder import RunFolder, atomic_write_json, read_json
+from eyrie.vllm.server import (
     HEALTH_PROBES,
     ExtractionSpec,
     ServerSpec,
@@ -36,8 +38,6 @@ from eyrie.server import (
     _group_members,
     free_port,
 )
-from eyrie.status import format_status, run_status
-from eyrie.store import RunFolder, atomic_write_json, read_json
 from flows.cli import main
 
 # Listens only after --delay seconds, as vLLM does once its target is loaded; /health fails the next N probes when
@@ -356,7 +356,7 @@ def test_server_env_reaches_the_server_and_is_part_of_its_identity(tmp_path, fak
     from conftest import config_dict
 
     from eyrie.config import parse_config
-    from eyrie.store import sha256_json
+    from eyrie.run.folder import sha256_json
 
     monkeypatch.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "300")  # Eyrie's own environment, overridden
     env = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1800", "EYRIE_TEST_MARK": "a"}

@@ -12,11 +12,11 @@ from conftest import REPO
 
 from eyrie import FORMAT_VERSION
 from eyrie.errors import RunFolderError
-from eyrie.store import STAMP, RunFolder, atomic_write_json, read_json, remove_staging
+from eyrie.run.folder import STAMP, RunFolder, atomic_write_json, read_json, remove_staging
 
 HOLDER = """
 import sys
-from eyrie.store import RunFolder
+from eyrie.run.folder import RunFolder
 with RunFolder(sys.argv[1]).lock():
     print("locked", flush=True)
     sys.stdin.readline()

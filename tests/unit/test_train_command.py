@@ -1,5 +1,5 @@
 """The trainer's command line: the optimizer and log frequency Eyrie passes are flags speculators accepts and
-resolves to the configured values; the GPU-only changes in `eyrie.train_entry` keep their CPU behaviour."""
+resolves to the configured values; the GPU-only changes in `eyrie.stages.train.entry` keep their CPU behaviour."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from conftest import config_dict
 
 from eyrie.config import parse_config
 from eyrie.errors import ConfigError
-from eyrie.train import training_command, untrained_key
+from eyrie.stages.train.trainer import training_command, untrained_key
 
 
 def _command(tmp_path: Path, device: str = "cuda", **train) -> list[str]:
@@ -43,10 +43,10 @@ def _value(cmd: list[str], flag: str) -> str:
 
 
 def _resolved(cmd: list[str]) -> dict:
-    """Every trainer setting as speculators itself resolves the arguments `eyrie.train_entry` hands it."""
+    """Every trainer setting as speculators itself resolves the arguments `eyrie.stages.train.entry` hands it."""
     from speculators.train.config import TrainConfig
 
-    argv = cmd[cmd.index("eyrie.train_entry") + 1 :]
+    argv = cmd[cmd.index("eyrie.stages.train.entry") + 1 :]
     i = argv.index("--eyrie-verifier-weights")
     del argv[i : i + 2]  # train_entry consumes this one itself
     return TrainConfig.resolve(argv).flatten()
@@ -81,7 +81,7 @@ def test_bad_values_are_refused_naming_the_key(tmp_path):
 
 
 def test_optimizer_and_log_frequency_are_part_of_the_train_key(tmp_path):
-    from eyrie.train import train_key
+    from eyrie.stages.train.trainer import train_key
 
     keys = {
         train_key(parse_config(config_dict(tmp_path / "t", train=t)), ["d"], "v", [2, 4, 5])
@@ -91,7 +91,7 @@ def test_optimizer_and_log_frequency_are_part_of_the_train_key(tmp_path):
 
 
 def test_a_warm_start_trains_at_a_scaled_rate_and_keys_it(tmp_path):
-    from eyrie.train import learning_rate, train_key
+    from eyrie.stages.train.trainer import learning_rate, train_key
 
     def config(scale: float):
         return parse_config(
@@ -109,13 +109,14 @@ def test_a_warm_start_trains_at_a_scaled_rate_and_keys_it(tmp_path):
         config(0)
 
 
-# --- eyrie.train_entry's GPU-only changes -------------------------------------------------------------------------
+# --- eyrie.stages.train.entry's GPU-only changes
+# -------------------------------------------------------------------------
 
 
 def test_worker_init_is_picklable_by_name_and_touches_no_accelerator(monkeypatch):
     import torch
 
-    from eyrie import train_entry
+    from eyrie.stages.train import entry as train_entry
 
     # a spawned DataLoader worker unpickles it by module and name
     assert pickle.loads(pickle.dumps(train_entry._worker_init)) is train_entry._worker_init
@@ -150,7 +151,7 @@ def test_gpu_speedups_leave_cpu_tensors_and_optimizers_alone(monkeypatch):
     import torch
     from speculators.train import dataloader, trainer
 
-    from eyrie import train_entry
+    from eyrie.stages.train import entry as train_entry
 
     _keep_what_gpu_speedups_replaces(monkeypatch)
     train_entry._gpu_speedups()
@@ -184,7 +185,7 @@ def test_accuracy_counts_without_sync_are_speculators_counts(monkeypatch):
     from speculators.models import metrics as shared
     from speculators.models.eagle3 import metrics
 
-    from eyrie import train_entry
+    from eyrie.stages.train import entry as train_entry
 
     monkeypatch.setattr(metrics, "compute_accuracy_single_step", metrics.compute_accuracy_single_step)
     train_entry._accuracy_without_sync()
@@ -210,7 +211,7 @@ def test_clip_handed_to_fused_adamw_makes_the_same_update(monkeypatch):
     import torch
     from speculators.train import trainer
 
-    from eyrie import train_entry
+    from eyrie.stages.train import entry as train_entry
 
     _keep_what_gpu_speedups_replaces(monkeypatch)
     train_entry._gpu_speedups()  # the trainer's view of torch, then the clip handed to the optimizer
@@ -238,7 +239,7 @@ def test_forward_with_scalars_made_on_the_device_is_speculators_forward(monkeypa
     import torch
     from speculators.models.eagle3 import core
 
-    from eyrie import train_entry
+    from eyrie.stages.train import entry as train_entry
 
     monkeypatch.setattr(core.Eagle3DraftModel, "forward", core.Eagle3DraftModel.forward)
     model, batch = _tiny_eagle3()
@@ -332,7 +333,7 @@ def test_bf16_working_weights_train_like_float32_weights_under_autocast(monkeypa
 
     import torch
 
-    from eyrie import train_entry
+    from eyrie.stages.train import entry as train_entry
 
     monkeypatch.setattr(train_entry, "_WORKING", [])
     plain, batch = _tiny_eagle3()
@@ -382,7 +383,7 @@ def test_bf16_working_weights_are_put_back_before_clip_step_and_save(monkeypatch
     import torch
     from speculators.train import trainer
 
-    from eyrie import train_entry
+    from eyrie.stages.train import entry as train_entry
 
     _keep_what_gpu_speedups_replaces(monkeypatch)
     monkeypatch.setattr(train_entry, "_WORKING", [])
@@ -417,7 +418,7 @@ def test_bf16_working_weights_are_put_back_before_clip_step_and_save(monkeypatch
 
 
 def test_compile_cache_goes_beside_the_run_unless_set(monkeypatch, tmp_path):
-    from eyrie import train_entry
+    from eyrie.stages.train import entry as train_entry
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     save = tmp_path / "run" / "train" / "abc" / "checkpoints"

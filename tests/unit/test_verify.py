@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from test_extract_unit import HIDDEN, LAYERS, FakeClient, prepared  # noqa: F401 (prepared: a fixture)
 
-from eyrie.extract import extract_shard, sample_path, shard_complete
-from eyrie.manifest import list_files
-from eyrie.prepare import load_shards
-from eyrie.status import format_status, run_status
-from eyrie.store import RunFolder, atomic_write_json, read_json, remove_staging
-from eyrie.verify import verify_run
+from eyrie.ops.status import format_status, run_status
+from eyrie.ops.verify import verify_run
+from eyrie.run.folder import RunFolder, atomic_write_json, read_json, remove_staging
+from eyrie.run.manifest import list_files
+from eyrie.stages.extract import extract_shard, sample_path, shard_complete
+from eyrie.stages.prepare import load_shards
 from flows.cli import main
 
 

@@ -1,0 +1,226 @@
+"""evaluate: acceptance length on held-out prompts, read from vLLM's speculative-decoding counters.
+
+Acceptance length is mean tokens per target step with the bonus token: 1 + accepted / drafts. Per-position rates are
+accepted_at_position_i / drafts. Counters are read from the server's Prometheus /metrics before and after the
+prompts, so a reused server's earlier traffic does not count.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from eyrie.run.folder import sha256_json
+from eyrie.stages.train.validation import position_accuracies
+
+_SAMPLE = re.compile(r"^(vllm:spec_decode_[a-z_]+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$")
+
+
+def evaluate_key(label: str, drafter_identity: str, settings: dict, prompts: list[list[dict]]) -> str:
+    """What one drafter's measurement depends on: which drafter, the evaluation settings and the prompts."""
+    return sha256_json([label, drafter_identity, settings, prompts])[:16]
+
+
+def draft_tokens_key(trained_key: str, sweep: int) -> str:
+    return sha256_json(["draft-tokens", trained_key, sweep])[:16]
+
+
+def spec_counters(metrics_text: str) -> dict:
+    """Sum vLLM's spec-decode counters over engines: drafts, draft_tokens, accepted, per_pos {i: n}."""
+    per_pos: dict[int, float] = {}
+    out: dict[str, Any] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": per_pos}
+    names = {
+        "vllm:spec_decode_num_drafts": "drafts",
+        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "accepted",
+    }
+    for line in metrics_text.splitlines():
+        m = _SAMPLE.match(line.strip())
+        if not m or line.startswith("#"):
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            found = re.search(r'position="(\d+)"', labels)
+            if found:
+                pos = int(found.group(1))
+                per_pos[pos] = per_pos.get(pos, 0.0) + value
+        elif name in names:
+            out[names[name]] += value
+    return out
+
+
+def acceptance(before: dict, after: dict) -> dict:
+    drafts = after["drafts"] - before["drafts"]
+    accepted = after["accepted"] - before["accepted"]
+    positions = sorted(after["per_pos"])
+    per_pos = [(after["per_pos"][p] - before["per_pos"].get(p, 0.0)) / drafts if drafts else 0.0 for p in positions]
+    return {
+        "acceptance_length": round(1 + accepted / drafts, 4) if drafts else None,
+        "per_position_acceptance": [round(r, 4) for r in per_pos],
+        "drafts": int(drafts),
+        "accepted_tokens": int(accepted),
+        "draft_tokens": int(after["draft_tokens"] - before["draft_tokens"]),
+    }
+
+
+def measure(client, prompts: list[list[dict]], max_tokens: int, concurrency: int = 8) -> dict:
+    """Send every prompt (greedy) and return the acceptance figures for exactly this traffic."""
+    before = spec_counters(client.metrics())
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        outs = list(pool.map(lambda p: client.chat(p, max_tokens), prompts))
+    after = spec_counters(client.metrics())
+    result = acceptance(before, after)
+    result["prompts"] = len(prompts)
+    result["completion_tokens"] = sum(o["usage"]["completion_tokens"] for o in outs)
+    return result
+
+
+def train_serve_gap(val_metrics: dict | None, served: list[float], bound: float, drafts: int | None = None) -> dict:
+    """Validation accuracy per draft position (speculators' `full_acc_i`: the first i+1 draft tokens all right)
+    beside the acceptance vLLM measured at that position on held-out prompts. They count the same event, so a gap
+    beyond `bound` means training and serving differ: usually the features (other layers, another dtype or
+    template, a different target build) or the data (the served prompts are unlike the training conversations).
+
+    The served rate is an estimate from `drafts` drafts: a position is flagged only when its gap exceeds `bound`
+    by more than twice the estimate's standard error (`margin`), so a short evaluation does not cry wolf and a
+    real mismatch still shows."""
+    accuracies = position_accuracies(val_metrics or {})
+    rows = []
+    for i, (val, srv) in enumerate(zip(accuracies, served, strict=False)):
+        margin = 2 * math.sqrt(max(srv * (1 - srv), 0.0) / drafts) if drafts else 0.0
+        row = {"position": i + 1, "validation": round(val, 4), "served": srv, "gap": round(val - srv, 4)}
+        if (raw := (val_metrics or {}).get(f"full_acc_{i}_epoch_speculators")) is not None:
+            row["validation_speculators"] = round(raw, 4)  # before eyrie.stages.train.validation.like_for_like_metrics
+        rows.append({**row, "margin": round(margin, 4)})
+    flagged = [r["position"] for r in rows if abs(r["gap"]) > bound + r["margin"]]
+    return {"bound": bound, "drafts": drafts, "rows": rows, "flagged": flagged}
+
+
+def gap_warning(gap: dict) -> str | None:
+    if not gap["flagged"]:
+        return None
+    worst = max(gap["rows"], key=lambda r: abs(r["gap"]))
+    where = (
+        f"at draft position(s) {gap['flagged']} validation accuracy and served acceptance differ by more than "
+        f"{gap['bound']} beyond the measurement's noise (worst: position {worst['position']}, validation "
+        f"{worst['validation']} vs served {worst['served']} over {gap['drafts']} drafts)"
+    )
+    if worst["gap"] > 0:  # training promised more than vLLM delivers
+        return (
+            f"training does not predict serving: {where}. Check that serving uses the same target, layers and "
+            "dtype as extraction, and that the evaluation prompts are like the training data (regenerate the data "
+            "with the target)."
+        )
+    return (
+        f"serving beats validation: {where}. The held-out prompts are easier than the validation data (first "
+        "turns only, short answers), or too few drafts were measured: raise evaluate.num_prompts and max_tokens."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# How many draft tokens: acceptance for k = 1..K from one server, and what the drafter buys in tokens per second
+
+
+def measure_throughput(client, prompts: list[list[dict]], max_tokens: int, concurrency: int) -> dict:
+    """Output tokens per second for `prompts` (greedy) sent `concurrency` at a time, from the first request to the
+    last answer, after one warm-up request."""
+    client.chat(prompts[0], max_tokens)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        outs = list(pool.map(lambda p: client.chat(p, max_tokens), prompts))
+    seconds = time.perf_counter() - t0
+    tokens = sum(o["usage"]["completion_tokens"] for o in outs)
+    return {
+        "concurrency": concurrency,
+        "prompts": len(prompts),
+        "output_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "output_tokens_per_s": round(tokens / seconds, 1),
+    }
+
+
+def draft_token_table(swept: dict, measured: dict) -> list[dict]:
+    """Acceptance length for k = 1..K draft tokens, from one server drafting K (`swept`). Under greedy verification
+    the first k tokens of a K-token chain draft are exactly the k-token draft, so AL(k) = 1 + the acceptance at
+    positions 1..k; only the steps that follow differ a little with k, so the row for the k that was also served
+    (`measured`, the evaluation's own run) shows its directly measured figure beside the estimate."""
+    rows, total = [], 1.0
+    for k, rate in enumerate(swept["per_position_acceptance"], 1):
+        total += rate
+        row = {"k": k, "acceptance_length": round(total, 4), "acceptance_at_k": rate}
+        if k == len(measured["per_position_acceptance"]):
+            row["measured_acceptance_length"] = measured["acceptance_length"]
+        rows.append(row)
+    return rows
+
+
+def throughput_rows(target_alone: list[dict], with_drafter: dict[int, list[dict]]) -> list[dict]:
+    """One row per concurrency: the target alone against target + drafter at each k served, with the speed-up."""
+    rows = []
+    for i, base in enumerate(target_alone):
+        row = {"concurrency": base["concurrency"], "target_alone": base["output_tokens_per_s"]}
+        for k, runs in sorted(with_drafter.items()):
+            row[f"drafter_k{k}"] = runs[i]["output_tokens_per_s"]
+            row[f"speedup_k{k}"] = round(runs[i]["output_tokens_per_s"] / base["output_tokens_per_s"], 3)
+        rows.append(row)
+    return rows
+
+
+def draft_token_report(serve, spec, drafter: str, prompts, max_tokens: int, sweep: int, trained: dict) -> dict:
+    """The trained drafter served drafting `sweep` tokens (acceptance at every k up to it, and its throughput),
+    then the target alone (throughput without a drafter), beside `trained`: the evaluation's own measurement at the
+    served k, with its throughput. `serve(spec, folder_name)` is a context manager yielding a client of a server
+    for `spec`, stopped when the block ends: two target loads in all."""
+    concurrency = [t["concurrency"] for t in trained["throughput"]]
+    with serve(replace(spec, drafter=drafter, num_speculative_tokens=sweep), "server-sweep") as client:
+        # The acceptance comes from the throughput runs' own traffic (the same greedy prompts, once per
+        # concurrency): no separate pass over the prompts.
+        before = spec_counters(client.metrics())
+        swept_throughput = [measure_throughput(client, prompts, max_tokens, c) for c in concurrency]
+        swept = acceptance(before, spec_counters(client.metrics()))
+        swept["prompts"] = len(prompts) * len(concurrency)
+    with serve(replace(spec, drafter=None, layer_ids=None, storage_path=None), "server-target") as client:
+        alone = [measure_throughput(client, prompts, max_tokens, c) for c in concurrency]
+    with_drafter = {trained["num_speculative_tokens"]: trained["throughput"], sweep: swept_throughput}
+    return {
+        "draft_tokens": draft_token_table(swept, trained),
+        "throughput": throughput_rows(alone, with_drafter),
+        "swept": swept,
+    }
+
+
+def plot_draft_tokens(table: list[dict], throughput: list[dict], path: Path) -> Path:
+    """Acceptance length against draft tokens, and output tokens per second with and without the drafter."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a worker
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ks = [r["k"] for r in table]
+    left.bar(ks, [r["acceptance_at_k"] for r in table], color="#9ecae1", label="acceptance at position k")
+    left.plot(ks, [r["acceptance_length"] for r in table], "o-", color="#08519c", label="acceptance length")
+    measured = [(r["k"], r["measured_acceptance_length"]) for r in table if "measured_acceptance_length" in r]
+    if measured:
+        left.plot(*zip(*measured, strict=True), "s", color="#e6550d", label="measured at the served k")
+    left.set(xlabel="draft tokens k", ylabel="tokens per target step", xticks=ks, title="How many draft tokens?")
+    left.legend(fontsize=8)
+    series = [key for key in throughput[0] if key == "target_alone" or key.startswith("drafter_k")]
+    width = 0.8 / len(series)
+    for j, key in enumerate(series):
+        xs = [i + j * width for i in range(len(throughput))]
+        right.bar(xs, [r[key] for r in throughput], width, label=key.replace("_", " "))
+    right.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(throughput))])
+    right.set_xticklabels([f"concurrency {r['concurrency']}" for r in throughput])
+    right.set(ylabel="output tokens / s", title="Throughput")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

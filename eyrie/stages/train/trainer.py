@@ -1,0 +1,395 @@
+"""train: speculators' EAGLE-3 trainer on the extracted hidden states, as a subprocess that resumes.
+
+The same command runs on CPU (demo, CI: `python -m eyrie.stages.train.entry` with EYRIE_TRAIN_DEVICE=cpu) and on N GPUs
+(`torchrun --nproc-per-node N -m eyrie.stages.train.entry`). Checkpoints go to `train/<key>/checkpoints` in speculators'
+layout (one folder per epoch, sub-epoch ones with `training_state.json`); a re-run with the same key resumes from
+the newest whole one (eyrie/stages/train/checkpoints.py), so a killed or retried training task continues from its saved
+step
+instead of starting over.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from eyrie.config import PipelineConfig, TargetConfig
+from eyrie.errors import EyrieError
+from eyrie.run.folder import atomic_write_json, read_json, sha256_json
+from eyrie.run.manifest import done, files_under, list_files
+from eyrie.stages.train.checkpoints import is_whole, newest_whole_checkpoint, recover
+from eyrie.stages.train.online import clean, leftover_bytes, on_tmpfs, online_args
+from eyrie.stages.train.validation import PLATEAU, epoch_validation, history, like_for_like_metrics, still_improving
+from eyrie.target.metadata import context_limit, load_hf_config, read_target_config, target_identity, text_config
+
+
+def resolve_device(config: PipelineConfig) -> str:
+    if config.train.device != "auto":
+        return config.train.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def train_key(
+    config: PipelineConfig, data_keys: list[str], vocab_key: str, aux_ids: list[int], warm_start: str | None = None
+) -> str:
+    return sha256_json(
+        {
+            "data": data_keys,
+            "vocab": vocab_key,
+            "aux": aux_ids,
+            "warm": warm_start,
+            "train": _train_settings(config),
+            # only when warm: keys of runs from scratch stay as they were
+            **({"warm_lr": learning_rate(config, True)} if warm_start else {}),
+            "target": config.target.model,
+        }
+    )[:16]
+
+
+def learning_rate(config: PipelineConfig, warm: bool) -> float:
+    """train.lr, scaled down for a warm start: at the rate that trains a drafter from scratch, a trained one's first
+    steps undo what it learned (measured in the README, "Retraining")."""
+    return config.train.lr * (config.promotion.warm_start_lr_scale if warm else 1.0)
+
+
+def _train_settings(config: PipelineConfig) -> dict:
+    """The train section as the key sees it: `hidden_states` only when online, so keys of offline runs made before
+    the option existed stay the same (and their training is not redone). Online, `data_keys` are the keys offline
+    extraction would give its shards (target identity, captured layers, shard fingerprint; no manifests exist)."""
+    settings = config.train.model_dump(mode="json")
+    if settings.get("hidden_states") == "offline":
+        settings.pop("hidden_states")
+    return settings
+
+
+def steps_per_epoch(seq_lens: list[int], total_seq_len: int, train_ratio: float) -> int:
+    """Approximate packed batches per epoch (speculators packs samples up to total_seq_len tokens)."""
+    n = int(len(seq_lens) * train_ratio)
+    return max(1, math.ceil(sum(min(s, total_seq_len) for s in seq_lens[:n]) / total_seq_len))
+
+
+def draft_layer_config(target: TargetConfig, num_layers: int):
+    """The drafter's decoder: a Llama layer (what vLLM's EAGLE-3 drafter runs) shaped by the target's width.
+
+    Eyrie always writes it out rather than leave speculators to copy Llama-only fields (num_key_value_heads,
+    rms_norm_eps, hidden_act) from the target's config: GPT-2, GPT-NeoX or MLA configs lack some, and a Gemma's
+    GELU would give a drafter vLLM's Llama layer cannot run. Preflight builds it too, so a target it cannot be
+    built for is refused before extraction. Attention shape follows speculators (the target's head_dim if set).
+    """
+    from speculators.models.utils import resolve_draft_intermediate_size
+    from transformers import LlamaConfig
+
+    v = load_hf_config(target).get_text_config()
+    hidden, heads = v.hidden_size, v.num_attention_heads
+    if hidden % heads and "head_dim" not in text_config(read_target_config(target)):
+        raise ValueError(
+            f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} and config.json "
+            "gives no head_dim, so no attention width fits the target's hidden size"
+        )
+    kv = getattr(v, "num_key_value_heads", None) or heads
+    head_dim = getattr(v, "head_dim", None) or hidden // heads
+    theta = (getattr(v, "rope_parameters", None) or {}).get("rope_theta") or getattr(v, "rope_theta", None)
+    eps = next(
+        (e for e in (getattr(v, k, None) for k in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")) if e), 1e-6
+    )
+    return LlamaConfig(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv if heads % kv == 0 else heads,
+        head_dim=head_dim,
+        intermediate_size=resolve_draft_intermediate_size(v),
+        vocab_size=v.vocab_size,
+        num_hidden_layers=num_layers,
+        hidden_act="silu",
+        rms_norm_eps=eps,
+        max_position_embeddings=context_limit(v.to_dict()) or 2048,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": float(theta or 10000.0)},
+    )
+
+
+def training_command(
+    config: PipelineConfig,
+    data_dir: Path,
+    hidden_dir: Path,
+    d2t: Path,
+    t2d: Path,
+    aux_ids: list[int],
+    target_facts: dict,
+    save_path: Path,
+    checkpoint_freq: float,
+    device: str,
+    warm_start: Path | None = None,
+    dry_run: bool = False,
+    server_url: str | None = None,
+) -> list[str]:
+    """The trainer's command line. `target_facts` is what preflight decided about the target
+    (`PreflightReport.target_facts`): the checkpoint names of the tensors the drafter borrows, which
+    `eyrie.stages.train.entry` hands to speculators' loader, and the mask token id.
+
+    `server_url`: online hidden states (eyrie.stages.train.online) from the extraction server there; `hidden_dir` is
+    then the
+    server's tmpfs storage path. Without it the trainer reads files from `hidden_dir` and a missing one is an
+    error."""
+    t = config.train
+    if device == "cuda" and t.devices > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={t.devices}"]
+    else:
+        launcher = [sys.executable]
+    args = [
+        "-m",
+        "eyrie.stages.train.entry",
+        "--speculator-type",
+        "eagle3",
+        "--verifier-name-or-path",
+        str(config.target.model),
+        "--data-path",
+        str(data_dir),
+        "--d2t-path",
+        str(d2t),
+        "--t2d-path",
+        str(t2d),
+        "--draft-vocab-size",
+        str(config.vocab.draft_vocab_size),
+        "--target-layer-ids",
+        *map(str, aux_ids),
+        "--save-path",
+        str(save_path),
+        "--epochs",
+        str(t.epochs),
+        "--lr",
+        str(learning_rate(config, warm_start is not None)),
+        "--ttt-steps",
+        str(t.ttt_steps),
+        "--total-seq-len",
+        str(t.max_seq_len),
+        "--checkpoint-freq",
+        str(checkpoint_freq),
+        "--train-data-ratio",
+        str(1 - t.val_fraction),
+        "--seed",
+        str(t.seed),
+        *(
+            online_args(
+                server_url,
+                hidden_dir,
+                config.extraction.request_timeout_s,
+                config.extraction.api_key_env,
+                config.extraction.concurrency,
+            )
+            if server_url
+            else ["--hidden-states-path", str(hidden_dir), "--on-missing", "raise"]
+        ),
+        "--loss-implementation",
+        "eager",
+        "--optimizer",
+        t.optimizer,
+        "--log-freq",
+        str(t.log_every_steps),
+        "--log-dir",
+        str(save_path.parent / "logs"),
+        "--logger",
+        "",
+        "--eyrie-verifier-weights",
+        json.dumps(target_facts["verifier_weights"], sort_keys=True),
+    ]
+    if config.target.trust_remote_code:
+        args.append("--trust-remote-code")
+    if target_facts.get("mask_token_id") is not None:
+        args += ["--mask-token-id", str(target_facts["mask_token_id"])]
+    if device == "cpu":  # no Triton, no flex attention kernels, no bf16 autocast benefit on CPU
+        args += ["--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32", "--num-workers", "0"]
+    if t.stop_on_plateau:
+        args += ["--eyrie-plateau", f"{t.plateau_patience},{t.plateau_min_delta}"]
+    if warm_start is not None:
+        args += ["--from-pretrained", str(warm_start)]
+    else:
+        draft = save_path.parent / "draft_layer_config.json"
+        draft.parent.mkdir(parents=True, exist_ok=True)
+        draft_layer_config(config.target, t.num_layers).to_json_file(str(draft))
+        args += ["--draft-config", str(draft)]
+    if dry_run:
+        args.append("--dry-run")
+    return launcher + args
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM the trainer when the flow process dies (even by SIGKILL), so no orphan keeps writing
+    checkpoints that the next run is about to resume from (speculators saves `interrupted/` on SIGTERM)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def run_training(
+    config: PipelineConfig,
+    out_dir: Path,
+    key: str,
+    data_dir: Path,
+    hidden_dir: Path,
+    d2t: Path,
+    t2d: Path,
+    aux_ids: list[int],
+    target_facts: dict,
+    seq_lens: list[int],
+    warm_start: Path | None = None,
+    log=print,
+    server_url: str | None = None,
+) -> dict:
+    """Train (or resume) into `out_dir/<key>`; returns the stage manifest naming the final checkpoint.
+
+    With `train.hidden_states: online`, `server_url` is the extraction server's (up, serving the captured layers)
+    and `hidden_dir` its tmpfs storage path: the trainer asks it for every sample (eyrie.stages.train.online)."""
+    if manifest := done(out_dir / "manifest.json", key):
+        return manifest
+    work = out_dir / key
+    save_path = work / "checkpoints"
+    device = resolve_device(config)
+    spe = steps_per_epoch(seq_lens, config.train.max_seq_len, 1 - config.train.val_fraction)
+    if device == "cuda" and config.train.devices > 1:  # speculators deals the packed batches out across the ranks,
+        spe = math.ceil(spe / config.train.devices)  # and checkpoint_freq is a share of one rank's steps
+    every = config.train.save_every_steps
+    freq = 1.0 if not every or every >= spe else max(every / spe, 1 / spe)
+    online = config.train.hidden_states == "online"
+    if online:
+        if not server_url:
+            raise EyrieError("train.hidden_states is online, but no extraction server was given to train from")
+        if not on_tmpfs(hidden_dir):
+            log(f"warning: online hidden states go through {hidden_dir}, which is not on tmpfs: they touch the disk")
+        dropped = clean(hidden_dir)  # requests a killed trainer left in flight: nobody will read them
+        if dropped[0]:
+            log(f"removed {dropped[0]} unread hidden-state files ({dropped[1]} bytes) left by an earlier trainer")
+    cmd = training_command(
+        config,
+        data_dir,
+        hidden_dir,
+        d2t,
+        t2d,
+        aux_ids,
+        target_facts,
+        save_path,
+        freq,
+        device,
+        warm_start,
+        server_url=server_url if online else None,
+    )
+    # speculators saves `interrupted/` on SIGTERM but never resumes from it (it resumes from the newest numbered
+    # checkpoint, as Eyrie reports); left there, it only draws a warning on every later launch.
+    shutil.rmtree(save_path / "interrupted", ignore_errors=True)
+    for note in recover(save_path):
+        log(note)
+    resumed_from = newest_whole_checkpoint(save_path)
+    plateau = read_json(save_path / PLATEAU)
+    if plateau:  # stopped on a plateau before its manifest was written: nothing left to train
+        log(f"training stopped on a validation plateau at epoch {plateau.get('epoch')}; not relaunched")
+        return _train_manifest(config, out_dir, key, save_path, device, work / "train.log", resumed_from, data_dir)
+    state = read_json(resumed_from / "training_state.json") if resumed_from else None
+    log(
+        f"training on {device} ({spe} steps/epoch, checkpoint every {freq:g} epoch)"
+        + (f"; resuming from {resumed_from} (global step {state and state.get('global_step')})" if resumed_from else "")
+    )
+    env = dict(os.environ, EYRIE_TRAIN_DEVICE=device, PYTHONUNBUFFERED="1")
+    work.mkdir(parents=True, exist_ok=True)
+    log_path = work / "train.log"
+    with open(log_path, "ab") as f:
+        f.write(f"\n===== eyrie: {' '.join(cmd)}\n".encode())
+        f.flush()
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent).returncode
+    if online:
+        left = leftover_bytes(hidden_dir)
+        if left:  # a sample speculators gave up on (its file came after the retry), or a killed trainer's
+            n, size = clean(hidden_dir)
+            log(f"removed {n} unread hidden-state files ({size} bytes) from {hidden_dir}")
+    if rc != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
+        raise EyrieError(
+            f"training exited with code {rc}; checkpoints so far are kept in {save_path} and the "
+            f"next run resumes from them. End of {log_path}:\n{tail}"
+        )
+    return _train_manifest(config, out_dir, key, save_path, device, log_path, resumed_from, data_dir)
+
+
+def _train_manifest(
+    config: PipelineConfig,
+    out_dir: Path,
+    key: str,
+    save_path: Path,
+    device: str,
+    log_path: Path,
+    resumed_from,
+    data_dir: Path,
+) -> dict:
+    final = newest_whole_checkpoint(save_path)
+    if final is None:
+        raise EyrieError(f"training finished but wrote no checkpoint under {save_path}")
+    rows = history(save_path)
+    plateau = read_json(save_path / PLATEAU)
+    if plateau and plateau.get("best_epoch") is not None and is_whole(save_path / str(plateau["best_epoch"])):
+        final = save_path / str(plateau["best_epoch"])  # the plateau's last epochs were no better
+    state = read_json(final / "training_state.json") or {}
+    improving = None if plateau else still_improving(rows, config.train.still_improving_warning)
+    manifest = {
+        "stage": "train",
+        "key": key,
+        "checkpoint": str(final),
+        "device": device,
+        "epochs": config.train.epochs,
+        "global_step": state.get("global_step"),
+        "resumed_from": str(resumed_from) if resumed_from else None,
+        # Counted over the draft starts vLLM makes (what the train/serve gap compares): once, here, not per run.
+        "val_metrics": like_for_like_metrics(epoch_validation(final), data_dir, config.train.val_fraction),
+        "stopped_on_plateau": plateau,
+        "warnings": [improving] if improving else [],
+        "log": str(log_path),
+        "history": rows,
+        "files": list_files(out_dir, files_under(final)),  # the shipped checkpoint
+    }
+    atomic_write_json(out_dir / "manifest.json", manifest)
+    return manifest
+
+
+def untrained_key(config: PipelineConfig, vocab_key: str, aux_ids: list[int]) -> str:
+    """What an untrained drafter is made of: the target (its config and the tensors it borrows), the draft
+    vocabulary, the captured layers, and the drafter's own shape and seed."""
+    t = config.train
+    shape = {"num_layers": t.num_layers, "ttt_steps": t.ttt_steps, "max_seq_len": t.max_seq_len, "seed": t.seed}
+    return sha256_json(
+        {"target": target_identity(config.target), "vocab": vocab_key, "aux": aux_ids, "drafter": shape}
+    )[:16]
+
+
+def untrained_drafter(
+    config: PipelineConfig,
+    out_dir: Path,
+    key: str,
+    data_dir: Path,
+    hidden_dir: Path,
+    d2t: Path,
+    t2d: Path,
+    aux_ids: list[int],
+    target_facts: dict,
+) -> Path:
+    """A freshly initialised drafter of the same shape (speculators' --dry-run): the evaluation baseline, kept
+    under its key (`untrained_key`), so a changed target, vocabulary or drafter shape gets a new one."""
+    path = out_dir / f"untrained-{key}"
+    if (path / "model.safetensors").exists():
+        return path
+    staging = out_dir / f"untrained-{key}.staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    # Initialising needs no accelerator: always on CPU, one process.
+    cmd = training_command(
+        config, data_dir, hidden_dir, d2t, t2d, aux_ids, target_facts, staging, 1.0, "cpu", dry_run=True
+    )
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, EYRIE_TRAIN_DEVICE="cpu"))
+    if r.returncode != 0:
+        raise EyrieError(f"could not initialise the untrained drafter:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    os.replace(staging, path)
+    return path

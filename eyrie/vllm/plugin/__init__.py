@@ -1,0 +1,55 @@
+"""What every vLLM process must load for Eyrie: the CPU/GPU hidden-states connector and the EAGLE-3 compatibility
+layer for target classes that lack vLLM's interface (set EYRIE_EAGLE3_COMPAT=0 to leave vLLM untouched).
+
+Shipped as the `vllm.general_plugins` entry point `eyrie`, so vLLM runs `register()` in its API server, engine core
+and every tensor-parallel worker. It must be cheap and idempotent (vLLM may call it more than once per process) and
+harmless to vLLM processes that do not use Eyrie: it only registers names, lazily.
+"""
+
+import os
+
+CONNECTOR_NAME = "EyrieHiddenStatesConnector"
+# A request whose kv_transfer_params set this to true gets no hidden-states file (the regenerate stage's generation
+# requests, sent to the extraction server): eyrie/vllm/plugin/connector.py.
+SKIP_HIDDEN_STATES = "eyrie_skip_hidden_states"
+# Test-only: comma-separated vLLM class names whose EAGLE-3 interface is hidden, in preflight and in every vLLM
+# process, to reproduce vLLMs whose classes lack it (DeepseekV3 and Kimi-K2.5 before 0.18) on the installed one.
+HIDE_EAGLE3 = "EYRIE_TEST_HIDE_EAGLE3"
+
+
+def hidden_eagle3_classes() -> set[str]:
+    return {name for name in os.environ.get(HIDE_EAGLE3, "").split(",") if name}
+
+
+def _hide_eagle3(names: set[str]) -> None:
+    """vLLM asks `supports_eagle3(model)` before it requests aux hidden states: answer no for the named classes
+    (a subclass Eyrie's compatibility layer makes of them is answered as usual), in every module that asks."""
+    from vllm.model_executor.models import interfaces
+    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker.gpu.spec_decode.eagle import eagle3_utils
+
+    original = interfaces.supports_eagle3
+    if getattr(original, "_eyrie_hides", None) is not None:
+        return
+
+    def supports_eagle3(model):
+        cls = model if isinstance(model, type) else type(model)
+        return cls.__name__ not in names and original(model)
+
+    supports_eagle3._eyrie_hides = names  # type: ignore[attr-defined]
+    for module in (interfaces, gpu_model_runner, eagle3_utils):
+        module.supports_eagle3 = supports_eagle3  # type: ignore[attr-defined]
+
+
+def register() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR_NAME not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, "eyrie.vllm.plugin.connector", CONNECTOR_NAME)
+    hidden = hidden_eagle3_classes()
+    if hidden:
+        _hide_eagle3(hidden)
+    if os.environ.get("EYRIE_EAGLE3_COMPAT", "1") != "0":
+        from eyrie.vllm.plugin.compat import install
+
+        install()

@@ -1,0 +1,109 @@
+"""A hidden-states connector that works on CPU as well as GPU.
+
+vLLM's `ExampleHiddenStatesConnector` copies device-to-host through a CUDA stream into pinned memory, which crashes
+the CPU engine on its first request ("pin_memory=True requires a CUDA or other accelerator backend"). When the KV
+cache lives on the host there is nothing to copy asynchronously: index it directly and hand the tensor to the same
+writer thread pool. On an accelerator the stock path runs unchanged.
+
+It also honours a per-request switch (`kv_transfer_params: {"eyrie_skip_hidden_states": true}`): the regenerate
+stage generates on the extraction server, and its requests need no hidden-states file.
+
+With `EYRIE_HIDDEN_STATES_DTYPE=float8_e4m3fn` in the server's environment (`extraction.hidden_states_dtype`) it writes
+speculators' fp8 format (eyrie/hidden_states/encoding.py): quantized in the writer thread, after the copy, as
+speculators'
+own FP8HiddenStatesConnector does, on CPU and on an accelerator alike.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from functools import partial
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+    ExampleHiddenStatesConnector,
+    ExampleHiddenStatesConnectorMetadata,
+    PendingSave,
+    extract_from_kv_cache,
+)
+from vllm.v1.core.sched.output import SchedulerOutput
+
+from eyrie.hidden_states.encoding import BFLOAT16, DTYPES, ENV, FP8, encode, fp8_unavailable
+from eyrie.vllm.plugin import SKIP_HIDDEN_STATES
+
+
+class _Done:
+    """Stands in for the CUDA event of a copy that already happened (host memory, synchronous)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class EyrieHiddenStatesConnector(ExampleHiddenStatesConnector):
+    def __init__(self, vllm_config: VllmConfig, role: Any, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        dtype = os.environ.get(ENV) or BFLOAT16
+        if dtype not in DTYPES:
+            raise ValueError(f"{ENV}={dtype!r}; expected one of {', '.join(DTYPES)}")
+        if dtype == FP8 and (why := fp8_unavailable()):
+            raise RuntimeError(f"{ENV}={dtype}, but {why}")
+        self._hidden_states_dtype = dtype
+
+    def _write_tensors(self, tensors: dict[str, torch.Tensor], event: Any, filename: str, lock_fd: int | None) -> None:  # type: ignore[override]
+        """vLLM's writer (a static method there), in the configured dtype: the file is whole before the lock goes."""
+        if self._hidden_states_dtype == BFLOAT16:
+            return ExampleHiddenStatesConnector._write_tensors(tensors, event, filename, lock_fd)
+        try:
+            event.synchronize()
+            save_file(encode(tensors, self._hidden_states_dtype), filename)
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)  # releases LOCK_EX: the client may read the file now
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """As vLLM's, except that a request asking for no hidden states (generation on the extraction server, for the
+        regenerate stage) gets no file: without a recorded filename it has no lock file, `request_finished` saves
+        nothing for it and its blocks are freed at once."""
+        meta = super().build_connector_meta(scheduler_output)
+        for new_req in scheduler_output.scheduled_new_reqs:
+            extra = new_req.sampling_params.extra_args if new_req.sampling_params else None
+            if ((extra or {}).get("kv_transfer_params") or {}).get(SKIP_HIDDEN_STATES):
+                self._request_filenames.pop(new_req.req_id, None)
+                if isinstance(meta, ExampleHiddenStatesConnectorMetadata):
+                    meta.new_req_filenames.pop(new_req.req_id, None)
+        return meta
+
+    def _submit_async_write(self, pending: PendingSave) -> None:
+        if not self._is_tp_rank_zero:
+            return
+        assert self._kv_cache is not None
+        if self._kv_cache.device.type != "cpu":
+            return super()._submit_async_write(pending)
+
+        block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
+        offsets = torch.arange(self._block_size, dtype=torch.long)
+        slots = (offsets.reshape(1, -1) + block_ids.reshape(-1, 1) * self._block_size).flatten()
+        num_tokens = pending.token_ids.shape[0]
+        # clone: the blocks are freed (and reused) once get_finished reports the request done.
+        hidden = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()
+        tensors = {"hidden_states": hidden, "token_ids": pending.token_ids.clone()}
+
+        assert self._req_futures.get(pending.req_id) is None, "duplicate hidden-states request id"
+        os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
+        lock_fd = self._lock_fds.pop(pending.req_id, None)
+        if lock_fd is None and self.use_lock:
+            lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        done: Any = _Done()  # in the slot vLLM's writer keeps a CUDA event in
+        future = self._executor.submit(self._write_tensors, tensors, done, pending.filename, lock_fd)
+        self._req_copy_events[pending.req_id] = done
+        self._req_futures[pending.req_id] = future
+        future.add_done_callback(partial(self._on_write_done, pending.req_id))
