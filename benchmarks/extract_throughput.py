@@ -73,7 +73,8 @@ from eyrie.stages.preflight import run_preflight
 from eyrie.stages.prepare import load_dataset_rows, load_shards, prepare
 from eyrie.target.metadata import load_tokenizer
 from eyrie.target.tiny import build_target
-from eyrie.vllm.server import ExtractionServer, ServerClient
+from eyrie.vllm.client import ServerClient
+from eyrie.vllm.process import VllmServer
 
 
 def quiet(*_args, **_kw) -> None:
@@ -279,7 +280,7 @@ def main() -> None:
     timeout_s = config.extraction.request_timeout_s
     eyrie_out, spec_out = work / "eyrie_hs", work / "spec_hs"
 
-    server = ExtractionServer(run.extract)
+    server = VllmServer(run.extract)
     if not server.healthy():
         clean_staging(plan.staging)
     samples = load_dataset_rows(run.prepare, 0, n)

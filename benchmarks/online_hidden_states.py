@@ -73,7 +73,8 @@ def main() -> None:
     from eyrie.stages.train.online import leftover_bytes, staging_dir
     from eyrie.stages.train.trainer import run_training
     from eyrie.stages.vocab import mapping_paths
-    from eyrie.vllm.server import ServerSpec, VllmServer
+    from eyrie.vllm.process import VllmServer
+    from eyrie.vllm.spec import ServerSpec
 
     run = RunFolder(Path(args.run_dir).resolve())
     base = load_config(args.config)

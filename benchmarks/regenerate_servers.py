@@ -44,7 +44,8 @@ from eyrie.stages.preflight import run_preflight  # noqa: E402
 from eyrie.stages.prepare import load_dataset_rows, load_shards, prepare  # noqa: E402
 from eyrie.stages.regenerate import RegenerationPlan, regenerate_shard, shard_paths, shared_tokenizer  # noqa: E402
 from eyrie.target.tiny import build_target  # noqa: E402
-from eyrie.vllm.server import ServerSpec, VllmServer  # noqa: E402
+from eyrie.vllm.process import VllmServer  # noqa: E402
+from eyrie.vllm.spec import ServerSpec  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,7 @@ CONTROL_POOL = "eyrie-control"
 CONTROL_QUEUE = "control"
 # The flows that hold no GPU, so run from the control pool; every other flow runs from the GPU pool.
 CONTROL_ENTRYPOINTS = {"flows/fanout.py:extract_fanout_flow"}
-# A node's name is its queue, its worker's systemd instance and its folder in run folders (eyrie.vllm.server.node_name).
+# A node's name is its queue, its worker's systemd instance and its folder in run folders (eyrie.run.folder.node_name).
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 ZOMBIE_AUTOMATION = "Crash zombie flows"
 # prefect.yaml sets PREFECT_FLOWS_HEARTBEAT_FREQUENCY=60 for flow runs (Prefect 3.7's default is 180 s): a run is

@@ -61,8 +61,8 @@ def _verify(args) -> int:
 
 
 def _stop_server(args) -> int:
-    from eyrie.run.folder import RunFolder
-    from eyrie.vllm.server import VllmServer, run_server_folders
+    from eyrie.run.folder import RunFolder, run_server_folders
+    from eyrie.vllm.process import VllmServer
 
     # Every server recorded under the run folder: extraction's (and each node's when nodes share the folder),
     # export's and evaluation's. Servers of other hosts, and pids that are no longer the recorded server, are left.

@@ -15,12 +15,12 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import ExtractionError
-from eyrie.run.folder import RunFolder
+from eyrie.run.folder import RunFolder, node_name
 from eyrie.stages.extract import ExtractionPlan, clean_staging
 from eyrie.stages.preflight import PreflightReport
 from eyrie.stages.prepare import load_shards
 from eyrie.stages.regenerate import extraction_source, record_extraction_source
-from eyrie.vllm.server import ExtractionServer, node_name
+from eyrie.vllm.process import VllmServer
 from tasks.extract import extract_shard_task, start_server_task, stop_server_task
 from tasks.preflight import preflight_task
 
@@ -94,7 +94,7 @@ def extract_flow(
         # Every shard's manifest holds and its files check out by stat: no task per shard. (With 800 shards,
         # Prefect's bookkeeping of cached shard tasks alone took 10 s of a fully cached run.)
         return outcome
-    server = ExtractionServer(plan.server_dir)
+    server = VllmServer(plan.server_dir)
     timeout_s = config.extraction.startup_timeout_s
     base_url = start_server(plan, server, timeout_s)
 

@@ -26,7 +26,8 @@ from eyrie.stages.train.trainer import train_key, untrained_key
 from eyrie.stages.vocab import mapping_paths, vocab_key
 from eyrie.target.hub import pin_revisions
 from eyrie.target.metadata import is_local_target
-from eyrie.vllm.server import ServerSpec, VllmServer
+from eyrie.vllm.process import VllmServer
+from eyrie.vllm.spec import ServerSpec
 from flows.extract import extract_flow
 from flows.regenerate import regenerate_flow
 from tasks.evaluate import draft_tokens_task, evaluate_task, report_task

@@ -9,10 +9,10 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import RegenerationError
-from eyrie.run.folder import RunFolder
+from eyrie.run.folder import RunFolder, node_name
 from eyrie.stages.preflight import PreflightReport
 from eyrie.stages.regenerate import RegenerationPlan
-from eyrie.vllm.server import VllmServer, node_name
+from eyrie.vllm.process import VllmServer
 from flows.extract import run_shards, start_server
 from tasks.extract import start_server_task, stop_server_task
 from tasks.regenerate import assemble_task, regenerate_shard_task

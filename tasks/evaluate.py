@@ -20,7 +20,8 @@ from eyrie.stages.evaluate import (
     plot_draft_tokens,
     train_serve_gap,
 )
-from eyrie.vllm.server import ServerClient, ServerSpec
+from eyrie.vllm.client import ServerClient
+from eyrie.vllm.spec import ServerSpec
 from tasks.caching import stage_task
 from tasks.serving import serve, stop
 

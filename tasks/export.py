@@ -4,7 +4,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from eyrie.stages.export import export_and_prove
-from eyrie.vllm.server import ServerClient, ServerSpec
+from eyrie.vllm.client import ServerClient
+from eyrie.vllm.spec import ServerSpec
 from tasks.caching import stage_task
 from tasks.serving import serve
 

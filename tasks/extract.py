@@ -9,7 +9,9 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from eyrie.errors import DiskFullError
 from eyrie.stages.extract import extract_shard
 from eyrie.stages.prepare import Shard
-from eyrie.vllm.server import ExtractionServer, ServerClient, ServerSpec
+from eyrie.vllm.client import ServerClient
+from eyrie.vllm.process import VllmServer
+from eyrie.vllm.spec import ServerSpec
 from tasks.caching import BY_KEY
 
 
@@ -17,12 +19,12 @@ from tasks.caching import BY_KEY
 def start_server_task(spec: ServerSpec, folder: str, startup_timeout_s: float) -> str:
     """Start (or reuse) the extraction server; returns its base URL."""
     log = get_run_logger()
-    return ExtractionServer(Path(folder)).ensure(spec, startup_timeout_s, log=log.info).base_url
+    return VllmServer(Path(folder)).ensure(spec, startup_timeout_s, log=log.info).base_url
 
 
 @task(name="stop-server")
 def stop_server_task(folder: str) -> bool:
-    return ExtractionServer(Path(folder)).stop(log=get_run_logger().info)
+    return VllmServer(Path(folder)).stop(log=get_run_logger().info)
 
 
 def _worth_retrying(task, task_run, state) -> bool:

@@ -9,7 +9,7 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from eyrie.config import PipelineConfig
 from eyrie.stages.prepare import Shard
 from eyrie.stages.regenerate import assemble, regenerate_shard, shared_tokenizer
-from eyrie.vllm.server import ServerClient
+from eyrie.vllm.client import ServerClient
 from tasks.caching import BY_KEY, stage_task
 
 

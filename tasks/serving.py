@@ -6,7 +6,9 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from eyrie.vllm.server import ServerClient, ServerSpec, VllmServer
+from eyrie.vllm.client import ServerClient
+from eyrie.vllm.process import VllmServer
+from eyrie.vllm.spec import ServerSpec
 
 
 def serve(spec: ServerSpec, folder: Path, timeout_s: float) -> ServerClient:

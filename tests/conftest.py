@@ -250,9 +250,9 @@ def register_server_folder(folder: Path) -> Path:
 
 
 def stop_server(folder: Path) -> None:
-    from eyrie.vllm.server import ExtractionServer
+    from eyrie.vllm.process import VllmServer
 
-    ExtractionServer(Path(folder)).stop(log=lambda *_: None)
+    VllmServer(Path(folder)).stop(log=lambda *_: None)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import time
 
 from eyrie.ops.verify import Listed, shard_files
-from eyrie.run.folder import RunFolder, read_json, sample_path
+from eyrie.run.folder import RunFolder, read_json, sample_path, server_folders, serving_server_folders
 from eyrie.run.manifest import file_problem, problems
 from eyrie.stages import RUN_FOLDER_STAGES
 from eyrie.stages.prepare import load_shards
 from eyrie.stages.regenerate import extraction_source
 from eyrie.stages.regenerate import stage_status as regenerate_progress
-from eyrie.vllm.server import VllmServer, server_folders, serving_server_folders
+from eyrie.vllm.process import VllmServer
 
 
 def run_status(run: RunFolder) -> dict:

@@ -10,6 +10,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from eyrie import FORMAT_VERSION, __version__
-from eyrie.errors import RunFolderError
+from eyrie.errors import ExtractionError, RunFolderError
 
 STAMP = "eyrie-run.json"
 LOCK = ".eyrie.lock"
@@ -204,3 +205,40 @@ def replace_dir(src: Path, dst: Path) -> None:
     if dst.exists():
         shutil.rmtree(dst)
     os.replace(src, dst)
+
+
+NODE_ENV = "EYRIE_NODE_NAME"
+
+
+def node_name(default: str | None = None) -> str | None:
+    """This node's name in a run folder shared by several nodes: $EYRIE_NODE_NAME, else `default`."""
+    name = os.environ.get(NODE_ENV) or default
+    if name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", name):
+        raise ExtractionError(
+            f"node name {name!r} (${NODE_ENV} or the host name) must be letters, digits, '.', '_' "
+            "or '-': it names the node's folder in the run folder"
+        )
+    return name
+
+
+def server_folder(extract_dir: Path, node: str | None) -> Path:
+    """Where a node keeps its extraction server's state, log and staging: the stage folder itself on a single node,
+    `nodes/<node>/` inside it when nodes share the run folder."""
+    return Path(extract_dir) if node is None else Path(extract_dir) / "nodes" / node
+
+
+def server_folders(extract_dir: Path) -> list[Path]:
+    """Every extraction server folder a run may have: the single-node one, then each node's."""
+    nodes = Path(extract_dir) / "nodes"
+    return [Path(extract_dir)] + (sorted(p for p in nodes.iterdir() if p.is_dir()) if nodes.is_dir() else [])
+
+
+def serving_server_folders(run_root: Path) -> list[Path]:
+    """The folders of the servers that serve target plus drafter, under a run folder: `<stage>/server-*` (export's
+    `export/server-trained`, evaluation's `evaluate/server-current` and `evaluate/server-untrained`)."""
+    return sorted(p for p in Path(run_root).glob("*/server-*") if p.is_dir())
+
+
+def run_server_folders(run_root: Path) -> list[Path]:
+    """Every server folder under a run folder: extraction's (and each node's), then the serving ones."""
+    return server_folders(Path(run_root) / "extract") + serving_server_folders(run_root)

@@ -601,7 +601,8 @@ class ExtractionPlan:
     None on a single node (`extract/`)."""
 
     def __init__(self, config, run, report, shards: list[Shard], node: str | None = None):
-        from eyrie.vllm.server import ServerSpec, server_folder
+        from eyrie.run.folder import server_folder
+        from eyrie.vllm.spec import ServerSpec
 
         self.run = run
         self.shards = shards

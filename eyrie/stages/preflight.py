@@ -272,7 +272,7 @@ def check_server_arguments(config: PipelineConfig, captured: list[int], serve: b
     vLLM's own parser: for the extraction server and, when `serve`, the target-plus-drafter one. Failures, warnings."""
     import vllm
 
-    from eyrie.vllm.server import ServerSpec
+    from eyrie.vllm.spec import ServerSpec
 
     if serve_parser() is None:  # a vLLM that moved its parser again: say so rather than guess
         modules = " or ".join(SERVE_PARSER_MODULES)

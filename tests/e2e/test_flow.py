@@ -24,7 +24,7 @@ from conftest import REPO, register_server_folder, stop_server, write_config
 
 from eyrie.run.folder import RunFolder
 from eyrie.stages.extract import load_checked
-from eyrie.vllm.server import ExtractionServer, _alive
+from eyrie.vllm.process import VllmServer, _alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.usefixtures("flow_api")]
 
@@ -153,7 +153,7 @@ def resumed(tmp_path_factory, tiny_llama) -> Resumed:
             first.send_signal(signal.SIGKILL)  # the flow process only
             first.wait(timeout=30)
         killed_after = time.monotonic() - t0
-        server = ExtractionServer(run / "extract")
+        server = VllmServer(run / "extract")
         server_state = server.state or {}
         healthy = server.healthy()
         with contextlib.suppress(ProcessLookupError):  # orphans of the flow's own session (its Prefect server)
@@ -214,7 +214,7 @@ def test_resume_after_kill(resumed: Resumed):
     assert "started vLLM server" not in out
     assert starts_in_log(run) == 1
     # The resume finished the extraction and so stopped the server.
-    assert ExtractionServer(run / "extract").state is None and not _alive(pid)
+    assert VllmServer(run / "extract").state is None and not _alive(pid)
 
     # No completed shard was recomputed: its manifest and its samples are the very same files.
     manifests = run / "extract" / "shards"

@@ -32,7 +32,9 @@ from safetensors.torch import load_file
 from eyrie.stages.extract import _wait_and_release, extract_shard, load_checked, sample_path
 from eyrie.stages.preflight import captured_layer_ids, default_aux_layer_ids
 from eyrie.target.metadata import text_config
-from eyrie.vllm.server import ExtractionServer, ServerClient, ServerSpec
+from eyrie.vllm.client import ServerClient
+from eyrie.vllm.process import VllmServer
+from eyrie.vllm.spec import ServerSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -83,7 +85,7 @@ def _start(r: Running) -> ServerClient:
     SLOTS.acquire()  # released when the server is stopped
     t0 = time.monotonic()
     try:
-        client = ExtractionServer(r.folder).ensure(r.spec, startup_timeout_s=1000, log=lambda *_: None)
+        client = VllmServer(r.folder).ensure(r.spec, startup_timeout_s=1000, log=lambda *_: None)
     except BaseException:
         SLOTS.release()
         raise
@@ -120,7 +122,7 @@ def servers(tmp_path_factory, tiny_target) -> dict[str, Running]:
         pool.shutdown(wait=True, cancel_futures=True)
         for r in running.values():
             stop_server(r.folder)  # in case a start recorded its server after the first pass
-            state = ExtractionServer(r.folder).state
+            state = VllmServer(r.folder).state
             assert state is None, f"{r.kind}: server still recorded after teardown: {state}"
 
 

@@ -198,7 +198,8 @@ def test_fp8_extraction_decodes_to_the_bf16_one_and_speculators_reads_it(tmp_pat
 
     from eyrie.config import DataConfig, TargetConfig
     from eyrie.stages.prepare import load_dataset_rows, load_shards, prepare
-    from eyrie.vllm.server import ExtractionServer, ServerSpec
+    from eyrie.vllm.process import VllmServer
+    from eyrie.vllm.spec import ServerSpec
 
     prepared = tmp_path / "prepare"
     prepare(
@@ -222,9 +223,7 @@ def test_fp8_extraction_decodes_to_the_bf16_one_and_speculators_reads_it(tmp_pat
         )
     try:
         with ThreadPoolExecutor(2) as pool:  # both start side by side: start-up is mostly imports
-            starts = {
-                d: pool.submit(ExtractionServer(folders[d]).ensure, specs[d], 800, lambda *_: None) for d in specs
-            }
+            starts = {d: pool.submit(VllmServer(folders[d]).ensure, specs[d], 800, lambda *_: None) for d in specs}
             clients = {d: f.result() for d, f in starts.items()}
         hidden = {}
         for dtype, client in clients.items():
@@ -276,5 +275,5 @@ def test_fp8_extraction_decodes_to_the_bf16_one_and_speculators_reads_it(tmp_pat
         err = (b["verifier_last_hidden_states"].float() - a["verifier_last_hidden_states"].float()).norm()
         assert float(err / a["verifier_last_hidden_states"].float().norm()) < 0.04
     assert not [p for f in folders.values() for p in (f / "staging").iterdir()]
-    assert all(ExtractionServer(f).state is None for f in folders.values())
+    assert all(VllmServer(f).state is None for f in folders.values())
     assert os.environ.get(ENV) is None  # only the fp8 server's environment held it

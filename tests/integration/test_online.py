@@ -253,7 +253,8 @@ def test_online_training_killed_mid_run_resumes_with_no_hidden_states_left(tmp_p
     from eyrie.stages.preflight import run_preflight
     from eyrie.stages.prepare import load_seq_lens, prepare
     from eyrie.stages.vocab import build_vocab, mapping_paths
-    from eyrie.vllm.server import ServerSpec, VllmServer
+    from eyrie.vllm.process import VllmServer
+    from eyrie.vllm.spec import ServerSpec
 
     monkeypatch.setenv("EYRIE_ONLINE_TMPFS", "/dev/shm" if on_tmpfs(Path("/dev/shm")) else str(tmp_path / "shm"))
     target = build_tiny_target("tiny-llama")

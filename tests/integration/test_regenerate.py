@@ -19,7 +19,8 @@ from eyrie.errors import RegenerationError
 from eyrie.run.folder import RunFolder, read_json
 from eyrie.stages.prepare import _render, iter_eval_prompts, load_dataset_rows, load_shards, prepare
 from eyrie.stages.regenerate import RegenerationPlan, shard_paths, shared_tokenizer
-from eyrie.vllm.server import ServerClient, VllmServer
+from eyrie.vllm.client import ServerClient
+from eyrie.vllm.process import VllmServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.usefixtures("flow_api")]
 

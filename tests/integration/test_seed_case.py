@@ -25,7 +25,8 @@ from eyrie.stages.extract import _wait_and_release, load_checked
 from eyrie.stages.preflight import run_preflight
 from eyrie.stages.prepare import tokenize_conversation
 from eyrie.vllm.plugin import HIDE_EAGLE3
-from eyrie.vllm.server import ExtractionServer, ServerSpec
+from eyrie.vllm.process import VllmServer
+from eyrie.vllm.spec import ServerSpec
 
 OLD_VLLM = "KimiK25ForConditionalGeneration,DeepseekV3ForCausalLM"
 
@@ -64,7 +65,7 @@ def test_kimi_through_the_compatibility_layer_matches_transformers(old_vllm, tin
         tensor_parallel_size=2,
     )
     try:
-        client = ExtractionServer(folder).ensure(spec, startup_timeout_s=800, log=lambda *_: None)
+        client = VllmServer(folder).ensure(spec, startup_timeout_s=800, log=lambda *_: None)
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(tiny_kimi))

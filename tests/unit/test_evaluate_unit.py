@@ -76,7 +76,7 @@ def test_the_sweep_takes_its_acceptance_from_its_throughput_traffic():
     from contextlib import contextmanager
 
     from eyrie.stages.evaluate import draft_token_report
-    from eyrie.vllm.server import ServerSpec
+    from eyrie.vllm.spec import ServerSpec
 
     class Fake:
         def __init__(self, drafting: bool):

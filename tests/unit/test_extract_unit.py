@@ -28,7 +28,7 @@ from eyrie.stages.extract import (
 )
 from eyrie.stages.prepare import load_dataset_rows, load_shards, prepare
 from eyrie.vllm.plugin import CONNECTOR_NAME
-from eyrie.vllm.server import ServerSpec
+from eyrie.vllm.spec import ServerSpec
 
 LAYERS, HIDDEN = 4, 8
 
@@ -620,7 +620,7 @@ def fake_vllm(tmp_path):
 def test_server_client_extracts_on_one_asyncio_session(prepared, tmp_path, fake_vllm):
     """ServerClient's own path (async_extractor): every sample sent with the API key, answered, checked and vouched
     for; an answer echoing other prompt ids fails the shard, and no manifest vouches for it."""
-    from eyrie.vllm.server import ServerClient
+    from eyrie.vllm.client import ServerClient
 
     client = ServerClient(fake_vllm["url"], "secret", 10)
     shard, hidden, manifest, m = _run(prepared, tmp_path, client)

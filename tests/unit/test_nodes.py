@@ -13,8 +13,8 @@ from conftest import REPO
 
 from eyrie.errors import ExtractionError
 from eyrie.ops.status import format_status, run_status
-from eyrie.run.folder import RunFolder, atomic_write_json
-from eyrie.vllm.server import ExtractionServer, node_name, server_folder, server_folders
+from eyrie.run.folder import RunFolder, atomic_write_json, node_name, server_folder, server_folders
+from eyrie.vllm.process import VllmServer
 
 
 def test_node_name_and_folders(tmp_path, monkeypatch):
@@ -53,7 +53,7 @@ def test_a_server_recorded_by_another_host_is_never_signalled(tmp_path):
         folder / "server.json",
         {"pid": os.getpid(), "host": "127.0.0.1", "port": 1, "fingerprint": "x", "hostname": "some-other-host"},
     )
-    server = ExtractionServer(folder)
+    server = VllmServer(folder)
     assert not server.healthy()
     assert server.stop(log=lambda *_: None) is False
     assert (folder / "server.json").exists()  # left for its own host to stop

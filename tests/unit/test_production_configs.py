@@ -119,7 +119,7 @@ def test_kimi_preset_runs_what_is_known_to_work(monkeypatch):
 
     from eyrie.config import load_config
     from eyrie.stages.preflight import check_vllm_version, parse_server_arguments, serve_parser
-    from eyrie.vllm.server import ServerSpec
+    from eyrie.vllm.spec import ServerSpec
 
     config = load_config(KIMI_PRESET)
     assert serve_parser() is not None, "the installed vLLM's `vllm serve` parser was not found"

@@ -35,8 +35,9 @@ from eyrie.stages.regenerate import (
     stage_key,
 )
 from eyrie.target.metadata import load_tokenizer
+from eyrie.vllm.client import ServerClient
 from eyrie.vllm.plugin import SKIP_HIDDEN_STATES
-from eyrie.vllm.server import GENERATION_CACHE_SALT, ServerClient
+from eyrie.vllm.spec import GENERATION_CACHE_SALT
 
 TWO_TURNS = [
     {"role": "system", "content": "Be brief."},
@@ -426,7 +427,7 @@ def canned():
 
 
 def test_client_request_and_error_mapping(canned, monkeypatch):
-    monkeypatch.setattr("eyrie.vllm.server.time.sleep", lambda s: None)
+    monkeypatch.setattr("eyrie.vllm.process.time.sleep", lambda s: None)
     handler, url = canned
     ok = {"choices": [{"token_ids": [7, 8, 2], "finish_reason": "stop", "prompt_token_ids": [1, 2]}]}
     handler.replies = [(500, {"error": "busy"}), (200, ok)]

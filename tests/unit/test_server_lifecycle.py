@@ -24,20 +24,12 @@ from pathlib import Path
 
 import pytest
 
-import eyrie.vllm.server as server_mod
+import eyrie.vllm.process as server_mod
 from eyrie.errors import ExtractionError
 from eyrie.ops.status import format_status, run_status
 from eyrie.run.folder import RunFolder, atomic_write_json, read_json
-from eyrie.vllm.server import (
-    HEALTH_PROBES,
-    ExtractionSpec,
-    ServerSpec,
-    ServingSpec,
-    VllmServer,
-    _alive,
-    _group_members,
-    free_port,
-)
+from eyrie.vllm.process import HEALTH_PROBES, VllmServer, _alive, _group_members
+from eyrie.vllm.spec import ExtractionSpec, ServerSpec, ServingSpec, free_port
 from flows.cli import main
 
 # Listens only after --delay seconds, as vLLM does once its target is loaded; /health fails the next N probes when

@@ -28,7 +28,7 @@ import openai
 from hs_connectors import transfer
 from speculators.train.data import ArrowDataset
 
-SERVED_MODEL_NAME = "target"  # eyrie.vllm.server.ServerSpec.arguments: --served-model-name target
+SERVED_MODEL_NAME = "target"  # eyrie.vllm.spec.ServerSpec.arguments: --served-model-name target
 
 
 def wait_for_lock(lock_path: str, timeout: float = 10.0, poll_interval: float = 0.002) -> None:

