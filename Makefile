@@ -49,6 +49,11 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy eyrie
+	@# The layering (pyproject's [tool.importlinter]): no import circle, no arrow upwards, no Prefect in the core.
+	$(VENV)/bin/lint-imports
+	@# The docs: the configuration reference is current, and the site builds with no broken link (into .cache/site).
+	$(PY) -m eyrie.ops.config_reference --check
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -x -v tests/unit

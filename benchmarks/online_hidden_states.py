@@ -66,11 +66,11 @@ def main() -> None:
     args = ap.parse_args()
 
     from eyrie.config import load_config
+    from eyrie.hidden_states.staging import leftover_bytes, staging_dir
     from eyrie.run.folder import RunFolder
     from eyrie.stages.preflight import run_preflight
     from eyrie.stages.prepare import load_seq_lens
     from eyrie.stages.regenerate import extraction_source
-    from eyrie.stages.train.online import leftover_bytes, staging_dir
     from eyrie.stages.train.trainer import run_training
     from eyrie.stages.vocab import mapping_paths
     from eyrie.vllm.process import VllmServer

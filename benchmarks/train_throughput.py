@@ -4,7 +4,7 @@ At Kimi-K2.5 dimensions (hidden 7168, target vocabulary 163840, draft vocabulary
 this builds a synthetic run folder in the layout Eyrie's stages write, then measures, in one run:
 
   step    the bare model step: speculators' Eagle3DraftModel at the draft geometry Eyrie builds
-          (`eyrie.stages.train.trainer.draft_layer_config`), bf16 weights, fused AdamW, flex attention, eager loss,
+          (`eyrie.target.drafter.draft_layer_config`), bf16 weights, fused AdamW, flex attention, eager loss,
           synthetic
           GPU-resident inputs (as ../shared/bench/eagle3_train_step.py). `--master fp32 --clip --opt X` gives the
           trainer's own math (fp32 weights under bf16 autocast, gradient clipping, optimizer X) on the same inputs;
@@ -298,7 +298,7 @@ def load(root: Path):
 
 
 def draft_geometry(root: Path) -> dict:
-    from eyrie.stages.train.trainer import draft_layer_config
+    from eyrie.target.drafter import draft_layer_config
 
     config, _ = load(root)
     c = draft_layer_config(config.target, config.train.num_layers)
@@ -345,7 +345,7 @@ def cmd_step(args) -> dict:
     from speculators.models.eagle3.core import Eagle3DraftModel
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
-    from eyrie.stages.train.trainer import draft_layer_config
+    from eyrie.target.drafter import draft_layer_config
 
     if args.eyrie_patches:  # eyrie.stages.train.entry's changes to the model's step: no data-dependent syncs
         import eyrie.stages.train.entry as entry
@@ -419,6 +419,22 @@ def cmd_step(args) -> dict:
         working = entry._WorkingWeights(model, torch.bfloat16)
     timing = {"fwd": 0.0, "bwd": 0.0, "opt": 0.0}
 
+    def borrow(variant: str) -> None:
+        """The tensors the drafter borrows from the target (embedding, both heads). Built bare, speculators fills
+        them with NaN until load_verifier_weights reads the target's: every step then computes on NaN (the
+        loss, all gradients and, after one AdamW step, every weight), bit patterns that toggle nothing and draw
+        far less power. `finite` puts in what the synthetic target's files hold (normal, std 0.02), as the
+        trainer's model has; `nan` keeps speculators' placeholder, the bare step as it was first measured."""
+        g = torch.Generator(device=dev).manual_seed(3)
+        with torch.no_grad():
+            for w in (model.embed_tokens.weight, model.verifier_lm_head.weight, model.lm_head.weight):
+                if variant == "nan":
+                    w.fill_(float("nan"))
+                else:
+                    w.copy_(torch.randn(w.shape, device=dev, generator=g) * 0.02)
+        if working is not None:
+            working.copied = [False] * len(working.params)  # frozen working copies are made once: again
+
     def step(profile: bool = False):
         t = time.perf_counter()
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=amp):
@@ -452,9 +468,30 @@ def cmd_step(args) -> dict:
         if profile:
             sync()
             timing["opt"] += time.perf_counter() - t
+        return loss.detach()
 
+    variants = (args.verifier_weights or "finite").split(",")
+    out = {}
+    for variant in variants:
+        borrow(variant)
+        for k in timing:
+            timing[k] = 0.0
+        out[variant] = step_variant(args, variant, step, sync, timing, dev)
+    rec = None
+    for variant in variants:
+        shape = dict(tl=tl, T=T, DOC=DOC, TTT=TTT, fused=fused, trainable=trainable, dev=dev, working=working, H=H)
+        rec = finish_step_record(args, out[variant], variant, shape)
+    return rec
+
+
+def step_variant(args, variant: str, step, sync, timing: dict, dev: str) -> dict:
+    """Warm-up, the timed steps with the GPU sampled, the synchronised phase pass and (--profile) a
+    torch.profiler window with its kernel tables, for one setting of the borrowed tensors."""
+    import torch
+
+    tag = args.tag + ("" if variant == "finite" else f"-{variant}")
     t_build = time.perf_counter()
-    for _ in range(3):  # includes torch.compile
+    for _ in range(3):  # the first variant's includes torch.compile
         step()
     sync()
     t_warm = time.perf_counter() - t_build
@@ -463,8 +500,9 @@ def cmd_step(args) -> dict:
     sampler = GpuSampler()  # clocks and power over the timed steps, as for the trainer's window
     sampler.start()
     t0, w0 = time.perf_counter(), time.time()
+    loss = None
     for _ in range(args.iters):
-        step()
+        loss = step()
     sync()
     dt = (time.perf_counter() - t0) / args.iters
     sampler.stop.set()
@@ -472,9 +510,45 @@ def cmd_step(args) -> dict:
     n_prof = max(1, args.iters // 4)
     for _ in range(n_prof):  # phases, each synchronised (a separate pass so the rate above is unperturbed)
         step(profile=True)
+    res = {
+        "tag": tag,
+        "t_warm": t_warm,
+        "dt": dt,
+        "gpu": gpu,
+        "n_prof": n_prof,
+        "phase_ms": {k: round(v / n_prof * 1000, 1) for k, v in timing.items()},
+        "loss_finite": bool(torch.isfinite(loss).item()) if loss is not None else None,
+        "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev == "cuda" else None,
+    }
+    if args.profile and dev == "cuda":  # the same analysis as the trainer's profiled window
+        n = int(args.profile.split(",")[-1])
+        probe = ClockProbe()
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof:
+            probe.start()
+            for _ in range(n):
+                step()
+            sync()
+        clocks = probe.summary()
+        trace = Path(args.log_dir) / f"trace_step_{tag or 'step'}.json"
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
+        res["profile"] = {"steps": n, **analyse_trace(trace)}
+        res["profile"].update(write_profile_tables(prof, trace, n, trace.parent, f"step_{tag or 'step'}", clocks))
+        gzip_trace(trace)
+    return res
+
+
+def finish_step_record(args, res: dict, variant: str, scope: dict) -> dict:
+    tl, T, DOC, TTT, fused, trainable = (scope[k] for k in ("tl", "T", "DOC", "TTT", "fused", "trainable"))
+    dev, working, H = scope["dev"], scope["working"], scope["H"]
+    dt, gpu = res["dt"], res["gpu"]
     rec = {
         "what": "step",
-        "tag": args.tag,
+        "tag": res["tag"],
+        "verifier_weights": variant,
+        "loss_finite": res["loss_finite"],
         "draft": {
             "hidden": H,
             "heads": tl.num_attention_heads,
@@ -491,32 +565,23 @@ def cmd_step(args) -> dict:
         "master": args.master,
         "clip": args.clip,
         "trainable_params_M": round(sum(p.numel() for p in trainable) / 1e6, 1),
-        "warmup_3_steps_s": round(t_warm, 1),
+        "warmup_3_steps_s": round(res["t_warm"], 1),
         "step_ms": round(dt * 1000, 1),
         "tokens_per_s": round(T / dt),
-        "phase_ms": {k: round(v / n_prof * 1000, 1) for k, v in timing.items()},
-        "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev == "cuda" else None,
+        "phase_ms": res["phase_ms"],
+        "peak_mem_GiB": res["peak_mem_GiB"],
     }
     rec["trainer_norms"] = args.trainer_norms
     rec["shifted_docs"] = args.shifted_docs
     rec["eyrie_patches"] = args.eyrie_patches
     rec["bf16_weights"] = working is not None
     rec["gpu"] = gpu
+    if gpu and gpu.get("energy_W"):
+        rec["joules_per_step"] = round(gpu["energy_W"] * dt, 2)
     if dev == "cuda":
         rec["sync_probe"] = sync_probe()
-    if args.profile and dev == "cuda":  # the same analysis as the trainer's profiled window
-        n = int(args.profile.split(",")[-1])
-        with torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        ) as prof:
-            for _ in range(n):
-                step()
-            sync()
-        trace = Path(args.log_dir) / f"trace_step_{args.tag or 'step'}.json"
-        trace.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(trace))
-        rec["profile"] = {"steps": n, **analyse_trace(trace)}
-        gzip_trace(trace)
+    if "profile" in res:
+        rec["profile"] = res["profile"]
     return emit(args, rec)
 
 
@@ -547,10 +612,14 @@ class GpuSampler(threading.Thread):
         super().__init__(daemon=True)
         self.period, self.samples, self.stop = period, [], threading.Event()
         self.cpu: list = []
+        self.energy: list = []  # (time, mJ since the driver loaded)
 
     def run(self) -> None:
         q = "utilization.gpu,power.draw,memory.used,clocks.sm"
         while not self.stop.is_set():
+            e = gpu_energy_mj()
+            if e is not None:
+                self.energy.append((time.time(), e))
             try:
                 r = subprocess.run(
                     ["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader,nounits"],
@@ -576,7 +645,32 @@ class GpuSampler(threading.Thread):
         c = [v for t, v in self.cpu if t0 <= t <= t1 and v]
         if len(c) >= 2:  # all cores together, from /proc/stat
             out["cpu_busy_frac"] = round((c[-1][0] - c[0][0]) / max(1, c[-1][1] - c[0][1]), 3)
+        e = [(t, v) for t, v in self.energy if t0 <= t <= t1]
+        if len(e) >= 2 and e[-1][0] > e[0][0]:  # the GPU's own energy counter: mean power, exactly
+            out["energy_W"] = round((e[-1][1] - e[0][1]) / 1000 / (e[-1][0] - e[0][0]), 1)
         return out
+
+
+_NVML: list = []
+
+
+def gpu_energy_mj() -> float | None:
+    """GPU 0's energy counter (millijoules since the driver loaded), through NVML; None where there is none."""
+    if not _NVML:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            _NVML.append((pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)))
+        except Exception:  # noqa: BLE001  (no NVML or no GPU: a CPU check)
+            _NVML.append(None)
+    if _NVML[0] is None:
+        return None
+    nvml, handle = _NVML[0]
+    try:
+        return float(nvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+    except Exception:  # noqa: BLE001  (a GPU without the counter)
+        return None
 
 
 def cpu_times() -> tuple[int, int] | None:
@@ -858,6 +952,154 @@ def _bench_entry(argv: list[str]) -> None:
     entry.main(argv)
 
 
+def kernel_kind(name: str, cat: str) -> str:
+    n = name.lower()
+    if cat != "kernel":
+        return cat + (" HtoD" if "htod" in n else " DtoH" if "dtoh" in n else " DtoD" if "dtod" in n else "")
+    for k, pats in (
+        ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90")),
+        ("flex attention", ("flex", "triton_tem")),
+        ("fused adam", ("fused_adam", "fusedadam")),
+        ("foreach (clip, zero)", ("multi_tensor", "foreach")),
+        ("triton fused", ("triton",)),
+    ):
+        if any(x in n for x in pats):
+            return k
+    return "other"
+
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def family(name: str) -> str:
+    """A kernel's name less what differs between two compilations of the same code: Inductor numbers its kernels
+    per graph (triton_tem_fused_flex_attention_3 in one, _4 in another)."""
+    return re.sub(r"_\d+$", "", name) if name.startswith("triton_") else name
+
+
+class ClockProbe(threading.Thread):
+    """GPU 0's SM clock, sampled every 20 ms through NVML, and its energy counter at the start and the end: what
+    the GPU ran at while a profiled window ran (kernel times scale with the clock)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.stop, self.clocks, self.t0, self.e0 = threading.Event(), [], time.time(), gpu_energy_mj()
+
+    def run(self) -> None:
+        while not self.stop.is_set() and _NVML and _NVML[0] is not None:
+            nvml, handle = _NVML[0]
+            try:
+                self.clocks.append(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM))
+            except Exception:  # noqa: BLE001
+                return
+            self.stop.wait(0.02)
+
+    def summary(self) -> dict:
+        self.stop.set()
+        out: dict = {"sm_clock_MHz": round(sum(self.clocks) / len(self.clocks)) if self.clocks else None}
+        e1, dt = gpu_energy_mj(), time.time() - self.t0
+        if self.e0 is not None and e1 is not None and dt > 0:
+            out["energy_W"] = round((e1 - self.e0) / 1000 / dt, 1)
+        return out
+
+
+def kernel_table(trace: Path, steps: int) -> dict:
+    """Every GPU kernel, copy and memset of a profiled window by full name: launches and milliseconds per step."""
+    events = json.loads(trace.read_text()).get("traceEvents", [])
+    rows: dict[str, list] = {}
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e and e.get("cat") in GPU_CATS:
+            row = rows.setdefault(e.get("name", "?"), [kernel_kind(e.get("name", ""), e["cat"]), 0, 0.0])
+            row[1] += 1
+            row[2] += float(e["dur"]) / 1000
+    table = sorted(([n, k, c / steps, ms / steps] for n, (k, c, ms) in rows.items()), key=lambda r: -r[3])
+    return {
+        "steps": steps,
+        "gpu_ms_per_step": round(sum(r[3] for r in table), 3),
+        "rows": [[n, k, round(c, 2), round(ms, 4)] for n, k, c, ms in table],
+    }
+
+
+def key_averages_table(prof) -> str:
+    """torch.profiler's own table of the window, by GPU time (the sort key's name differs between versions)."""
+    averages = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total", "device_time_total", "cuda_time_total"):
+        try:
+            return averages.table(sort_by=key, row_limit=120, max_name_column_width=110)
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return averages.table(row_limit=120)
+
+
+def write_profile_tables(prof, trace: Path, steps: int, out_dir: Path, name: str, clocks: dict) -> dict:
+    """kernels_<name>.json (kernel_table, with the window's clock and power) and keyavg_<name>.txt (key_averages)
+    in out_dir: what `compare` reads. Returns the window's totals."""
+    table = {"name": name, "clocks": clocks, **kernel_table(trace, steps)}
+    (out_dir / f"kernels_{name}.json").write_text(json.dumps(table, indent=0) + "\n")
+    try:
+        (out_dir / f"keyavg_{name}.txt").write_text(key_averages_table(prof) + "\n")
+    except Exception as err:  # noqa: BLE001  (the kernel table above is the comparison's input anyway)
+        (out_dir / f"keyavg_{name}.txt").write_text(f"key_averages failed: {err}\n")
+    return {"tables": f"kernels_{name}.json", "gpu_ms_per_step": table["gpu_ms_per_step"], "clocks": clocks}
+
+
+def compare_tables(a: dict, b: dict, top: int = 40) -> tuple[dict, str]:
+    """Kernel by kernel, b against a, per step: by kind, by family (Inductor's numbering removed) and by name.
+    With both windows' SM clocks known, b's time is also given at a's clock (times scaled by clock_b / clock_a,
+    right for kernels bound by the clock, such as matrix products), which separates more work from a slower GPU."""
+    ca, cb = (a.get("clocks") or {}).get("sm_clock_MHz"), (b.get("clocks") or {}).get("sm_clock_MHz")
+    scale = cb / ca if ca and cb else None
+
+    def group(t: dict, key) -> dict:
+        out: dict = {}
+        for n, k, c, ms in t["rows"]:
+            g = out.setdefault(key(n, k), [0.0, 0.0])
+            g[0] += c
+            g[1] += ms
+        return out
+
+    sections = {}
+    lines = [
+        f"{b['name']} against {a['name']}, per step: GPU time {b['gpu_ms_per_step']:.2f} vs {a['gpu_ms_per_step']:.2f} ms"
+        f" (SM clock {cb} vs {ca} MHz; energy {b.get('clocks', {}).get('energy_W')} vs"
+        f" {a.get('clocks', {}).get('energy_W')} W)"
+    ]
+    if scale:
+        lines.append(f"{b['name']} at {a['name']}'s clock: {b['gpu_ms_per_step'] * scale:.2f} ms")
+    for title, key, limit in (
+        ("kind", lambda n, k: k, None),
+        ("family", lambda n, k: family(n)[:100], top),
+        ("name", lambda n, k: n[:100], top),
+    ):
+        ga, gb = group(a, key), group(b, key)
+        rows = []
+        for k in set(ga) | set(gb):
+            (na, ma), (nb, mb) = ga.get(k, [0.0, 0.0]), gb.get(k, [0.0, 0.0])
+            rows.append([k, round(na, 2), round(nb, 2), round(ma, 3), round(mb, 3), round(mb - ma, 3)])
+            if scale:
+                rows[-1].append(round(mb * scale - ma, 3))
+        rows.sort(key=lambda r: -abs(r[5]))
+        sections[title] = rows[:limit] if limit else rows
+        head = f"{'by ' + title:<102} {'n/step a':>9} {'b':>7} {'ms a':>8} {'ms b':>8} {'b-a':>8}"
+        lines += ["", head + (f" {'b@clk a':>8}" if scale else "")]
+        for r in sections[title]:
+            lines.append(
+                f"{r[0]:<102} {r[1]:>9} {r[2]:>7} {r[3]:>8.3f} {r[4]:>8.3f} {r[5]:>8.3f}"
+                + (f" {r[6]:>8.3f}" if scale else "")
+            )
+    return {"a": a["name"], "b": b["name"], "clock_scale_b_to_a": scale, **sections}, "\n".join(lines)
+
+
+def cmd_compare(args) -> dict:
+    a, b = (json.loads(Path(x).read_text()) for x in args.compare)
+    record, text = compare_tables(a, b)
+    print(text, flush=True)
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.log_dir) / f"compare_{b['name']}_vs_{a['name']}.txt").write_text(text + "\n")
+    return emit(args, {"what": "compare", **record})
+
+
 def analyse_trace(path: Path, gap_ms: float = 0.3) -> dict:
     """Where a torch.profiler window's time went on the GPU: the span from the first to the last GPU activity,
     the time some kernel or copy ran (busy), kernel time by kind, the largest kernels, and the GPU's idle gaps with
@@ -883,26 +1125,11 @@ def analyse_trace(path: Path, gap_ms: float = 0.3) -> dict:
     busy += cur_e - cur_s
     span = max(e for _, e, _ in gpu) - gpu[0][0]
 
-    def kind(name: str, cat: str) -> str:
-        n = name.lower()
-        if cat != "kernel":
-            return cat + (" HtoD" if "htod" in n else " DtoH" if "dtoh" in n else " DtoD" if "dtod" in n else "")
-        for k, pats in (
-            ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90")),
-            ("flex attention", ("flex", "triton_tem")),
-            ("fused adam", ("fused_adam",)),
-            ("foreach (clip, zero)", ("multi_tensor", "foreach")),
-            ("triton fused", ("triton",)),
-        ):
-            if any(x in n for x in pats):
-                return k
-        return "other"
-
     by_kind: dict[str, float] = {}
     by_name: dict[str, list] = {}
     streams: dict[str, float] = {}
     for s, e, ev in gpu:
-        k = kind(ev.get("name", ""), ev["cat"])
+        k = kernel_kind(ev.get("name", ""), ev["cat"])
         by_kind[k] = by_kind.get(k, 0.0) + (e - s)
         row = by_name.setdefault(ev.get("name", "?")[:90], [0, 0.0])
         row[0] += 1

@@ -18,10 +18,10 @@ from eyrie.run.manifest import done
 from eyrie.stages import UNTIL
 from eyrie.stages.evaluate import draft_tokens_key, evaluate_key, gap_warning
 from eyrie.stages.export import export_key
+from eyrie.stages.extract import online_plan
 from eyrie.stages.prepare import is_hub_source, iter_eval_prompts, load_seq_lens
 from eyrie.stages.promote import choose_base, current_version
 from eyrie.stages.regenerate import extraction_source
-from eyrie.stages.train.online import online_plan
 from eyrie.stages.train.trainer import train_key, untrained_key
 from eyrie.stages.vocab import mapping_paths, vocab_key
 from eyrie.target.hub import pin_revisions

@@ -32,6 +32,7 @@ from eyrie.errors import DiskFullError, ExtractionError
 from eyrie.hidden_states.encoding import BFLOAT16, FP8, check_encoding
 from eyrie.hidden_states.encoding import ENV as HIDDEN_STATES_DTYPE_ENV
 from eyrie.hidden_states.packs import FILES, PACKED, pack_name, remove_overlapping, shard_entries, write_pack
+from eyrie.hidden_states.staging import staging_dir
 from eyrie.run.faults import fault_point
 from eyrie.run.folder import (
     atomic_write_json,
@@ -41,8 +42,8 @@ from eyrie.run.folder import (
     sha256_file,
     sha256_json,
 )
-from eyrie.stages.prepare import Shard, load_dataset_rows
-from eyrie.stages.train.online import staging_dir
+from eyrie.stages.preflight import PreflightReport
+from eyrie.stages.prepare import Shard, load_dataset_rows, load_shards
 from eyrie.target.metadata import target_identity
 
 
@@ -653,3 +654,10 @@ class ExtractionPlan:
 
     def pending(self, rehash_changed: bool = False) -> list[Shard]:
         return [s for s in self.shards if not self.is_complete(s, rehash_changed)]
+
+
+def online_plan(config, run, report: dict, data_dir: Path):
+    """What online training needs from extraction, with nothing extracted: the shard keys extraction would give
+    (target identity, captured layers, shard fingerprint: the train key's data keys), the extraction server's spec
+    (its storage path on tmpfs, see `ExtractionPlan.staging`) and its folder."""
+    return ExtractionPlan(config, run, PreflightReport(**report), load_shards(data_dir))

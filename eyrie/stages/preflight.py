@@ -29,7 +29,7 @@ from eyrie.config import PipelineConfig
 from eyrie.errors import PreflightError
 from eyrie.hidden_states.encoding import check_config as check_hidden_states_dtype
 from eyrie.stages.promote import check_base, current_version
-from eyrie.stages.train.trainer import draft_layer_config
+from eyrie.target.drafter import draft_layer_config
 from eyrie.target.metadata import (
     TargetError,
     checkpoint_tensor_names,

@@ -22,18 +22,9 @@ from conftest import build_tiny_target, config_dict, register_server_folder, sto
 
 from eyrie.config import TrainConfig, parse_config
 from eyrie.errors import ConfigError, EyrieError
+from eyrie.hidden_states.staging import clean, filesystem_type, leftover_bytes, on_tmpfs, staging_dir
 from eyrie.run.folder import sha256_json
-from eyrie.stages.train.online import (
-    API_KEY_ENV_FLAG,
-    CONCURRENCY_FLAG,
-    ONLINE_FLAG,
-    clean,
-    endpoint,
-    filesystem_type,
-    leftover_bytes,
-    on_tmpfs,
-    staging_dir,
-)
+from eyrie.stages.train.online import API_KEY_ENV_FLAG, CONCURRENCY_FLAG, ONLINE_FLAG, endpoint
 from eyrie.stages.train.trainer import run_training, train_key, training_command
 
 

@@ -14,7 +14,7 @@ from conftest import REPO, config_dict
 
 from eyrie.config import parse_config
 from eyrie.stages.preflight import run_preflight
-from eyrie.stages.train.trainer import draft_layer_config
+from eyrie.target.drafter import draft_layer_config
 from eyrie.target.tiny.tokenizer import build_tokenizer
 
 FIXTURES = REPO / "tests" / "fixtures" / "production"

@@ -18,14 +18,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from eyrie.config import PipelineConfig, TargetConfig
+from eyrie.config import PipelineConfig
 from eyrie.errors import EyrieError
+from eyrie.hidden_states.staging import clean, leftover_bytes, on_tmpfs
 from eyrie.run.folder import atomic_write_json, read_json, sha256_json
 from eyrie.run.manifest import done, files_under, list_files
 from eyrie.stages.train.checkpoints import is_whole, newest_whole_checkpoint, recover
-from eyrie.stages.train.online import clean, leftover_bytes, on_tmpfs, online_args
+from eyrie.stages.train.online import online_args
 from eyrie.stages.train.validation import PLATEAU, epoch_validation, history, like_for_like_metrics, still_improving
-from eyrie.target.metadata import context_limit, load_hf_config, read_target_config, target_identity, text_config
+from eyrie.target.drafter import draft_layer_config
+from eyrie.target.metadata import target_identity
 
 
 def resolve_device(config: PipelineConfig) -> str:
@@ -73,46 +75,6 @@ def steps_per_epoch(seq_lens: list[int], total_seq_len: int, train_ratio: float)
     """Approximate packed batches per epoch (speculators packs samples up to total_seq_len tokens)."""
     n = int(len(seq_lens) * train_ratio)
     return max(1, math.ceil(sum(min(s, total_seq_len) for s in seq_lens[:n]) / total_seq_len))
-
-
-def draft_layer_config(target: TargetConfig, num_layers: int):
-    """The drafter's decoder: a Llama layer (what vLLM's EAGLE-3 drafter runs) shaped by the target's width.
-
-    Eyrie always writes it out rather than leave speculators to copy Llama-only fields (num_key_value_heads,
-    rms_norm_eps, hidden_act) from the target's config: GPT-2, GPT-NeoX or MLA configs lack some, and a Gemma's
-    GELU would give a drafter vLLM's Llama layer cannot run. Preflight builds it too, so a target it cannot be
-    built for is refused before extraction. Attention shape follows speculators (the target's head_dim if set).
-    """
-    from speculators.models.utils import resolve_draft_intermediate_size
-    from transformers import LlamaConfig
-
-    v = load_hf_config(target).get_text_config()
-    hidden, heads = v.hidden_size, v.num_attention_heads
-    if hidden % heads and "head_dim" not in text_config(read_target_config(target)):
-        raise ValueError(
-            f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} and config.json "
-            "gives no head_dim, so no attention width fits the target's hidden size"
-        )
-    kv = getattr(v, "num_key_value_heads", None) or heads
-    head_dim = getattr(v, "head_dim", None) or hidden // heads
-    theta = (getattr(v, "rope_parameters", None) or {}).get("rope_theta") or getattr(v, "rope_theta", None)
-    eps = next(
-        (e for e in (getattr(v, k, None) for k in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")) if e), 1e-6
-    )
-    return LlamaConfig(
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_key_value_heads=kv if heads % kv == 0 else heads,
-        head_dim=head_dim,
-        intermediate_size=resolve_draft_intermediate_size(v),
-        vocab_size=v.vocab_size,
-        num_hidden_layers=num_layers,
-        hidden_act="silu",
-        rms_norm_eps=eps,
-        max_position_embeddings=context_limit(v.to_dict()) or 2048,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": float(theta or 10000.0)},
-    )
 
 
 def training_command(
