@@ -27,42 +27,43 @@ import torch
 from safetensors.torch import load as load_bytes
 from safetensors.torch import load_file
 
-from eyrie import FORMAT_VERSION
 from eyrie.errors import DiskFullError, ExtractionError
+from eyrie.hidden_states.check import check_shard, record_context
 from eyrie.hidden_states.encoding import BFLOAT16, FP8, check_encoding
-from eyrie.hidden_states.encoding import ENV as HIDDEN_STATES_DTYPE_ENV
 from eyrie.hidden_states.packs import FILES, PACKED, pack_name, remove_overlapping, shard_entries, write_pack
 from eyrie.hidden_states.staging import staging_dir
 from eyrie.run.faults import fault_point
 from eyrie.run.folder import (
+    answered_file,
     atomic_write_json,
     fsync_path,
     read_json,
     sample_path,
     sha256_file,
-    sha256_json,
 )
 from eyrie.stages.preflight import PreflightReport
 from eyrie.stages.prepare import Shard, load_dataset_rows, load_shards
-from eyrie.target.metadata import target_identity
 
 
-def shard_key(
-    target_id: str, captured_ids: list[int], shard: Shard, hidden_states_dtype: str = BFLOAT16, storage: str = FILES
-) -> str:
-    """The identity of a shard's output: what it ran on, what it captured, what it read, how it is stored."""
-    key = {
-        "target": target_id,
-        "layers": captured_ids,
-        "shard": shard.fingerprint,
-        "rows": [shard.start, shard.stop],
-        "format": FORMAT_VERSION,
-    }
-    if hidden_states_dtype != BFLOAT16:  # absent for bfloat16, so keys (and finished shards) from before it stay
-        key["hidden_states_dtype"] = hidden_states_dtype
-    if storage != FILES:  # the same: absent for files
-        key["storage"] = storage
-    return sha256_json(key)[:16]
+def content_key(config, captured_ids: list[int], shard: Shard) -> str:
+    """A shard's hidden states by content (`eyrie.run.identity.STAGES["extract"]`): what the target computes
+    (weights, dtype, output-shaping server arguments), what is captured, which rows, how values are encoded. What
+    training keys on: the same hidden states laid out another way train the same drafter."""
+    from eyrie.target.metadata import stage_key as keyed
+
+    return keyed(
+        "extract",
+        config,
+        captured=list(captured_ids),
+        shard={"fingerprint": shard.fingerprint, "rows": [shard.start, shard.stop]},
+    )
+
+
+def shard_key(content: str, config) -> str:
+    """The shard's manifest key: its content key and the storage layout (`STAGES["extract.layout"]`)."""
+    from eyrie.target.metadata import stage_key as keyed
+
+    return keyed("extract.layout", config, content=content)
 
 
 def check_sample(
@@ -444,7 +445,11 @@ def extract_shard(
     finishing: list[tuple[int, Future]] = []
 
     def finish(idx: int, ids: list[int], src: str) -> None:
+        # Moved and deleted below: only a file in this run's staging folders (eyrie.run.folder.answered_file).
+        what = f"{shard.name}: sample {idx}"
+        answered_file(src, hidden_dir.parent, hidden_dir, what, written=False)
         _wait_and_release(src)
+        answered_file(src, hidden_dir.parent, hidden_dir, what)
         try:
             rec = checked_record(Path(src), ids, num_layers, hidden_size, hidden_states_dtype)
         except ValueError as err:
@@ -517,6 +522,7 @@ def extract_shard(
         for idx, _ in todo:
             fsync_path(sample_path(hidden_dir, idx))
         fsync_path(hidden_dir)
+    check_shard(hidden_dir, manifest_path, prepare_dir, shard, log=log)  # the capture proof, before the manifest
     files = {}
     if storage == PACKED:
         # Every sample's file is checked (kept ones above, new ones as they arrived) and on disk: copied into one pack
@@ -610,19 +616,15 @@ class ExtractionPlan:
         self.server_dir = server_folder(run.extract, node)
         self.captured_ids = report.captured_layer_ids
         self.hidden_size = report.hidden_size
-        tid = target_identity(config.target)
         self.hidden_states_dtype = config.extraction.hidden_states_dtype
         self.storage = config.extraction.storage
         self.node = node
         self.online = config.train.hidden_states == "online"
-        self.keys = {
-            s.name: shard_key(tid, self.captured_ids, s, self.hidden_states_dtype, self.storage) for s in shards
-        }
+        # What training keys on (content), and what a shard's manifest records (content and layout).
+        self.data_keys = {s.name: content_key(config, self.captured_ids, s) for s in shards}
+        self.keys = {name: shard_key(k, config) for name, k in self.data_keys.items()}
         self.spec = ServerSpec.for_extraction(config, self.captured_ids, str(self.staging))
-        if self.hidden_states_dtype != BFLOAT16:
-            # The connector reads it from its environment; bfloat16 sets nothing, so servers from before keep their
-            # identity (and are reused).
-            self.spec.server_env = {**self.spec.server_env, HIDDEN_STATES_DTYPE_ENV: self.hidden_states_dtype}
+        record_context(run.extract, config, report)  # what the capture proof reads (eyrie.hidden_states.check)
 
     @property
     def staging(self) -> Path:

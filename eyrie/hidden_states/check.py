@@ -1,0 +1,330 @@
+"""The capture proof: a shard's hidden states are the target's own residual stream, checked before its manifest.
+
+`check_shard` runs on every shard extraction writes, after its files are checked one by one (whole, finite, for the
+right tokens: `eyrie.stages.extract.check_sample`) and before the manifest that vouches for them. On a sample of the
+shard's files (`FILES_PER_SHARD`, spread over the shard) it proves three things, each failing the shard with a
+message that names the layer:
+
+1. **No dead rows.** A row that is all zero, or constant over the hidden dimension, at any captured layer (vLLM's
+   extraction has written all-zero states on some targets; a residual stream never is one).
+2. **The same statistics as the run's first shard.** Per captured layer, the median L2 norm of the rows (position 0,
+   where attention sinks put outliers, left out). The first shard checked in a run sets the reference
+   (`capture/baseline.json` beside the shard manifests); a later shard whose median is more than `NORM_FAR` times
+   off it, either way, was captured from another layer, another contract or another server.
+3. **The final captured layer is the target's own computation.** The layer id `num_hidden_layers` (the last decoder
+   layer's output, before the final norm) is put through the target's own final norm and head, loaded from its
+   checkpoint by the names preflight resolved (`report.target_facts["verifier_weights"]`, the trainer's own
+   loader), and its top token compared with the token that follows at sampled positions. Where the tokens that follow
+   are the target's own greedy choices (regeneration at temperature 0: the extraction source is `regenerate/`
+   and every row was generated at 0), at least `GREEDY_MIN_AGREEMENT` must agree (ties and the server's batch
+   numerics cost a few percent; a wrong layer, a double-counted residual or zeros cost nearly all). Where they are
+   the data's own answers or sampled ones, the target need not reproduce them: the agreement is recorded and a low
+   one is a warning in the log, not a failure.
+
+A failed shard's files are removed (they are proved wrong, and a retry must not reuse them), so the next attempt
+re-extracts it. Each shard's figures go to `capture/<shard>.json`, so a run shows what was measured.
+
+The context (the target's checkpoint, its borrowed tensors' names, the norm's kind and epsilon, the captured ids) is
+recorded by the extraction plan (`record_context`) in `capture/context.json`; a caller that extracts with no plan
+(a bare `extract_shard`) gets checks 1 and 2 only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyrie.errors import ExtractionError
+from eyrie.run.folder import atomic_write_json, read_json, sample_path, sha256_json
+
+FOLDER = "capture"  # under the extract stage's folder, beside `shards/` (no shard manifest lives here)
+CONTEXT = "context.json"
+BASELINE = "baseline.json"
+
+FILES_PER_SHARD = 8  # files read again per shard (spread over it): the capture is systematic, not per file
+ROWS_PER_FILE = 512  # rows per file whose norms are measured
+POSITIONS_PER_SHARD = 256  # positions put through the target's norm and head
+NORM_FAR = 1.5  # a layer's median row norm this many times off the first shard's, either way, fails
+GREEDY_MIN_AGREEMENT = 0.8  # of greedy positions whose next token the final layer's top token must be
+DATA_WARN_AGREEMENT = 0.2  # below this, on data the target did not generate, the log warns
+MIN_POSITIONS = 8  # fewer sampled positions prove nothing either way: recorded, not judged
+
+
+class CaptureError(ExtractionError):
+    """The captured hidden states are not the target's residual stream; the message names the layer."""
+
+
+def capture_folder(manifest_path: Path) -> Path:
+    """`<run>/extract/capture` for a shard manifest at `<run>/extract/shards/<shard>.json`."""
+    return Path(manifest_path).parent.parent / FOLDER
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The context: what the head check needs from the target, recorded by the extraction plan
+
+
+def _norm_eps(cfg: dict) -> float:
+    for key in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon", "epsilon"):
+        if isinstance(cfg.get(key), (int, float)):
+            return float(cfg[key])
+    return 1e-6
+
+
+def context_for(config, report) -> dict:
+    """What `check_shard` reads of the target, from the pipeline config and preflight's report."""
+    from eyrie.target.metadata import read_target_config, text_config, verifier_name
+
+    try:
+        cfg = text_config(read_target_config(config.target))
+    except Exception:  # noqa: BLE001 - an unreadable config was preflight's to refuse; the check then skips the head
+        cfg = {}
+    return {
+        "model": verifier_name(config.target.model),
+        "revision": config.target.revision,
+        "num_layers": report.num_layers,
+        "layer_ids": list(report.captured_layer_ids),
+        "verifier_weights": dict(report.target_facts.get("verifier_weights", {})),
+        "final_norm": report.final_norm,
+        "norm_eps": _norm_eps(cfg),
+    }
+
+
+def record_context(extract_dir: Path, config, report) -> None:
+    """Written by the extraction plan (`eyrie.stages.extract.ExtractionPlan`); rewritten only when it changed."""
+    ctx = context_for(config, report)
+    path = Path(extract_dir) / FOLDER / CONTEXT
+    if read_json(path) != ctx:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, ctx)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The target's own final norm and head
+
+
+_HEADS: dict[tuple, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
+_HEADS_LOCK = threading.Lock()
+
+
+def load_head(ctx: dict) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(norm weight, norm bias or None, head weight [V, H]) in float32, by the checkpoint names preflight resolved,
+    through speculators' loader (the one the trainer's `_load_verifier_weights_by` hands the same names). A tied head
+    is the embedding. Loaded once per process and target."""
+    names = ctx["verifier_weights"]
+    key = (ctx["model"], ctx.get("revision"), tuple(sorted(names.items())))
+    with _HEADS_LOCK:
+        if key in _HEADS:
+            return _HEADS[key]
+        from speculators.utils.loading import load_model_layers
+
+        norm_name = names["model.norm.weight"]
+        head_name = names.get("lm_head.weight") or names["embed_tokens.weight"]
+        wanted = [norm_name, head_name]
+        if _is_layer_norm(ctx.get("final_norm")) and norm_name.endswith(".weight"):
+            wanted.append(norm_name[: -len("weight")] + "bias")
+        found: dict[str, torch.Tensor] = {}
+        with contextlib.suppress(KeyError):  # a LayerNorm without a bias
+            found = load_model_layers(wanted, ctx["model"])
+        if norm_name not in found or head_name not in found:
+            found = load_model_layers(wanted[:2], ctx["model"])
+        bias = found.get(wanted[2]) if len(wanted) > 2 else None
+        out = (
+            found[norm_name].float(),
+            bias.float() if bias is not None else None,
+            found[head_name].float(),
+        )
+        _HEADS[key] = out
+        return out
+
+
+def _is_layer_norm(norm_class: str | None) -> bool:
+    name = (norm_class or "").lower()
+    return "layernorm" in name and "rms" not in name
+
+
+def apply_norm(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ctx: dict) -> torch.Tensor:
+    """The target's final norm over float32 rows: RMSNorm (Gemma's stores weight - 1), or LayerNorm."""
+    eps = float(ctx.get("norm_eps", 1e-6))
+    norm_class = ctx.get("final_norm") or ""
+    if _is_layer_norm(norm_class):
+        return torch.nn.functional.layer_norm(h, (h.shape[-1],), weight, bias, eps)
+    scale = 1.0 + weight if norm_class.lower().startswith("gemma") else weight
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * scale
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The check
+
+
+def _sampled(n: int, k: int) -> list[int]:
+    """`k` offsets spread evenly over `n` (first and last included)."""
+    if n <= k:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+
+
+def _load(path: Path) -> tuple[torch.Tensor, list[int]]:
+    from safetensors.torch import load_file
+
+    from eyrie.hidden_states.encoding import decode
+
+    data = decode(load_file(str(path)), torch.float32)
+    return data["hidden_states"].float(), data["token_ids"].tolist()
+
+
+def _greedy_source(prepare_dir: Path) -> bool:
+    """The rows' answers are the target's own greedy tokens: regeneration's output, every row at temperature 0."""
+    if Path(prepare_dir).name != "regenerate":
+        return False
+    temps = (read_json(Path(prepare_dir) / "stats.json") or {}).get("temperatures") or {}
+    return bool(temps) and all(float(t) == 0.0 for t in temps)
+
+
+def _masks(prepare_dir: Path, start: int, stop: int) -> list[list[int]] | None:
+    try:
+        from datasets import load_from_disk
+
+        ds = load_from_disk(str(Path(prepare_dir) / "dataset")).with_format(None)
+        return ds.select(range(start, stop))["loss_mask"]
+    except Exception:  # noqa: BLE001 - no mask column (a test's own dataset): every next token is a position
+        return None
+
+
+def row_problems(hs: torch.Tensor, layer_ids: list[int], where: str) -> list[str]:
+    """Dead rows per layer: all zero, or constant over the hidden dimension. `hs` [T, n_layers, H] float32."""
+    problems = []
+    for j, lid in enumerate(layer_ids):
+        x = hs[:, j, :]
+        zero = int((x.abs().amax(-1) == 0).sum())
+        spread = (x.amax(-1) - x.amin(-1)).abs()
+        constant = int(((spread <= 1e-6 * x.abs().amax(-1).clamp(min=1e-30)) & (x.abs().amax(-1) > 0)).sum())
+        if zero:
+            problems.append(f"layer {lid}: {zero} of {x.shape[0]} rows are all zero ({where})")
+        if constant:
+            problems.append(f"layer {lid}: {constant} of {x.shape[0]} rows are constant over the hidden size ({where})")
+    return problems
+
+
+def check_shard(
+    hidden_dir: Path,
+    manifest_path: Path,
+    prepare_dir: Path,
+    shard,
+    layer_ids: list[int] | None = None,
+    log=print,
+) -> dict:
+    """Prove the shard's captured states are the target's (see the module's docstring); raise CaptureError (the
+    shard's files removed) if not. Returns the figures, also written to `capture/<shard>.json`."""
+    folder = capture_folder(manifest_path)
+    ctx = read_json(folder / CONTEXT)
+    n = shard.stop - shard.start
+    offsets = _sampled(n, FILES_PER_SHARD)
+    masks = _masks(prepare_dir, shard.start + offsets[0], shard.start + offsets[-1] + 1) if offsets else None
+    problems: list[str] = []
+    norms: dict[int, list[torch.Tensor]] = {}
+    final_rows, next_tokens = [], []
+    per_file = max(1, POSITIONS_PER_SHARD // max(len(offsets), 1))
+    for off in offsets:
+        idx = shard.start + off
+        hs, ids = _load(sample_path(hidden_dir, idx))
+        if layer_ids is None or len(layer_ids) != hs.shape[1]:
+            ctx_ids = list(ctx["layer_ids"]) if ctx else []
+            layer_ids = ctx_ids if len(ctx_ids) == hs.shape[1] else list(range(hs.shape[1]))
+        problems += row_problems(hs, layer_ids, f"sample {idx}")
+        rows = hs[1 : 1 + ROWS_PER_FILE] if hs.shape[0] > 1 else hs
+        for j, lid in enumerate(layer_ids):
+            norms.setdefault(lid, []).append(rows[:, j, :].norm(dim=-1))
+        last = layer_ids.index(ctx["num_layers"]) if ctx and ctx["num_layers"] in layer_ids else None
+        if last is not None:
+            mask = masks[off - offsets[0]] if masks is not None else [1] * len(ids)
+            positions = [t for t in range(len(ids) - 1) if mask[t + 1]]
+            picked = [positions[i] for i in _sampled(len(positions), per_file)]
+            final_rows.append(hs[picked, last, :])
+            next_tokens += [ids[t + 1] for t in picked]
+    medians = {lid: float(torch.cat(v).median()) for lid, v in norms.items() if v}
+    figures: dict[str, Any] = {"shard": shard.name, "files_checked": len(offsets), "median_row_norm": medians}
+    if ctx and next_tokens:
+        problems += _head_check(ctx, torch.cat(final_rows), next_tokens, prepare_dir, figures, log)
+    # The first shard sets the reference only if it passed the checks that need none.
+    problems += _against_baseline(folder, shard.name, ctx, medians, figures, set_it=not problems)
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(folder / f"{shard.name}.json", {**figures, "problems": problems})
+    if problems:
+        for idx in range(shard.start, shard.stop):  # proved wrong: a retry must not reuse them
+            sample_path(hidden_dir, idx).unlink(missing_ok=True)
+        raise CaptureError(
+            f"{shard.name}: the captured hidden states are not the target's residual stream:\n  - "
+            + "\n  - ".join(problems[:12])
+            + ("\n  - ..." if len(problems) > 12 else "")
+            + f"\nThe shard's files were removed and it has no manifest. Figures: {folder / (shard.name + '.json')}. "
+            "Zeros or a wrong layer come from the server's capture (a vLLM version whose extraction is broken for "
+            "this architecture, or Eyrie's compatibility layer): check `eyrie preflight`'s EAGLE-3 path and the "
+            "server log, fix the server, then run again."
+        )
+    return figures
+
+
+def _against_baseline(folder: Path, shard_name: str, ctx, medians: dict, figures: dict, set_it: bool) -> list[str]:
+    """The run's first shard's medians (written by the first shard checked, under a lock), and this shard's ratios."""
+    identity = sha256_json({"ctx": ctx, "layers": sorted(medians)})[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / BASELINE
+    with open(folder / ".baseline.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        base = read_json(path)
+        if not base or base.get("identity") != identity:
+            if not set_it:
+                return []
+            atomic_write_json(path, {"identity": identity, "shard": shard_name, "median_row_norm": medians})
+            figures["baseline"] = shard_name
+            return []
+    figures["baseline"] = base["shard"]
+    problems = []
+    for lid, m in medians.items():
+        ref = base["median_row_norm"].get(str(lid))
+        if ref is None or ref <= 0 or m <= 0:
+            continue
+        ratio = m / ref
+        figures.setdefault("norm_ratio", {})[lid] = round(ratio, 4)
+        if not 1 / NORM_FAR <= ratio <= NORM_FAR:
+            problems.append(
+                f"layer {lid}: median row norm {m:.4g} is {ratio:.2f}x the run's first shard's ({ref:.4g}, "
+                f"{base['shard']}); more than {NORM_FAR}x either way means another layer or another capture"
+            )
+    return problems
+
+
+def _head_check(ctx: dict, rows: torch.Tensor, next_tokens: list[int], prepare_dir, figures: dict, log) -> list[str]:
+    weight, bias, head = load_head(ctx)
+    logits = apply_norm(rows, weight, bias, ctx) @ head.T
+    top = logits.argmax(-1)
+    want = torch.tensor(next_tokens)
+    agreement = float((top == want).float().mean())
+    greedy = _greedy_source(prepare_dir)
+    lid = ctx["num_layers"]
+    figures["head_check"] = {
+        "layer": lid,
+        "positions": len(next_tokens),
+        "agreement": round(agreement, 4),
+        "reference": "the target's greedy tokens (regeneration)" if greedy else "the data's next tokens",
+    }
+    if len(next_tokens) < MIN_POSITIONS:
+        return []
+    if greedy and agreement < GREEDY_MIN_AGREEMENT:
+        return [
+            f"layer {lid} (the last layer's output) through the target's own final norm and head gives the token "
+            f"the target itself generated at only {agreement:.0%} of {len(next_tokens)} positions (at least "
+            f"{GREEDY_MIN_AGREEMENT:.0%} expected): it is not the stream the target's head reads"
+        ]
+    if not greedy and agreement < DATA_WARN_AGREEMENT:
+        log(
+            f"warning: layer {lid} through the target's own norm and head gives the data's next token at "
+            f"{agreement:.0%} of {len(next_tokens)} positions; with answers the target did not generate this cannot "
+            "prove the capture either way (regenerate.enabled with temperature 0 makes it a proof)"
+        )
+    return []
