@@ -6,10 +6,13 @@ It makes the server match deployments/prefect.yaml, whose `definitions.gpu_nodes
 work pool `eyrie-gpu` (process) with one queue per node, limit 1 each, and a pool limit of one run per node; work
 pool `eyrie-control` (process, no limit) with queue `control`, for the fan-out's parent, which holds no GPU and waits
 for the nodes; the automation "Crash zombie flows" (Prefect's documented one: a flow run whose heartbeats stop is set
-to CRASHED, freeing its concurrency slot); then the deployments, through `prefect deploy --all --prefect-file`, which
-upserts them by name and their schedules by slug. prefect.yaml is checked before anything is written. Each write
-prints one line, and a run with nothing to do prints `0 change(s)`. A queue in these pools that is not wanted (a node
-taken off the list) is reported, not deleted: runs may still wait in it. `--check-node NAME` (run by the worker's
+to CRASHED, freeing its concurrency slot); with `--notify-block TYPE/NAME` (or $EYRIE_NOTIFY_BLOCK) the automation
+"Eyrie GPU run failed", which sends that notification block (a Slack, Teams, e-mail or custom webhook block the
+operator created) a message naming the run when a run in the GPU pool fails or crashes; then the deployments,
+through `prefect deploy --all --prefect-file`, which upserts them by name and their schedules by slug. prefect.yaml
+is checked before anything is written. Each write prints one line, and a run with nothing to do prints
+`0 change(s)`. A queue in these pools that is not wanted (a node taken off the list) is reported, not deleted: runs
+may still wait in it. `--check-node NAME` (run by the worker's
 unit and image before the worker starts) exits 1 unless NAME is a listed node. Authentication:
 PREFECT_API_AUTH_STRING (or PREFECT_API_KEY) from the environment, as for any Prefect client.
 """
@@ -38,6 +41,8 @@ CONTROL_ENTRYPOINTS = {"flows/fanout.py:extract_fanout_flow"}
 # A node's name is its queue, its worker's systemd instance and its folder in run folders (eyrie.run.folder.node_name).
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 ZOMBIE_AUTOMATION = "Crash zombie flows"
+FAILED_RUN_AUTOMATION = "Eyrie GPU run failed"
+NOTIFY_BLOCK_ENV = "EYRIE_NOTIFY_BLOCK"
 # prefect.yaml sets PREFECT_FLOWS_HEARTBEAT_FREQUENCY=60 for flow runs (Prefect 3.7's default is 180 s): a run is
 # declared a zombie after about ten missed heartbeats, or three at the default frequency. Prefect's docs pair 30 s
 # heartbeats with 90 s; a window shorter than the frequency would crash every healthy run.
@@ -163,6 +168,58 @@ def zombie_automation():
     )
 
 
+def failed_run_automation(block_document_id):
+    """Notifies the operator's block when a run of the GPU pool ends Failed or Crashed (a 20-hour run that died must
+    reach someone). Matched on the run's work pool, so every GPU deployment is covered, present and future."""
+    from prefect.events.actions import SendNotification
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    return AutomationCore(
+        name=FAILED_RUN_AUTOMATION,
+        description=f"Notifies when a run in the work pool {GPU_POOL!r} fails or crashes (deployments/setup.py).",
+        enabled=True,
+        trigger=EventTrigger(
+            expect={"prefect.flow-run.Failed", "prefect.flow-run.Crashed"},
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            match_related=ResourceSpecification(
+                {"prefect.resource.role": "work-pool", "prefect.resource.name": GPU_POOL}
+            ),
+            posture=Posture.Reactive,
+            threshold=1,
+            within=timedelta(0),
+        ),
+        actions=[
+            SendNotification(
+                block_document_id=block_document_id,
+                subject="Eyrie: {{ flow.name }} run {{ flow_run.name }} {{ flow_run.state.name }}",
+                body=(
+                    "Flow run {{ flow_run.name }} ({{ flow.name }}, deployment {{ deployment.name }}) entered "
+                    "{{ flow_run.state.name }}: {{ flow_run.state.message }}\n(flow run id {{ flow_run.id }})\n"
+                    "Its run folder keeps what finished; `eyrie status --run-dir DIR` shows what is left, and a retry "
+                    "of the flow run resumes it."
+                ),
+            )
+        ],
+    )
+
+
+async def notify_block_id(client, slug: str):
+    """The id of the notification block `TYPE/NAME` (the slug `prefect block ls` shows)."""
+    from prefect.exceptions import ObjectNotFound
+
+    block_type, _, name = slug.partition("/")
+    if not block_type or not name:
+        raise SetupError(f"--notify-block {slug!r}: give the block as TYPE/NAME, e.g. slack-webhook/eyrie-oncall")
+    try:
+        return (await client.read_block_document_by_name(name, block_type, include_secrets=False)).id
+    except ObjectNotFound:
+        raise SetupError(
+            f"no notification block {slug!r} on this Prefect server: create it first (UI: Blocks > Add, e.g. a Slack "
+            f"Webhook; or `prefect block create {block_type}`), then run this again"
+        ) from None
+
+
 def _differing(obj, wanted: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in wanted.items() if getattr(obj, k) != v}
 
@@ -217,28 +274,29 @@ async def ensure_work_pools(client, pools: dict[str, dict[str, Any]], change, lo
                 )
 
 
-async def ensure_zombie_automation(client, change) -> None:
+async def ensure_automation(client, desired, change) -> None:
+    """The automation named `desired.name`, exactly once and as desired."""
     from prefect.client.schemas.sorting import AutomationSort
     from prefect.events.filters import AutomationFilter, AutomationFilterName
     from prefect.events.schemas.automations import AutomationCore
 
-    desired = zombie_automation()
+    name = desired.name
     found = await client.read_automations(
-        automations=AutomationFilter(name=AutomationFilterName(any_=[ZOMBIE_AUTOMATION])),
+        automations=AutomationFilter(name=AutomationFilterName(any_=[name])),
         sort=AutomationSort.CREATED_DESC,
     )
-    found = [a for a in found if a.name == ZOMBIE_AUTOMATION]
+    found = [a for a in found if a.name == name]
     if not found:
         await client.create_automation(desired)
-        change(f"created automation {ZOMBIE_AUTOMATION!r}")
+        change(f"created automation {name!r}")
         return
     keep, extra = found[-1], found[:-1]  # the oldest stays: its id is the one already known
     for dup in extra:  # exactly one: two would both fire on the same run
         await client.delete_automation(dup.id)
-        change(f"deleted duplicate automation {ZOMBIE_AUTOMATION!r} {dup.id}")
+        change(f"deleted duplicate automation {name!r} {dup.id}")
     if AutomationCore.model_validate(keep.model_dump(exclude={"id"})) != desired:
         await client.update_automation(keep.id, desired)
-        change(f"updated automation {ZOMBIE_AUTOMATION!r} ({keep.id})")
+        change(f"updated automation {name!r} ({keep.id})")
 
 
 async def deploy(client, prefect_file: Path, deployments: list[dict[str, Any]], change, log) -> None:
@@ -261,7 +319,9 @@ async def deploy(client, prefect_file: Path, deployments: list[dict[str, Any]], 
     log(f"prefect deploy --all: {len(wanted)} deployments applied, {len(wanted - before)} new")
 
 
-async def setup(prefect_file: Path = PREFECT_FILE, deploy_too: bool = True, log=print) -> list[str]:
+async def setup(
+    prefect_file: Path = PREFECT_FILE, deploy_too: bool = True, log=print, notify_block: str | None = None
+) -> list[str]:
     """Makes the server match prefect.yaml; returns the changes it made, each already logged."""
     from prefect.client.orchestration import get_client
 
@@ -278,7 +338,14 @@ async def setup(prefect_file: Path = PREFECT_FILE, deploy_too: bool = True, log=
             raise SetupError(f"cannot reach the Prefect API at {client.api_url}: {err}")
         pools = work_pools(nodes)
         await ensure_work_pools(client, pools, change, log)
-        await ensure_zombie_automation(client, change)
+        await ensure_automation(client, zombie_automation(), change)
+        if notify_block:
+            await ensure_automation(client, failed_run_automation(await notify_block_id(client, notify_block)), change)
+        else:  # an automation made earlier stays: an operator may have set it up by hand
+            log(
+                f"warning: no --notify-block (or ${NOTIFY_BLOCK_ENV}): a failed or crashed GPU run notifies no one; "
+                "create a notification block (e.g. a Slack webhook) and pass it as TYPE/NAME"
+            )
         if deploy_too:
             await deploy(client, prefect_file, deployments, change, log)
     return changes
@@ -288,7 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m deployments.setup", description=__doc__.split("\n\n")[0])
     p.add_argument("--api-url", help="Prefect API URL, e.g. http://host:4200/api (default: $PREFECT_API_URL)")
     p.add_argument("--prefect-file", type=Path, default=PREFECT_FILE)
-    p.add_argument("--no-deploy", action="store_true", help="only the pools, queues and automation")
+    p.add_argument("--no-deploy", action="store_true", help="only the pools, queues and automations")
+    p.add_argument(
+        "--notify-block",
+        default=os.environ.get(NOTIFY_BLOCK_ENV) or None,
+        metavar="TYPE/NAME",
+        help=f"notification block for a failed or crashed GPU run, e.g. slack-webhook/oncall (${NOTIFY_BLOCK_ENV})",
+    )
     p.add_argument("--check-node", metavar="NAME", help="exit 1 unless NAME is a GPU node of the file; no server")
     args = p.parse_args(argv)
 
@@ -312,7 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     from prefect.exceptions import PrefectHTTPStatusError
 
     try:
-        changes = asyncio.run(setup(args.prefect_file.resolve(), deploy_too=not args.no_deploy))
+        changes = asyncio.run(
+            setup(args.prefect_file.resolve(), deploy_too=not args.no_deploy, notify_block=args.notify_block)
+        )
     except SetupError as err:
         print(f"deployments.setup: error: {err}", file=sys.stderr)
         return 1

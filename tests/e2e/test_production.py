@@ -6,6 +6,8 @@ vLLM's CPU build).
   is retried as the UI's Retry button does it: only the failed shard runs again, the others come back Cached, nothing
   finished is rewritten, and neither the database password nor the Prefect credential is in any log, artifact or
   file of the run.
+- The operator hears of the failure: setup's "Eyrie GPU run failed" automation sends the notification block given
+  with `--notify-block` (here a custom webhook block pointed at a receiver in this process) a message naming the run.
 - Two GPU nodes (two workers, two queues of the pool `eyrie-gpu`, whose limit of 2 lets them run side by side, one
   shared run folder): the fan-out parent, from the pool `eyrie-control`, splits the shards over them; each node
   loads its vLLM server once.
@@ -139,13 +141,64 @@ class Production:
             stop_server(folder)
 
 
+class Webhook:
+    """An HTTP receiver on a loopback port: the operator's chat channel, as a notification block reaches it."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        received = self.received = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                received.append(self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode())
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def wait_for(self, text: str, timeout_s: float = 120) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not any(text in m for m in self.received):
+            time.sleep(1)
+        return [m for m in self.received if text in m]
+
+
+NOTIFY_BLOCK = "custom-webhook/eyrie-oncall"
+
+
+def _save_webhook_block(env: dict, url: str) -> None:
+    """The operator's block, saved on the server as an operator saves one (a client process of its own)."""
+    code = (
+        "import sys; from prefect.blocks.notifications import CustomWebhookNotificationBlock as B; "
+        "B(name='eyrie-oncall', url=sys.argv[1], json_data={'subject': '{{subject}}', 'body': '{{body}}'})"
+        ".save('eyrie-oncall', overwrite=True)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, url], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
 @pytest.fixture(scope="module")
-def prod(postgres, tmp_path_factory):
+def webhook():
+    hook = Webhook()
+    yield hook
+    hook.httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prod(postgres, tmp_path_factory, webhook):
     root = tmp_path_factory.mktemp("production")
     with running_prefect_server(postgres, root / "server", "eyrie_production") as server:
         t0 = time.monotonic()
+        _save_webhook_block(server.client_env(root / "setup-home"), webhook.url)
         setup = subprocess.run(
-            [sys.executable, "-m", "deployments.setup"],
+            [sys.executable, "-m", "deployments.setup", "--notify-block", NOTIFY_BLOCK],
             cwd=REPO,
             capture_output=True,
             text=True,
@@ -247,7 +300,7 @@ def starts(folder: Path) -> int:
     return log.read_text(errors="replace").count(START) if log.exists() else 0
 
 
-def test_a_failed_shard_is_retried_alone_by_retrying_the_flow_run(prod, tiny_llama, tmp_path):
+def test_a_failed_shard_is_retried_alone_by_retrying_the_flow_run(prod, webhook, tiny_llama, tmp_path):
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.objects import StateType
     from prefect.client.schemas.responses import SetStateStatus
@@ -280,6 +333,9 @@ def test_a_failed_shard_is_retried_alone_by_retrying_the_flow_run(prod, tiny_lla
     states1 = extract_task_states(prod, sub1.id, set(shard_names))
     assert states1 == {s: ("Failed" if s == FAULTY else "Completed") for s in shard_names}, states1
     assert (node_dir / "server.json").exists()  # kept up after the failure, for the retry
+    # The operator heard of it, with the run's name and state, through the block setup was given.
+    (message,) = webhook.wait_for(first.name)
+    assert "Failed" in message and "fault injected" in message, message
 
     prod.wait_idle("gpu-node-1")  # an operator's retry comes minutes later; this one would come within seconds
     # The operator's fix, then the UI's Retry button: Prefect 3.7's UI (ui/ FlowRun page, `retryFlowRun`) posts

@@ -447,3 +447,16 @@ def test_prefect_yaml_may_use_only_the_pools_and_queues_setup_creates(tmp_path, 
     with pytest.raises(SetupError) as err:
         load_prefect_file(path)
     assert message in str(err.value), str(err.value)
+
+
+@pytest.mark.slow
+def test_a_notification_block_that_does_not_exist_is_refused_with_how_to_make_it(prefect_server):
+    # Last in the module: it runs setup once more on the server the tests above set up.
+    proc = _setup_process(prefect_server, "--no-deploy", "--notify-block", "slack-webhook/eyrie-oncall")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "no notification block 'slack-webhook/eyrie-oncall'" in proc.stderr and "create it first" in proc.stderr
+    proc = _setup_process(prefect_server, "--no-deploy", "--notify-block", "eyrie-oncall")
+    assert proc.returncode == 1 and "give the block as TYPE/NAME" in proc.stderr, proc.stderr
+    # Without a block, setup says a failed run reaches no one (and still succeeds).
+    lines = _run_setup(prefect_server, "--no-deploy")
+    assert any(line.startswith("warning: no --notify-block") for line in lines), lines
