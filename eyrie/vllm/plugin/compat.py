@@ -6,9 +6,11 @@ method: when aux outputs are requested and the model lacks the interface, the mo
 with the class flag, `set_aux_hidden_state_layers`, the default ids (2, L//2, L-3) and a forward that also returns
 the residual stream entering each requested decoder layer (vLLM's convention; id L is the last layer's output).
 The stream is read with forward hooks on the decoder layers found under `model.layers`, `decoder.layers`, `h`, or a
-wrapper's `language_model`. For serving a drafter, the target's embeddings are also exposed where vLLM's proposer
-looks for them (`model.embed_tokens`). Classes that implement the interface are never touched. Hooks need eager
-execution (`enforce_eager`), which preflight checks.
+wrapper's `language_model`. How a layer's outputs make the stream differs between vLLM's classes (a delta and the
+residual to add, or the stream itself beside the layer's input); it is measured on the model's own first forward
+pass, at its final norm (`_Capture`), for whatever class is served. For serving a drafter, the target's
+embeddings are also exposed where vLLM's proposer looks for them (`model.embed_tokens`). Classes that implement
+the interface are never touched. Hooks need eager execution (`enforce_eager`), which preflight checks.
 """
 
 from __future__ import annotations
@@ -38,49 +40,151 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     return None
 
 
-def _stream(layer: nn.Module):
-    """A function (args, kwargs) -> the residual stream entering `layer` (hidden_states + residual, if split)."""
-    params = list(inspect.signature(layer.forward).parameters)
-
-    def read(args, kwargs):
-        bound = dict(zip(params, args), **kwargs)
-        hs = bound.get("hidden_states", args[0] if args else None)
-        residual = bound.get("residual")
-        return hs if residual is None else hs + residual
-
-    return read
+# How a decoder layer's outputs make the residual stream. vLLM's layers do not share one contract: most take the
+# residual apart and return (delta, residual), summed by the next layer's fused add-norm (SUM); others return the
+# full stream first, and their second output is the layer's input or a partial residual already inside it (FIRST:
+# Cohere's parallel block, StableLM). The same forward signature can hide either, so the contract is measured, not
+# read off a list or a signature: see `_Capture.probe`.
+SUM, FIRST = "sum", "first"
+PROBE_TOLERANCE = 0.05  # relative L2 a candidate must reproduce the final norm's output within (bf16 rounding)
 
 
-def _layer_output(layer: nn.Module, out):
-    """The residual stream leaving `layer`. Layers that take the residual separately (Llama-style: forward has a
-    `residual` argument) return (hidden_states, residual), and the stream is their sum; others return the stream
-    first (StableLM's second element is its pre-MLP residual, already inside the first)."""
-    if not isinstance(out, tuple):
-        return out
-    if "residual" in inspect.signature(layer.forward).parameters and len(out) == 2 and out[1] is not None:
-        return out[0] + out[1]
-    return out[0]
+def _pair(hs, residual) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(hs, tuple):  # a layer's tuple output
+        hs, residual = hs[0], (hs[1] if len(hs) > 1 and isinstance(hs[1], torch.Tensor) else None)
+    if residual is not None and (not isinstance(residual, torch.Tensor) or residual.shape != hs.shape):
+        residual = None
+    return hs, residual
+
+
+def _signature_guess(layer: nn.Module) -> str:
+    """The contract a layer's signature suggests, used only until (or where) the probe cannot decide: a layer that
+    takes `residual` returns (delta, residual)."""
+    return SUM if "residual" in inspect.signature(layer.forward).parameters else FIRST
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def _first_tensor(out):
+    return out[0] if isinstance(out, tuple) else out
 
 
 class _Capture:
-    def __init__(self, layers: nn.ModuleList, ids: tuple[int, ...]):
+    """Hooks on the decoder layers that keep the stream entering each requested layer (and leaving the last), and a
+    probe that decides the model's output contract from its own computation.
+
+    The probe: the module the decoder calls right after its last layer (the final norm) normalises the stream. On the
+    first forward pass where the last layer's second output is a tensor, its two candidate streams (the sum of the
+    outputs, and the first alone) are each put through that same module, and the one reproducing what the model
+    itself computed there (within `PROBE_TOLERANCE`, the other clearly not) is the contract, for every layer: the
+    model's loop passes (hidden_states, residual) between its layers alike. Until it is decided (vLLM's profile run
+    decides it, before any request) and where it cannot be (a norm that needs more than the stream), the signature's
+    guess stands and the server log says so."""
+
+    def __init__(self, model_name: str, layers: nn.ModuleList, ids: tuple[int, ...], after: list[nn.Module]):
         self.ids = ids
-        self.out: dict[int, torch.Tensor] = {}
-        n = len(layers)
+        self.model_name = model_name
+        self.out: dict[int, dict[str, torch.Tensor]] = {}
+        self.contract: str | None = None
+        self.guess = _signature_guess(layers[0])
+        self._pending: dict[str, torch.Tensor] | None = None
+        self._probing = False
+        self._warned = False
+        n = self.n = len(layers)
         for k in ids:
             if k < n:
-                read = _stream(layers[k])
+                params = list(inspect.signature(layers[k].forward).parameters)
                 layers[k].register_forward_pre_hook(
-                    lambda m, a, kw, k=k, read=read: self.out.__setitem__(k, read(a, kw)), with_kwargs=True
+                    lambda m, a, kw, k=k, params=params: self._keep(k, *self._inputs(params, a, kw)), with_kwargs=True
                 )
-            elif k == n:  # the last layer's output, before the final norm
-                layers[n - 1].register_forward_hook(lambda m, a, o: self.out.__setitem__(n, _layer_output(m, o)))
-            else:
+            elif k != n:
                 raise ValueError(f"aux hidden state layer {k} is beyond the model's {n} layers")
+        layers[n - 1].register_forward_hook(self._last_layer)
+        for module in after:
+            module.register_forward_hook(self._after_last)
+
+    @staticmethod
+    def _inputs(params, args, kwargs):
+        bound = dict(zip(params, args), **kwargs)
+        return bound.get("hidden_states", args[0] if args else None), bound.get("residual")
+
+    def _candidates(self, hs, residual) -> dict[str, torch.Tensor]:
+        hs, residual = _pair(hs, residual)
+        if residual is None:
+            return {SUM: hs, FIRST: hs}
+        if self.contract == SUM:
+            return {SUM: hs + residual}
+        if self.contract == FIRST:
+            return {FIRST: hs.clone()}  # a copy: a fused add-norm may update its inputs in place
+        return {SUM: hs + residual, FIRST: hs.clone()}
+
+    def _keep(self, k: int, hs, residual) -> None:
+        if not self._probing:
+            self.out[k] = self._candidates(hs, residual)
+
+    def _last_layer(self, module, args, out) -> None:
+        if self._probing:
+            return
+        cands = self._candidates(out, None)
+        if self.n in self.ids:  # id L: the last layer's output, before the final norm
+            self.out[self.n] = cands
+        self._pending = cands if self.contract is None and len(cands) == 2 and cands[SUM] is not cands[FIRST] else None
+
+    def _after_last(self, module, args, out) -> None:
+        """The first module the decoder runs after its last layer: the probe, while undecided."""
+        pending, self._pending = self._pending, None
+        if pending is None or self._probing or self.contract is not None:
+            return
+        seen = _first_tensor(out)
+        if not isinstance(seen, torch.Tensor) or seen.shape != pending[SUM].shape:
+            return
+        self._probing = True
+        try:
+            errs = {c: _rel(_first_tensor(module(x.clone())), seen) for c, x in pending.items()}
+        except Exception:  # noqa: BLE001 - a module that needs more than the stream cannot be the probe
+            return
+        finally:
+            self._probing = False
+        best, other = sorted(errs, key=errs.__getitem__)
+        if errs[best] <= PROBE_TOLERANCE and errs[other] > 4 * errs[best] + 1e-3:
+            self.contract = best
+            logger.info(
+                "Eyrie's EAGLE-3 compatibility layer: %s's decoder layers return %s (measured at its final norm: "
+                "relative L2 %.4f for the sum of a layer's outputs, %.4f for the first alone)",
+                self.model_name,
+                "a delta and the residual, summed" if best == SUM else "the full residual stream first",
+                errs[SUM],
+                errs[FIRST],
+            )
 
     def collect(self) -> list[torch.Tensor]:
         out, self.out = self.out, {}
-        return [out[k] for k in self.ids]
+        contract = self.contract or self.guess
+        if (
+            self.contract is None
+            and not self._warned
+            and any(len(c) == 2 and c[SUM] is not c[FIRST] for c in out.values())
+        ):
+            self._warned = True
+            logger.warning(
+                "Eyrie's EAGLE-3 compatibility layer could not measure how %s's decoder layers make the residual "
+                "stream; it assumes %s from their signature",
+                self.model_name,
+                contract,
+            )
+        return [out[k].get(contract, next(iter(out[k].values()))) for k in self.ids]
+
+
+def _after_layers(model: nn.Module, layers: nn.ModuleList) -> list[nn.Module]:
+    """The modules that may run right after the last decoder layer: the layer list's siblings (the final norm among
+    them), whatever they are named."""
+    for parent in model.modules():
+        if any(child is layers for child in parent.children()):
+            return [c for c in parent.children() if c is not layers and not isinstance(c, nn.Embedding)]
+    return []
 
 
 def expose_embeddings(model: nn.Module) -> None:
@@ -112,8 +216,10 @@ def graft_eagle3(model: nn.Module) -> None:
     expose_embeddings(model)
     base = type(model)
 
+    after = _after_layers(model, layers)
+
     def set_aux_hidden_state_layers(self, ids) -> None:
-        self._eyrie_capture = _Capture(layers, tuple(sorted(set(ids))))
+        self._eyrie_capture = _Capture(base.__name__, layers, tuple(sorted(set(ids))), after)
 
     def get_eagle3_default_aux_hidden_state_layers(self) -> tuple[int, ...]:
         n = len(layers)

@@ -1,0 +1,101 @@
+"""The output contract no other tiny target has, through the real vLLM server: a decoder layer that takes a
+`residual` argument yet returns the full residual stream first and its own input second (vLLM's
+CohereForCausalLM: a parallel attention+MLP block; its final norm passes the residual through unused).
+
+vLLM's CohereForCausalLM lacks the EAGLE-3 interface, so Eyrie's compatibility layer serves it. Trusting the
+signature (a `residual` argument: sum the outputs) captured the stream plus the layer's input at every id; the
+probe at the final norm measures the contract on the server's first forward pass, and every captured id matches
+transformers (as test_extraction_correctness.py checks for the twelve matrix targets). The other contracts vLLM's
+model code has are already in that matrix: (delta, residual) to sum (Llama, Qwen, Mistral, Phi-3, DeepseekV3,
+Gemma-2 through the compatibility layer), one tensor (GPT-2, OPT, Falcon), and (stream, partial residual) without a
+`residual` argument (StableLM).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import VLLM_SERVER_ARGS, register_server_folder, stop_server
+from safetensors.torch import load_file
+
+from eyrie.stages.extract import _wait_and_release, load_checked
+from eyrie.stages.preflight import captured_layer_ids, default_aux_layer_ids
+from eyrie.vllm.process import VllmServer
+from eyrie.vllm.spec import ServerSpec
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+LAYERS, HIDDEN = 8, 64
+REL_TOL = 0.03
+
+
+def _tiny_cohere(path: Path) -> Path:
+    from transformers import CohereConfig, CohereForCausalLM
+
+    from eyrie.target.tiny.common import padded_vocab, save_model
+    from eyrie.target.tiny.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(path)
+    torch.manual_seed(0)
+    cfg = CohereConfig(
+        vocab_size=padded_vocab(len(tokenizer)),
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids(tokenizer.eos_token),
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="bfloat16",
+    )
+    save_model(CohereForCausalLM(cfg), tokenizer, path)
+    return path
+
+
+def _reference(folder: Path, ids: list[int]) -> list[torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    caught = {}
+    handle = model.model.layers[-1].register_forward_hook(
+        lambda m, a, o: caught.__setitem__("last", o[0] if isinstance(o, tuple) else o)
+    )
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    handle.remove()
+    return [h[0] for h in out.hidden_states[:LAYERS]] + [caught["last"][0]]
+
+
+def test_a_full_stream_layer_with_a_residual_argument_is_captured_right(tmp_path):
+    target = _tiny_cohere(tmp_path / "tiny-cohere")
+    folder = register_server_folder(tmp_path / "server")
+    layer_ids = captured_layer_ids(default_aux_layer_ids(LAYERS), LAYERS)
+    spec = ServerSpec(
+        model=str(target),
+        layer_ids=layer_ids,
+        storage_path=str(folder / "staging"),
+        max_model_len=256,
+        server_args=list(VLLM_SERVER_ARGS),
+    )
+    try:
+        client = VllmServer(folder).ensure(spec, startup_timeout_s=800, log=lambda *_: None)
+        ids = list(range(5, 5 + 60))
+        path = client.extract(ids, 120)
+        _wait_and_release(path)
+        load_checked(Path(path), ids, len(layer_ids), HIDDEN)
+        hs = load_file(path)["hidden_states"]
+        os.unlink(path)
+        log = (folder / "server.log").read_text()
+    finally:
+        stop_server(folder)
+    assert "compatibility layer serves CohereForCausalLM" in log
+    assert "return the full residual stream first" in log, [line for line in log.splitlines() if "Eyrie" in line]
+    ref = _reference(target, ids)
+    errors = {k: float((hs[:, j].float() - ref[k]).norm() / ref[k].norm()) for j, k in enumerate(layer_ids)}
+    print(f"tiny Cohere through the compatibility layer: relative L2 per captured id {errors}")
+    assert all(e < REL_TOL for e in errors.values()), errors
