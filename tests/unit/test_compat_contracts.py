@@ -99,7 +99,9 @@ def _fresh(layer_cls, norm_cls):
     return type(f"Toy{layer_cls.__name__}", (ToyForCausalLM,), {})(layer_cls, norm_cls)
 
 
-@pytest.mark.parametrize("layer_cls, norm_cls, contract", [(SumLayer, FusedAddNorm, SUM), (FirstLayer, PassNorm, FIRST)])
+@pytest.mark.parametrize(
+    "layer_cls, norm_cls, contract", [(SumLayer, FusedAddNorm, SUM), (FirstLayer, PassNorm, FIRST)]
+)
 def test_the_contract_is_measured_and_every_id_is_the_true_stream(layer_cls, norm_cls, contract):
     torch.manual_seed(0)
     model = _fresh(layer_cls, norm_cls)
