@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 from eyrie.errors import ConfigError
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 class _Section(BaseModel):
@@ -338,7 +339,11 @@ class PromotionConfig(_Section):
 
 
 class PipelineConfig(_Section):
-    name: str = Field("eyrie", description="The run's name: the default run folder is runs/<name>.")
+    name: str = Field(
+        "eyrie",
+        description="The run's name: the default run folder is runs/<name>. Letters, digits, '.', '_' and '-' (it "
+        "names a folder: no '/', no '..').",
+    )
     target: TargetConfig
     data: DataConfig
     regenerate: RegenerateConfig = RegenerateConfig()
@@ -347,6 +352,18 @@ class PipelineConfig(_Section):
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     promotion: PromotionConfig = PromotionConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        # It becomes runs/<name>: a '/' or '..' would put the run folder anywhere (`name: ../..` is the checkout's
+        # parent), and a run adopts and cleans its folder.
+        if not RUN_NAME.fullmatch(v) or ".." in v:
+            raise ValueError(
+                f"{v!r} is not a run name: use letters, digits, '.', '_' or '-', starting with a letter or digit, "
+                "at most 100 characters, without '..' (it names the run folder runs/<name>)"
+            )
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> PipelineConfig:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from eyrie.run.folder import fsync_path, sample_name
+from eyrie.run.folder import TMP_SUFFIX, fsync_path, remove_abandoned, sample_name, temporary_file
 
 FILES = "files"
 PACKED = "packed"
@@ -41,7 +41,7 @@ def pack_name(start: int, stop: int) -> str:
 
 
 def pack_ranges(hidden_dir: Path) -> list[tuple[int, int, Path]]:
-    """(start, stop, path) of every pack in the folder, by start; half-written ones (`.<name>.tmp`) aside."""
+    """(start, stop, path) of every pack in the folder, by start; half-written ones (`.<name>.eyrie-tmp`) aside."""
     try:
         names = os.listdir(Path(hidden_dir) / PACKS_DIR)
     except FileNotFoundError:
@@ -53,16 +53,32 @@ def pack_ranges(hidden_dir: Path) -> list[tuple[int, int, Path]]:
     return sorted(out)
 
 
+def temporary_pack(dest: Path) -> Path:
+    """Where the pack `dest` is written before it is renamed into place."""
+    return dest.with_name(f".{dest.name}{TMP_SUFFIX}")
+
+
+def remove_half_written(hidden_dir: Path) -> int:
+    """Remove the half-written packs whose writer is gone (killed inside `write_pack`: up to a shard's bytes each),
+    of any row range (a range a later plan no longer has too); a pack being written now is locked by its writer,
+    on this node or another sharing the folder, and kept. Returns how many went."""
+    try:
+        entries = list(os.scandir(Path(hidden_dir) / PACKS_DIR))
+    except FileNotFoundError:
+        return 0
+    return sum(remove_abandoned(Path(e.path)) for e in entries if e.name.endswith(TMP_SUFFIX))
+
+
 def remove_overlapping(hidden_dir: Path, start: int, stop: int) -> int:
-    """Remove every pack holding any of rows [start, stop), and this range's half-written pack: a shard about to
-    be extracted must not leave a reader (which prefers packs to files) an older copy of its samples."""
+    """Remove every pack holding any of rows [start, stop), and every abandoned half-written pack
+    (`remove_half_written`): a shard about to be extracted must not leave a reader (which prefers packs to files) an
+    older copy of its samples. Returns how many whole packs went."""
     n = 0
     for a, b, path in pack_ranges(hidden_dir):
         if a < stop and start < b:
             path.unlink(missing_ok=True)
             n += 1
-    tmp = Path(hidden_dir) / PACKS_DIR / f".{start}_{stop}.safetensors.tmp"
-    tmp.unlink(missing_ok=True)
+    remove_half_written(hidden_dir)
     return n
 
 
@@ -114,11 +130,12 @@ def write_pack(samples: list[tuple[int, Path]], dest: Path, key: str) -> dict:
     header_bytes = json.dumps({"__metadata__": {KEY_METADATA: key}, **tensors}, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.tmp")
+    tmp = temporary_pack(dest)
     digest = hashlib.sha256()
     buf = bytearray(_COPY_CHUNK)
     try:
-        with open(tmp, "wb") as out:
+        # Locked by this writer until the rename: `remove_half_written` removes it only once the writer is gone.
+        with temporary_file(tmp) as out:
             for block in (len(header_bytes).to_bytes(8, "little"), header_bytes):
                 out.write(block)
                 digest.update(block)
@@ -135,8 +152,8 @@ def write_pack(samples: list[tuple[int, Path]], dest: Path, key: str) -> dict:
                         length -= got
             out.flush()
             os.fsync(out.fileno())
-        st = tmp.stat()
-        os.replace(tmp, dest)
+            st = os.fstat(out.fileno())
+            os.replace(tmp, dest)
         fsync_path(dest.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)

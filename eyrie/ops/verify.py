@@ -28,7 +28,7 @@ from pathlib import Path
 from eyrie import FORMAT_VERSION
 from eyrie.errors import EyrieError, RunFolderError
 from eyrie.hidden_states.packs import shard_entries
-from eyrie.run.folder import STAMP, RunFolder, read_json
+from eyrie.run.folder import STAMP, RunFolder, read_json, within
 from eyrie.run.manifest import file_problem, listed
 from eyrie.stages import RUN_FOLDER_STAGES
 from eyrie.stages.prepare import load_shards
@@ -100,14 +100,30 @@ def listed_files(run: RunFolder) -> Listing:
             out.skipped.append(f"{path.relative_to(run.root)}: not a shard of the current {current}")
             continue
         out.shard_manifests += 1
-        out.files += shard_files(run, path, m)
+        out.files += _inside(run, shard_files(run, path, m), run.hidden_states, out)
     for stage in RUN_FOLDER_STAGES:
         m = read_json(run.manifest(stage)) if stage != "extract" else None
         if not m or not m.get("files"):
             continue
-        out.files += stage_files(run, stage, m)
+        out.files += _inside(run, stage_files(run, stage, m), run.stage(stage), out)
         out.stage_manifests += 1
     return out
+
+
+def _inside(run: RunFolder, items: list[Listed], folder: Path, out: Listing) -> list[Listed]:
+    """The items inside `folder`; one naming a path outside it (`../..` in a damaged or edited manifest, a symlinked
+    folder) is a problem of its manifest, never read nor removed."""
+    kept = []
+    for item in items:
+        if within(item.path, folder):
+            kept.append(item)
+        else:
+            out.problems.append(
+                f"{_rel(item.manifest, run.root)} lists {item.path}, outside {_rel(folder, run.root)}: not read and "
+                "not removed; the manifest is damaged or was edited (remove it, and the next `eyrie run` redoes "
+                "that work)"
+            )
+    return kept
 
 
 def check_file(item: Listed) -> tuple[int, str | None]:
@@ -252,7 +268,7 @@ def _remove_damaged(run: RunFolder, report: VerifyReport) -> None:
             continue
         if item.manifest == run.manifest(item.owner):  # a stage's file: the stage is redone
             stages.add(item.owner)
-        elif item.path.exists():
+        elif item.path.exists() and within(item.path, run.hidden_states):  # listed_files keeps only these
             item.path.unlink()
             removed += 1
         else:

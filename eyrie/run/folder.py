@@ -12,8 +12,10 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,21 +49,99 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+TMP_SUFFIX = ".eyrie-tmp"  # every temporary file Eyrie's own writers make is `.<name>.<...>.eyrie-tmp`
+
+
+def _claimed(fd: int, path: str | Path) -> bool:
+    """Take the writer's lock on a temporary file just created at `path`, and check that `path` still names it: a
+    clean-up (`remove_abandoned`) that raced its creation may have removed it. Held until the file is closed, so no
+    clean-up removes a temporary file whose writer is alive."""
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temporary file beside `path`, fsync, then rename (and fsync the folder, so the rename survives a
-    power cut): readers see the old or the new, never half."""
+    power cut): readers see the old or the new, never half. The temporary file is `.<name>.<random>.eyrie-tmp`,
+    locked by its writer (see `remove_abandoned`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    while True:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+        if _claimed(fd, tmp):
+            break
+        os.close(fd)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)  # before the close: the writer's lock is held until the name is gone
         fsync_path(path.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def temporary_file(tmp: Path) -> Iterator[Any]:
+    """Open the writer's temporary file `tmp` (a fixed name ending in TMP_SUFFIX: one writer at a time per name),
+    truncated, with the writer's lock held until it is closed; removed if the block raises. Refuses a name another
+    live writer holds, and never follows a symlink planted at the name."""
+    if not tmp.name.endswith(TMP_SUFFIX):
+        raise ValueError(f"{tmp}: a temporary file's name ends in {TMP_SUFFIX}")
+    while True:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RunFolderError(f"{tmp} is being written by another process: two writers of one file") from None
+        try:
+            if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass  # a clean-up removed it between the open and the lock: open it again
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    f = os.fdopen(fd, "wb")
+    try:
+        yield f
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        f.close()
+        raise
+    f.close()
+
+
+def remove_abandoned(path: Path) -> bool:
+    """Remove the temporary file `path` if it is one of Eyrie's (`.<...>.eyrie-tmp`, a regular file) and its writer
+    is gone (no process holds its lock: a killed writer's lock went with it). True if it was removed."""
+    if not (path.name.startswith(".") and path.name.endswith(TMP_SUFFIX)):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # gone, or a symlink (ELOOP): not a file of ours
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its writer is alive
+        try:
+            if os.lstat(path).st_ino != st.st_ino:
+                return False  # renamed into place, and another file took the name meanwhile
+        except FileNotFoundError:
+            return False
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -86,18 +166,72 @@ def sample_path(hidden_dir: Path, index: int) -> Path:
 
 
 def remove_staging(folder: Path, skip: Iterable[Path] = ()) -> int:
-    """Delete the temporary files (`.<name>.<random>.tmp`) left by atomic writes in flight at a crash; returns how
-    many. Folders in `skip` are not walked: pass those no atomic write targets (`RunFolder.write_once_folders`), so
-    a run folder with 200,000 hidden-state files is not listed on every run."""
+    """Delete the temporary files Eyrie's atomic writes left at a crash (`.<name>.<random>.eyrie-tmp`, whose writer
+    no longer holds them: `remove_abandoned`) in the run folder `folder`; returns how many. No other name is touched,
+    no symlink followed, and no folder holding a run folder's stamp below `folder` (another run's) walked. Folders in
+    `skip` are not walked: pass those no atomic write targets (`RunFolder.write_once_folders`), so a run folder with
+    200,000 hidden-state files is not listed on every run."""
+    root = os.path.abspath(folder)
+    if not os.path.isfile(os.path.join(root, STAMP)):
+        raise RunFolderError(f"{root} is not an Eyrie run folder ({STAMP} is missing): its files are not cleaned")
     skipped = {os.path.abspath(p) for p in skip}
     n = 0
-    for parent, dirs, names in os.walk(os.path.abspath(folder)):
-        dirs[:] = [d for d in dirs if os.path.join(parent, d) not in skipped]
+    for parent, dirs, names in os.walk(root):
+        dirs[:] = [
+            d
+            for d in dirs
+            if os.path.join(parent, d) not in skipped and not os.path.lexists(os.path.join(parent, d, STAMP))
+        ]
         for name in names:
-            if name.startswith(".") and name.endswith(".tmp"):
-                Path(parent, name).unlink(missing_ok=True)
-                n += 1
+            n += remove_abandoned(Path(parent, name))
     return n
+
+
+def within(path: str | Path, folder: str | Path) -> bool:
+    """Whether `path` names an entry inside `folder` (at any depth), with `..` and the symlinks of its parent folders
+    resolved: the test every path read from a manifest or a server's answer passes before it is moved or deleted."""
+    p = Path(os.path.abspath(path))
+    if p.name in ("", ".", ".."):
+        return False
+    parent, root = Path(os.path.realpath(p.parent)), Path(os.path.realpath(folder))
+    return parent == root or root in parent.parents
+
+
+def contained(path: str | Path, folder: str | Path, what: str) -> Path:
+    """`path`, if it lies inside `folder` (`within`); else a RunFolderError naming `what` it came from."""
+    if not within(path, folder):
+        raise RunFolderError(
+            f"{what} names {path}, which is outside {folder}: Eyrie moves and deletes only files inside a run's own "
+            "folders, so it is left alone. Check where it came from (a damaged or edited manifest, another server)."
+        )
+    return Path(path)
+
+
+def server_file_name() -> str:
+    """A name for one request's hidden-states file, chosen by Eyrie's connector: never the client's request id (nor
+    its X-Request-Id, nor a path it asks for), which vLLM would otherwise put in the file's path unchanged."""
+    return f"eyrie-{uuid.uuid4().hex}.safetensors"
+
+
+def answered_file(path: str | Path, staging_root: Path, hidden_dir: Path, what: str, written: bool = True) -> Path:
+    """The file a server's answer names (`kv_transfer_params.hidden_states_path`), if the run may read, move and
+    delete it: a `*.safetensors` name inside `staging_root` (the stage folder holding the servers' staging folders),
+    not in `hidden_dir` (the files already extracted), and, once `written`, a regular file (not a symlink). Else an
+    ExtractionError: the answer is not from this run's server, or that server is not Eyrie's."""
+    p = Path(path)
+    ok = p.name.endswith(".safetensors") and within(p, staging_root) and not within(p, hidden_dir)
+    if ok and written:
+        try:
+            ok = stat.S_ISREG(os.lstat(p).st_mode)
+        except OSError:
+            ok = False
+    if not ok:
+        raise ExtractionError(
+            f"{what}: the server answered with the file {path}, which is not a hidden-states file in this run's "
+            f"staging folders (under {staging_root}): left alone. Is another process serving on the extraction "
+            "server's port? Stop it (`eyrie stop-server`) and run again"
+        )
+    return p
 
 
 class RunFolder:
@@ -152,13 +286,36 @@ class RunFolder:
         return self.stage(stage) / "manifest.json"
 
     def ensure(self) -> None:
-        """Create the folder, or check that an existing one was made by a compatible Eyrie."""
+        """Create the folder, or adopt an existing one: an empty folder, or a run folder a compatible Eyrie made.
+
+        Refused: a folder that holds anything else (a parent of run folders, a checkout: a run cleans and writes
+        below its root), one inside another run folder, and a run folder holding another one."""
+        for parent in self.root.parents:
+            if (parent / STAMP).exists():
+                raise RunFolderError(
+                    f"{self.root} is inside the run folder {parent}: a run folder holds one run. Pass a --run-dir "
+                    "outside it (e.g. a sibling folder)"
+                )
         self.root.mkdir(parents=True, exist_ok=True)
         stamp_path = self.root / STAMP
         stamp = read_json(stamp_path)
         if stamp is None:
             if stamp_path.exists():
                 raise RunFolderError(f"{stamp_path} is unreadable: the run folder is damaged; use a new --run-dir")
+            # The lock file, and the temporary file of a stamp another process is writing now, are a new run's own.
+            foreign = []
+            for entry in os.scandir(self.root):
+                if entry.name != LOCK and not entry.name.startswith(f".{STAMP}."):
+                    foreign.append(entry.name)
+                    if len(foreign) == 3:
+                        break
+            if foreign:
+                raise RunFolderError(
+                    f"{self.root} is not empty and is not an Eyrie run folder (it holds {', '.join(sorted(foreign))}"
+                    f"{', ...' if len(foreign) == 3 else ''}; no {STAMP}): Eyrie adopts only an empty folder or one "
+                    "it made, because a run cleans and writes below its root. Pass a new --run-dir (e.g. "
+                    "runs/<name>)"
+                )
             atomic_write_json(stamp_path, {"format_version": FORMAT_VERSION, "eyrie_version": __version__})
         elif stamp.get("format_version") != FORMAT_VERSION:
             raise RunFolderError(
@@ -166,6 +323,13 @@ class RunFolder:
                 f"{stamp.get('format_version')}); this Eyrie {__version__} writes format {FORMAT_VERSION}. Use a new "
                 "--run-dir, or run the Eyrie version that made it."
             )
+        else:
+            nested = sorted(e.name for e in os.scandir(self.root) if os.path.lexists(os.path.join(e.path, STAMP)))
+            if nested:
+                raise RunFolderError(
+                    f"run folder {self.root} holds other run folders ({', '.join(nested)}): move them out of it "
+                    "first, so that cleaning this run cannot touch theirs"
+                )
 
     @contextmanager
     def lock(self, wait_s: float = 0.0) -> Iterator[None]:

@@ -247,7 +247,7 @@ def test_resume_after_kill(resumed: Resumed):
     leftovers = [
         p
         for p in run.rglob("*")
-        if p.name != ".eyrie.lock" and (p.name.endswith((".tmp", ".lock")) or ".staging-" in p.name)
+        if p.name != ".eyrie.lock" and (p.name.endswith((".tmp", ".eyrie-tmp", ".lock")) or ".staging-" in p.name)
     ]
     assert leftovers == []
     # Requests in flight at the kill were answered into the server's staging folder for a client that was gone;

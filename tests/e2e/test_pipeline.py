@@ -253,7 +253,9 @@ def test_a_kill_in_any_stage_recomputes_nothing_finished(pipeline):
         "evaluate/manifest.json",
     ):
         assert (pipeline.run / path).exists(), path
-    leftovers = [str(p) for p in pipeline.run.rglob("*") if ".staging" in p.name or p.name.endswith(".tmp")]
+    leftovers = [
+        str(p) for p in pipeline.run.rglob("*") if ".staging" in p.name or p.name.endswith((".tmp", ".eyrie-tmp"))
+    ]
     assert leftovers == []
 
 

@@ -230,7 +230,7 @@ def test_concurrent_requests_each_get_their_own_sample(servers, tmp_path, tiny_l
         prepared,
     )
     shard = load_shards(prepared)[0]
-    hidden = tmp_path / "hidden_states"
+    hidden = r.folder / f"hidden-{tmp_path.name}"  # beside the staging, as in a run folder
     # The run folder and the server's staging folder must share a filesystem (files are renamed into place).
     assert os.stat(tmp_path).st_dev == os.stat(r.spec.storage_path).st_dev
     manifest = extract_shard(
@@ -287,7 +287,7 @@ def test_packed_extraction_trains(servers, tmp_path):
     )
     report, inputs, seq_lens = synthetic_training_inputs(config, tmp_path)  # prepared data and vocab
     assert report.captured_layer_ids == r.spec.layer_ids
-    prepared, hidden = inputs[0].parent, tmp_path / "packed"
+    prepared, hidden = inputs[0].parent, r.folder / f"packed-{tmp_path.name}"  # beside the staging
     shards = load_shards(prepared)
     for shard in shards:
         m = extract_shard(

@@ -227,7 +227,7 @@ def test_fp8_extraction_decodes_to_the_bf16_one_and_speculators_reads_it(tmp_pat
             clients = {d: f.result() for d, f in starts.items()}
         hidden = {}
         for dtype, client in clients.items():
-            hidden[dtype] = tmp_path / dtype / "hidden_states"
+            hidden[dtype] = folders[dtype] / "hidden_states"  # beside the staging, as in a run folder
             m = extract_shard(
                 client,
                 prepared,

@@ -242,7 +242,7 @@ def test_verify_and_status_read_packed_shards(prepared, tmp_path):  # noqa: F811
                 client, prepared, shard, "k", run.hidden_states, manifest, LAYERS, HIDDEN, log=print, storage=PACKED
             )
 
-    extract_all(FakeClient(tmp_path / "staging"))
+    extract_all(FakeClient(run.extract / "staging"))
     status = run_status(run)
     assert status["stages"]["extract"] == "done" and set(status["shards"].values()) == {"done"}
     report = verify_run(run.root, workers=2, progress=False)
@@ -253,7 +253,7 @@ def test_verify_and_status_read_packed_shards(prepared, tmp_path):  # noqa: F811
     report = verify_run(run.root, workers=2, progress=False)
     assert [item.path for item, _ in report.bad] == [pack] and not pack.exists()
     assert run_status(run)["shards"][shard.name].startswith("damaged: 1 of 1 listed files")
-    client = FakeClient(tmp_path / "staging")
+    client = FakeClient(run.extract / "staging")
     extract_all(client)
     assert len(client.sent) == 6  # the damaged pack's shard, and only it
     assert verify_run(run.root, workers=2, progress=False).ok

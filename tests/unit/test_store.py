@@ -97,6 +97,7 @@ def test_damaged_stamp_refused(tmp_path):
 
 
 def test_atomic_json_and_staging_cleanup(tmp_path):
+    RunFolder(tmp_path).ensure()
     path = tmp_path / "m" / "manifest.json"
     atomic_write_json(path, {"a": 1})
     assert read_json(path) == {"a": 1}
@@ -104,6 +105,6 @@ def test_atomic_json_and_staging_cleanup(tmp_path):
     path.write_text('{"a": ')  # a torn manifest is no manifest
     assert read_json(path) is None
     assert [p.name for p in path.parent.iterdir()] == ["manifest.json"]  # no temporary file left behind
-    (path.parent / ".manifest.json.abc.tmp").write_text("x")
+    (path.parent / ".manifest.json.abc.eyrie-tmp").write_text("x")
     assert remove_staging(tmp_path) == 1
-    assert not list(tmp_path.rglob("*.tmp"))
+    assert not list(tmp_path.rglob("*.eyrie-tmp"))

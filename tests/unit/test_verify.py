@@ -48,7 +48,7 @@ def run(prepared, tmp_path) -> RunFolder:  # noqa: F811
     run.ensure()
     run.prepare.mkdir()
     shutil.copy(prepared / "shards.json", run.prepare / "shards.json")
-    run.keys = _extract(run, prepared, FakeClient(tmp_path / "staging"))  # type: ignore[attr-defined]
+    run.keys = _extract(run, prepared, FakeClient(run.extract / "staging"))  # type: ignore[attr-defined]
     run.vocab.mkdir()
     for name in ("d2t-8.npy", "t2d-8.npy"):
         (run.vocab / name).write_bytes(name.encode() * 100)
@@ -101,7 +101,7 @@ def test_verify_finds_rot_removes_it_and_the_next_run_redoes_only_it(run, prepar
     assert status["stages"]["extract"] == "1/2 shards (1 damaged)"
     assert not shard_complete(manifest, run.keys[shard.name], run.hidden_states)
 
-    client = FakeClient(tmp_path / "staging")
+    client = FakeClient(run.extract / "staging")
     _extract(run, prepared, client)  # the next run: only the removed sample goes to the server
     assert len(client.sent) == 1
     assert main(["verify", "--run-dir", str(run.root)]) == 0
@@ -158,15 +158,15 @@ def test_status_checks_the_listed_files_by_stat(run):
 
 
 def test_remove_staging_leaves_the_hidden_states_unwalked(run, monkeypatch):
-    (run.shard_manifests / ".shard-00000.json.x1.tmp").write_text("torn")
-    (run.hidden_states / ".hs_0.safetensors.x2.tmp").write_text("not ours")
+    (run.shard_manifests / ".shard-00000.json.x1.eyrie-tmp").write_text("torn")
+    (run.hidden_states / ".hs_0.safetensors.x2.eyrie-tmp").write_text("not ours")
     walked: list[str] = []
     real_scandir = os.scandir
     monkeypatch.setattr(os, "scandir", lambda p=".": walked.append(os.fspath(p)) or real_scandir(p))
     monkeypatch.chdir(run.root.parent)
     assert remove_staging(Path(run.root.name), skip=run.write_once_folders) == 1  # a relative path too
-    assert not (run.shard_manifests / ".shard-00000.json.x1.tmp").exists()
-    assert (run.hidden_states / ".hs_0.safetensors.x2.tmp").exists()
+    assert not (run.shard_manifests / ".shard-00000.json.x1.eyrie-tmp").exists()
+    assert (run.hidden_states / ".hs_0.safetensors.x2.eyrie-tmp").exists()
     assert str(run.hidden_states) not in walked and str(run.shard_manifests) in walked
 
 

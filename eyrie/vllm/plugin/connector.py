@@ -5,6 +5,9 @@ the CPU engine on its first request ("pin_memory=True requires a CUDA or other a
 cache lives on the host there is nothing to copy asynchronously: index it directly and hand the tensor to the same
 writer thread pool. On an accelerator the stock path runs unchanged.
 
+It names each request's file itself (`eyrie-<random>.safetensors` in its storage folder), never after the request id
+a client sets (vLLM's default, which a `../` in a `request_id` or X-Request-Id turned into a write anywhere).
+
 It also honours a per-request switch (`kv_transfer_params: {"eyrie_skip_hidden_states": true}`): the regenerate
 stage generates on the extraction server, and its requests need no hidden-states file.
 
@@ -34,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from eyrie.hidden_states.encoding import BFLOAT16, DTYPES, ENV, FP8, encode, fp8_unavailable
+from eyrie.run.folder import server_file_name
 from eyrie.vllm.plugin import SKIP_HIDDEN_STATES
 
 
@@ -75,10 +79,19 @@ class EyrieHiddenStatesConnector(ExampleHiddenStatesConnector):
         meta = super().build_connector_meta(scheduler_output)
         for new_req in scheduler_output.scheduled_new_reqs:
             extra = new_req.sampling_params.extra_args if new_req.sampling_params else None
+            named = isinstance(meta, ExampleHiddenStatesConnectorMetadata)
             if ((extra or {}).get("kv_transfer_params") or {}).get(SKIP_HIDDEN_STATES):
                 self._request_filenames.pop(new_req.req_id, None)
-                if isinstance(meta, ExampleHiddenStatesConnectorMetadata):
-                    meta.new_req_filenames.pop(new_req.req_id, None)
+                if named:
+                    meta.new_req_filenames.pop(new_req.req_id, None)  # type: ignore[attr-defined]
+            elif new_req.req_id in self._request_filenames:
+                # vLLM names the file after the request id, which a client sets (`request_id`, X-Request-Id): `../`
+                # in it wrote anywhere the server's user may. The connector names every file itself, in its
+                # storage folder, and ignores a `hidden_states_path` a request asks for.
+                filename = os.path.join(self._storage_path, server_file_name())
+                self._request_filenames[new_req.req_id] = filename
+                if named:
+                    meta.new_req_filenames[new_req.req_id] = filename  # type: ignore[attr-defined]
         return meta
 
     def _submit_async_write(self, pending: PendingSave) -> None:
