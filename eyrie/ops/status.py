@@ -12,6 +12,7 @@ from eyrie.stages import RUN_FOLDER_STAGES
 from eyrie.stages.prepare import load_shards
 from eyrie.stages.regenerate import extraction_source
 from eyrie.stages.regenerate import stage_status as regenerate_progress
+from eyrie.vllm import phases
 from eyrie.vllm.process import VllmServer
 
 
@@ -83,6 +84,13 @@ def _stage_state(run: RunFolder, stage: str) -> str:
     )
 
 
+def _log(server: VllmServer) -> str:
+    try:
+        return server.log_path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def server_status(server: VllmServer) -> str:
     """One line on the server recorded in a folder. A recorded pid that is now another process (reused, or from
     before a reboot) is "not running"; a server that never answered yet is "starting"; one that answered before
@@ -104,9 +112,13 @@ def server_status(server: VllmServer) -> str:
     if not state.get("ready_at"):
         if server.probe(state):
             return f"running pid {pid} at {url}"
-        return f"starting: pid {pid}, loading for {time.time() - state.get('started_at', time.time()):.0f} s"
+        so_far = phases.summary(phases.phases(_log(server)))
+        loading = f"loading for {time.time() - state.get('started_at', time.time()):.0f} s"
+        return f"starting: pid {pid}, {loading}" + (f" ({so_far} so far)" if so_far else "")
     if server.healthy(state):
-        return f"running pid {pid} at {url}"
+        measured = state.get("phases") or phases.phases(_log(server), state["ready_at"])
+        started = f"; started in {measured['total']:.0f} s: {phases.summary(measured)}" if "total" in measured else ""
+        return f"running pid {pid} at {url}{started}"
     return f"not answering: pid {pid} is alive but {url}/health failed repeatedly"
 
 

@@ -41,6 +41,7 @@ from eyrie.target.metadata import (
     text_config,
     verifier_name,
 )
+from eyrie.vllm.loading import load_warnings, weights_folder
 from eyrie.vllm.plugin import hidden_eagle3_classes
 
 
@@ -632,6 +633,8 @@ def run_preflight(
     report.revisions = {"target": config.target.revision, "data": config.data.revision}
     report.hidden_states = config.train.hidden_states
     report.warnings += arg_warnings
+    x = config.extraction
+    report.warnings += load_warnings(weights_folder(config.target), x.server_args, x.enforce_eager, x.server_env)
     mask = config.train.mask_token_id
     report.target_facts["mask_token_id"] = mask if mask is not None or tok is None else mask_token_id(tok, vocab)
     if probe.path != "unsupported":  # a refused class is the one problem worth reading; its metadata may be odd

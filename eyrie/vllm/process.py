@@ -30,6 +30,7 @@ import requests
 from eyrie.errors import ExtractionError
 from eyrie.run.folder import atomic_write_json, read_json
 from eyrie.vllm.client import ServerClient
+from eyrie.vllm.phases import phases as start_phases
 from eyrie.vllm.spec import ServerSpec, free_port
 
 if TYPE_CHECKING:
@@ -316,6 +317,11 @@ class VllmServer:
         if state.get("ready_at"):
             return
         state["ready_at"] = time.time()
+        try:
+            # Where the start-up went (weights, compile, CUDA graphs...), for `eyrie status` and the flow's artifact.
+            state["phases"] = start_phases(self.log_path.read_text(errors="replace"), state["ready_at"])
+        except OSError:
+            pass
         try:
             atomic_write_json(self.state_path, state)
         except OSError:  # advisory (a full disk must not fail a server that runs)

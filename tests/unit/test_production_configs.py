@@ -128,6 +128,7 @@ def test_kimi_preset_runs_what_is_known_to_work(monkeypatch):
     assert args.enable_prefix_caching is False and args.enable_chunked_prefill is False
     assert 1 <= args.max_num_seqs <= 16 and config.extraction.concurrency == args.max_num_seqs
     assert args.tensor_parallel_size == 8 and args.max_model_len == 8192  # Eyrie's own flags parse too
+    assert args.safetensors_load_strategy == "prefetch"  # the weights read ahead, in parallel (vllm #36012)
     name = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
     monkeypatch.delenv(name, raising=False)
     default = envs.environment_variables[name]()
