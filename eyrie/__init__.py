@@ -4,5 +4,7 @@ The core library: plain Python over paths and pydantic configs. It never imports
 """
 
 __version__ = "0.1.0"
-# Bumped whenever a stage's on-disk output changes meaning; part of every cache key and run-folder stamp.
-FORMAT_VERSION = 1
+# The run folder's one format stamp: bumped whenever a stage's on-disk output or a key's recipe changes meaning; part of
+# every key (eyrie.run.identity) and of the folder's stamp, which refuses a folder of another format, saying what to do.
+# 2: every key computed from one declaration (eyrie.run.identity).
+FORMAT_VERSION = 2

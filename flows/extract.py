@@ -88,6 +88,7 @@ def extract_flow(
         "extracted": sorted(pending),
         "hidden_states": str(run.hidden_states),
         "keys": [plan.keys[s.name] for s in plan.shards],
+        "data_keys": [plan.data_keys[s.name] for s in plan.shards],  # what training keys on
         "node": node,
     }
     if not pending:

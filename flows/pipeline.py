@@ -4,6 +4,7 @@ the same shape) -> promote (with `promotion.dir`: the trained drafter becomes `c
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import islice
 from pathlib import Path
 from typing import Literal
@@ -90,7 +91,12 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
             # (eyrie/stages/train/online.py).
             plan = online_plan(config, run, report, data_dir)
             keys = [plan.keys[s.name] for s in plan.shards]
-            extracted = {"keys": keys, "hidden_states": str(plan.staging), "shards": len(keys)}
+            extracted = {
+                "keys": keys,
+                "data_keys": [plan.data_keys[s.name] for s in plan.shards],
+                "hidden_states": str(plan.staging),
+                "shards": len(keys),
+            }
         else:
             extracted = extract_flow(config, str(run.root), report)
         if (
@@ -123,9 +129,9 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         vocab_task(token_freq, dvs, report["vocab_size"], str(run.vocab), vkey, warm)
         d2t, t2d = (str(p) for p in mapping_paths(run.vocab, dvs))
         data = (str(data_dir / "dataset"), extracted["hidden_states"], d2t, t2d, aux, report["target_facts"])
-        tkey = train_key(config, extracted["keys"], vkey, aux, warm)
+        tkey = train_key(config, extracted["data_keys"], vkey, aux, warm)
         spec = ServerSpec.for_serving(config)  # each drafter set per use
-        ekey = export_key(tkey, aux, spec.fingerprint())
+        ekey = export_key(config, tkey, aux, spec.output_identity())
         # The drafter to beat: the current one, unless this run's own drafter already is it (a re-run).
         rival = current if current and current.name != ekey else None
         baseline = config.evaluate.untrained_baseline
@@ -162,7 +168,7 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         results = []
         sweep = config.evaluate.sweep_draft_tokens
         for label, drafter, server_dir, identity in drafters:
-            key = evaluate_key(label, identity, config.evaluate.model_dump(), prompts)
+            key = evaluate_key(config, label, identity, prompts, replace(spec, drafter=str(drafter)).output_identity())
             out = run.evaluate / f"{label}.json"
             # The trained drafter's server also measures throughput when the draft-token sweep needs it.
             concurrency = config.evaluate.throughput_concurrency if sweep and label == "trained" else None
@@ -186,7 +192,7 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
             results, str(run.evaluate), trained["val_metrics"], config.evaluate.max_train_serve_gap
         )
         if sweep:
-            skey = draft_tokens_key(results[0]["key"], sweep)
+            skey = draft_tokens_key(config, results[0]["key"])
             evaluation["draft_tokens"] = draft_tokens_task(
                 exported["drafter"],
                 spec,

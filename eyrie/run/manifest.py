@@ -34,20 +34,16 @@ def files_under(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file())
 
 
-# Where a manifest from before sizes were recorded (`{name: sha256}`) kept its files, by stage, when not beside it.
-LEGACY_FILE_DIRS = {"export": "drafter"}
-
-
 def listed(folder: Path, manifest: dict) -> list[tuple[Path, int | None, str]]:
-    """(path, recorded size, sha256) of every file the manifest in `folder` lists. A manifest from before sizes were
-    recorded lists `{name: sha256}`, named inside `LEGACY_FILE_DIRS[stage]`: its size is None (not checked)."""
-    legacy = folder / LEGACY_FILE_DIRS.get(manifest.get("stage", ""), "")
-    out = []
+    """(path, recorded size, sha256) of every file the manifest in `folder` lists. A record that is not
+    `{"bytes", "sha256"}` (a run folder of an older format, refused by `RunFolder.ensure`) lists a size of -1, so
+    the file never counts as whole."""
+    out: list[tuple[Path, int | None, str]] = []
     for name, rec in sorted((manifest.get("files") or {}).items()):
         if isinstance(rec, dict):
             out.append((folder / name, rec.get("bytes"), rec["sha256"]))
         else:
-            out.append((legacy / name, None, rec))
+            out.append((folder / name, -1, ""))
     return out
 
 

@@ -15,19 +15,25 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from eyrie.run.folder import sha256_json
 from eyrie.stages.train.validation import position_accuracies
 
 _SAMPLE = re.compile(r"^(vllm:spec_decode_[a-z_]+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$")
 
 
-def evaluate_key(label: str, drafter_identity: str, settings: dict, prompts: list[list[dict]]) -> str:
-    """What one drafter's measurement depends on: which drafter, the evaluation settings and the prompts."""
-    return sha256_json([label, drafter_identity, settings, prompts])[:16]
+def evaluate_key(config, label: str, drafter_identity: str, prompts: list[list[dict]], server: str) -> str:
+    """What one drafter's measurement depends on (`eyrie.run.identity.STAGES["evaluate"]`): which drafter, the
+    prompts and how much is generated, and what its server computes (`server`: the serving spec's
+    `output_identity`, with this drafter: target identity, drafter content, draft tokens, output-shaping arguments,
+    vLLM version). The target moving, or vLLM, measures again."""
+    from eyrie.target.metadata import stage_key
+
+    return stage_key("evaluate", config, label=label, drafter_id=drafter_identity, prompts=prompts, server=server)
 
 
-def draft_tokens_key(trained_key: str, sweep: int) -> str:
-    return sha256_json(["draft-tokens", trained_key, sweep])[:16]
+def draft_tokens_key(config, trained_key: str) -> str:
+    from eyrie.target.metadata import stage_key
+
+    return stage_key("draft_tokens", config, trained=trained_key)
 
 
 def spec_counters(metrics_text: str) -> dict:

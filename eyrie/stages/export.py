@@ -16,7 +16,7 @@ from pathlib import Path
 
 from eyrie.errors import EyrieError
 from eyrie.run.faults import fault_point
-from eyrie.run.folder import atomic_write_json, sha256_json
+from eyrie.run.folder import atomic_write_json
 from eyrie.run.manifest import done, files_under, list_files
 from eyrie.target.metadata import verifier_name
 
@@ -53,10 +53,13 @@ def check_drafter_config(cfg: dict, aux_ids: list[int], target_hidden_size: int)
     return problems
 
 
-def export_key(train_key: str, aux_ids: list[int], serving_fingerprint: str) -> str:
-    """What the exported drafter and its vLLM proof are made of: the trained checkpoint, the captured layers and the
-    server that proves it (target, vLLM arguments, draft tokens)."""
-    return sha256_json([train_key, aux_ids, serving_fingerprint])[:16]
+def export_key(config, train_key: str, aux_ids: list[int], server: str) -> str:
+    """What the exported drafter and its vLLM proof are made of (`eyrie.run.identity.STAGES["export"]`): the
+    trained checkpoint, the captured layers, the verifier it names, and what the proving server computes (`server`:
+    its `ServerSpec.output_identity`: target identity, output-shaping arguments, vLLM version, draft tokens)."""
+    from eyrie.target.metadata import stage_key
+
+    return stage_key("export", config, train=train_key, aux=list(aux_ids), server=server)
 
 
 def export_drafter(

@@ -290,30 +290,36 @@ def plan_shards(input_ids: list[list[int]], shard_size: int, conversations: list
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
+    """What the loaded tokenizer does: its chat template, size, special tokens and, with a fast backend, its whole
+    serialization; without one (a slow tokenizer such as Kimi's), its vocabulary. Its files enter the keys too
+    (`eyrie.run.identity.FILE_KINDS["tokenizer"]`): a slow tokenizer's merges live only there."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
     return sha256_json(
         [
             tokenizer.chat_template,
             len(tokenizer),
             tokenizer.eos_token,
-            hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
-            if hasattr(tokenizer, "backend_tokenizer")
-            else type(tokenizer).__name__,
+            getattr(tokenizer, "special_tokens_map", None),
+            hashlib.sha256(backend.to_str().encode()).hexdigest()
+            if backend is not None
+            else sha256_json(sorted(tokenizer.get_vocab().items())),
         ]
     )
 
 
 def prepare_key(target: TargetConfig, data: DataConfig) -> str:
-    """The identity of prepare's output: what is read, how it is tokenized, how it is cut."""
-    tok = load_tokenizer(target)
-    return sha256_json(
-        {
-            "source": source_fingerprint(data),
-            "tokenizer": tokenizer_fingerprint(tok),
-            "data": data.model_dump(mode="json"),
-            "format": 2,  # 2: conversations.jsonl and its per-shard offsets
-            "split": "prompt",  # held out by prompt (was: by whole conversation)
-        }
-    )[:16]
+    """The identity of prepare's output (`eyrie.run.identity.STAGES["prepare"]`): what is read, how it is
+    tokenized, how it is cut."""
+    from eyrie.config import PipelineConfig
+    from eyrie.target.metadata import stage_key as keyed
+
+    config = PipelineConfig.model_construct(target=target, data=data)
+    return keyed(
+        "prepare",
+        config,
+        source=source_fingerprint(data),
+        tokenizer=tokenizer_fingerprint(load_tokenizer(target)),
+    )
 
 
 def prepare(target: TargetConfig, data: DataConfig, out_dir: Path, key: str | None = None) -> dict:

@@ -42,11 +42,10 @@ from typing import Any
 from eyrie.config import PipelineConfig, RegenerateConfig
 from eyrie.errors import RegenerationError, RequestRejected, ServerUnavailable
 from eyrie.run.faults import fault_point
-from eyrie.run.folder import RunFolder, atomic_write_bytes, atomic_write_json, read_json, sha256_file, sha256_json
+from eyrie.run.folder import RunFolder, atomic_write_bytes, atomic_write_json, read_json, sha256_json
 from eyrie.run.manifest import done, files_under, list_files
 from eyrie.stages.prepare import RowError, Shard, load_shards, render_text, tokenizer_fingerprint
 
-FORMAT = 1  # of the regenerated shards and dataset; part of every key
 STAGE = "regenerate"
 # Requests past which a shard with this share of its rows failed by server errors fails itself: a systemic problem
 # (a wrong server, a broken engine) must not pass as a shard of mostly dropped rows.
@@ -209,51 +208,33 @@ def request_seed(cfg: RegenerateConfig, fingerprint: str, turn: int) -> int:
     return int(hashlib.sha256(f"{cfg.seed}:{fingerprint}:{turn}".encode()).hexdigest()[:15], 16)
 
 
-def sampling_identity(cfg: RegenerateConfig) -> dict:
-    """What of the config decides the generated ids (not concurrency, timeouts or length_capped)."""
-    return {
-        "temperature": cfg.temperature,
-        "temperature_mix": [t.model_dump() for t in cfg.temperature_mix or []],
-        "top_p": cfg.top_p,
-        "seed": cfg.seed,
-        "max_tokens": cfg.max_tokens,
-    }
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Keys
 
 
-def target_generation_identity(config: PipelineConfig) -> dict:
-    """The target as generation sees it: its identity, plus the generation_config.json vLLM takes its default
-    sampling parameters (top_k, repetition penalty) and end tokens from."""
-    from eyrie.target.metadata import is_local_target, target_identity
+def shard_key(template: str, shard: Shard, config: PipelineConfig) -> str:
+    """A regenerated shard's identity (`eyrie.run.identity.STAGES["regenerate.shard"]`): the prepared shard's
+    content (ids and conversations), the target (weights, tokenizer and generation config files, dtype,
+    output-shaping server arguments), its template, the sampling and the length cap of a row."""
+    from eyrie.target.metadata import stage_key as keyed
 
-    gen = Path(config.target.model) / "generation_config.json"
-    local = is_local_target(config.target) and gen.is_file()
-    return {"target": target_identity(config.target), "generation_config": sha256_file(gen) if local else None}
-
-
-def shard_key(target: dict, template: str, shard: Shard, config: PipelineConfig) -> str:
-    """A regenerated shard's identity: the prepared shard's content (ids and conversations), the target, its
-    template, the sampling, the length cap of a row."""
-    return sha256_json(
-        {
-            "target": target,
-            "template": template,
+    return keyed(
+        "regenerate.shard",
+        config,
+        shard={
             "ids": shard.fingerprint,
             "conversations": shard.conversations,
             "rows": [shard.start, shard.stop],
-            "sampling": sampling_identity(config.regenerate),
-            "max_length": config.data.max_length,
-            "format": FORMAT,
-        }
-    )[:16]
+        },
+        template=template,
+    )
 
 
 def stage_key(shard_keys: dict[str, str], config: PipelineConfig) -> str:
     """The assembled output's identity: its shards' keys and what assembly keeps."""
-    return sha256_json({"shards": shard_keys, "length_capped": config.regenerate.length_capped, "format": FORMAT})[:16]
+    from eyrie.target.metadata import stage_key as keyed
+
+    return keyed("regenerate", config, shards=shard_keys)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -510,9 +491,8 @@ class RegenerationPlan:
             raise RegenerationError(f"{run.prepare / 'shards.json'} lists no shards: run the prepare stage first")
         server = ExtractionPlan(config, run, report, [], node=node)
         self.spec, self.server_dir, self.staging = server.spec, server.server_dir, server.staging
-        target = target_generation_identity(config)
         template = tokenizer_fingerprint(load_tokenizer(config.target))
-        self.keys = {s.name: shard_key(target, template, s, config) for s in self.shards}
+        self.keys = {s.name: shard_key(template, s, config) for s in self.shards}
         self.key = stage_key(self.keys, config)
 
     def is_complete(self, shard: Shard) -> bool:

@@ -11,14 +11,19 @@ from pathlib import Path
 
 from eyrie.errors import ConfigError
 from eyrie.run.faults import fault_point
-from eyrie.run.folder import atomic_write_json, sha256_json
+from eyrie.run.folder import atomic_write_json
 from eyrie.run.manifest import done, list_files
 
 
 def vocab_key(prepare_manifest: dict, draft_vocab_size: int, target_vocab_size: int, base: str | None = None) -> str:
-    return sha256_json(
-        {"prepare": prepare_manifest["key"], "draft": draft_vocab_size, "target": target_vocab_size, "base": base}
-    )[:16]
+    """`eyrie.run.identity.STAGES["vocab"]`: the data's key (prepared or regenerated), the sizes, and a warm start's
+    base drafter by its content (its mapping is kept)."""
+    from types import SimpleNamespace
+
+    from eyrie.target.metadata import stage_key
+
+    config = SimpleNamespace(vocab=SimpleNamespace(draft_vocab_size=draft_vocab_size))
+    return stage_key("vocab", config, drafter=base, data=prepare_manifest["key"], target_vocab_size=target_vocab_size)
 
 
 def mapping_paths(folder: Path, draft_vocab_size: int) -> tuple[Path, Path]:

@@ -12,17 +12,16 @@ resolved; the trainer is handed the resolved names, so nothing is guessed after 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from eyrie.config import TargetConfig
 from eyrie.errors import ConfigError, DataError
-from eyrie.run.folder import sha256_file, sha256_json
+from eyrie.run.folder import sha256_json
+from eyrie.run.identity import STAGES, drafter_identity, folder_identity, key, sampled_fingerprint
 from eyrie.target.hub import hub_commit
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -153,40 +152,46 @@ def mask_token_id(tokenizer, vocab_size: int) -> int | None:
     )
 
 
-SAMPLES_PER_FILE = 16  # evenly spaced 64 KiB reads of each weight file's tensor data
-SAMPLE_BYTES = 1 << 16
-
-
 def weights_fingerprint(path: Path) -> str:
-    """One safetensors file's identity without reading it all: its header (every tensor's name, dtype, shape and
-    offset), its size, and 16 evenly spaced 64 KiB samples of its data (1 MiB per file, so a fine-tune of the same
-    architecture, which changes nearly every weight, gets a new identity; hashing terabytes would take hours)."""
-    h = hashlib.sha256()
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        (header_len,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
-        h.update(head + f.read(header_len) + str(size).encode())
-        start = 8 + header_len
-        span = max(size - start - SAMPLE_BYTES, 0)
-        for i in range(SAMPLES_PER_FILE):
-            f.seek(start + span * i // max(SAMPLES_PER_FILE - 1, 1))
-            h.update(f.read(SAMPLE_BYTES))
-    return h.hexdigest()[:16]
+    """One weight file's identity without reading it all (`eyrie.run.identity.sampled_fingerprint`)."""
+    return sampled_fingerprint(path)
+
+
+def file_identity(kind: str, target: TargetConfig | None, drafter: str | Path | None = None) -> object:
+    """The identity of one kind of input file (`eyrie.run.identity.FILE_KINDS`). A local target's files by content,
+    wherever the folder is; a hub target's by its id and the commit its revision resolves to now (a run pins it at
+    its start, so a moving branch such as `main` gives a new identity when it moves)."""
+    if kind == "drafter":
+        return drafter_identity(drafter)
+    if target is None:
+        raise TypeError(f"the {kind} identity needs the target")
+    if not is_local_target(target):
+        return ["hub", target.model, hub_commit(target.model, "model", target.revision)]
+    folder = Path(target.model)
+    if not folder.is_dir():
+        return ["missing", str(folder)]
+    return folder_identity(folder, kind)
+
+
+def stage_key(
+    stage: str, config, *, target: TargetConfig | None = None, drafter: str | Path | None = None, **upstream
+) -> str:
+    """`eyrie.run.identity.key` of `stage`, with the identities of the files it declares: the target's (of
+    `config.target`, or `target`) and the drafter's (`drafter`; None when there is none)."""
+    target = target if target is not None else getattr(config, "target", None)
+    files = {kind: file_identity(kind, target, drafter) for kind in STAGES[stage].files}
+    return key(stage, config, files, **upstream)
 
 
 def target_identity(target: TargetConfig) -> str:
-    """What the extracted hidden states depend on. A local target: its config.json and each weight file's
-    fingerprint (header, size, sampled data). A hub target: the commit its revision resolves to now, so a moving
-    branch such as `main` gives a new identity when it moves."""
-    ident: dict = {"model": target.model, "revision": target.revision}
-    if is_local_target(target):
-        folder = Path(target.model)
-        ident["config"] = sha256_file(folder / "config.json")
-        ident["weights"] = sorted((p.name, weights_fingerprint(p)) for p in folder.glob("*.safetensors"))
-    else:
-        ident["commit"] = hub_commit(target.model, "model", target.revision)
-    return sha256_json(ident)[:16]
+    """What the target computes, by content: its weights, config.json and own code (`file_identity`)."""
+    return sha256_json(file_identity("target", target))[:16]
+
+
+def tokenizer_files_identity(target: TargetConfig) -> str:
+    """The target's tokenizer and processor files by content (a slow tokenizer's vocabulary and merges, a
+    tiktoken model, the chat template file...); a hub target: its pinned commit."""
+    return sha256_json(file_identity("tokenizer", target))[:16]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eyrie.errors import ExtractionError
-from eyrie.run.folder import sha256_json
+from eyrie.hidden_states.encoding import ENV as HIDDEN_STATES_DTYPE_ENV
 from eyrie.vllm.plugin import CONNECTOR_NAME
 
 if TYPE_CHECKING:
@@ -52,7 +52,10 @@ class ServerSpec:
 
     @staticmethod
     def for_extraction(config, layer_ids: list[int], storage_path: str) -> ExtractionSpec:
-        return ExtractionSpec.from_config(config, layer_ids=layer_ids, storage_path=storage_path)
+        spec = ExtractionSpec.from_config(config, layer_ids=layer_ids, storage_path=storage_path)
+        # The connector reads how to encode the hidden states from its environment.
+        spec.server_env = {**spec.server_env, HIDDEN_STATES_DTYPE_ENV: config.extraction.hidden_states_dtype}
+        return spec
 
     @staticmethod
     def for_serving(config, drafter: str | None = None) -> ServingSpec:
@@ -88,14 +91,40 @@ class ServerSpec:
         alone: evaluation's baseline for throughput)."""
         return "serving" if self.drafter else "extraction" if self.layer_ids is not None else "target"
 
+    def _target(self):
+        from eyrie.config import TargetConfig
+
+        return TargetConfig(model=self.model, revision=self.revision, trust_remote_code=self.trust_remote_code)
+
     def fingerprint(self) -> str:
-        """What makes two servers interchangeable: not the port, never the key's value."""
+        """What makes two servers interchangeable (`eyrie.run.identity.STAGES["server.*"]`): every setting it is
+        started with but the port (never the key's value), the target's identity (its weights at that path, or the
+        hub commit), the drafter's content (a re-export at the same path is another server) and the vLLM version."""
+        from eyrie.target.metadata import stage_key
+
         d = asdict(self)
         d.pop("port")
-        if not d["server_env"]:
-            # Left out when empty, so a server started before this setting existed keeps its identity (and is reused).
-            d.pop("server_env")
-        return sha256_json(d)[:16]
+        stage = "server.serving" if self.kind != "extraction" else "server.extraction"
+        return stage_key(stage, None, target=self._target(), drafter=self.drafter, spec=d)
+
+    def output_identity(self) -> str:
+        """What this server computes, for the keys of what it measures or proves (evaluation, export): the target's
+        identity and dtype, the context limit, what it drafts with (the drafter's content, draft tokens) or
+        captures, the output-shaping server arguments and environment (`eyrie.run.identity.output_server_args`:
+        not scheduling-only ones such as --max-num-seqs), and the vLLM version. Not the host, port, key,
+        parallelism or memory settings."""
+        from eyrie.run.identity import output_server_args, output_server_env
+        from eyrie.target.metadata import stage_key
+
+        spec = {
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "layer_ids": self.layer_ids,
+            "num_speculative_tokens": self.num_speculative_tokens if self.drafter else None,
+            "server_args": output_server_args(self.server_args),
+            "server_env": output_server_env(self.server_env),
+        }
+        return stage_key("server.outputs", None, target=self._target(), drafter=self.drafter, spec=spec)
 
     def api_key(self) -> str | None:
         if not self.api_key_env:

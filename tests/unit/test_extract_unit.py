@@ -173,13 +173,19 @@ def test_clean_staging_removes_orphans(tmp_path):
     assert clean_staging(tmp_path / "missing") == 0
 
 
-def test_shard_key_covers_target_layers_and_rows(prepared):
+def test_shard_key_covers_layers_rows_and_layout(prepared, tiny_llama):
+    from eyrie.config import parse_config
+    from eyrie.stages.extract import content_key
+
+    config = parse_config({"target": {"model": str(tiny_llama)}, "data": {"source": str(prepared)}})
     shard = load_shards(prepared)[0]
-    base = shard_key("t1", [2, 4, 5, 8], shard)
-    assert base == shard_key("t1", [2, 4, 5, 8], shard)
-    assert base != shard_key("t2", [2, 4, 5, 8], shard)
-    assert base != shard_key("t1", [1, 4, 5, 8], shard)
-    assert base != shard_key("t1", [2, 4, 5, 8], load_shards(prepared)[1])
+    base = content_key(config, [2, 4, 5, 8], shard)
+    assert base == content_key(config, [2, 4, 5, 8], shard)
+    assert base != content_key(config, [1, 4, 5, 8], shard)
+    assert base != content_key(config, [2, 4, 5, 8], load_shards(prepared)[1])
+    packed = config.model_copy(update={"extraction": config.extraction.model_copy(update={"storage": "packed"})})
+    assert content_key(packed, [2, 4, 5, 8], shard) == base  # the content: what training keys on
+    assert shard_key(base, packed) != shard_key(base, config)  # the manifest's key: content and layout
 
 
 def test_server_spec_fingerprint_and_command(monkeypatch):

@@ -54,24 +54,10 @@ def test_changed_content_of_the_same_size_is_found_only_with_hashes(stage):
     ]
 
 
-def test_a_manifest_from_before_sizes_were_recorded_is_checked_for_presence(stage):
+def test_a_manifest_of_an_older_format_never_counts_as_done(stage):
+    """Records without sizes (`{name: sha256}`, format 1) are refused, not trusted by presence."""
     atomic_write_json(stage / "manifest.json", {"key": "k", "files": {"a.bin": sha256_file(stage / "a.bin")}})
-    assert done(stage / "manifest.json", "k") is not None
-    (stage / "a.bin").unlink()
     assert done(stage / "manifest.json", "k") is None
-
-
-def test_an_export_manifest_from_before_sizes_were_recorded_finds_its_files_in_the_drafter_folder(tmp_path):
-    """Export manifests used to name the drafter's files inside `drafter/` by name and sha256 only: still done,
-    so an existing run is not exported and proven again (a 27-minute load on Kimi)."""
-    (tmp_path / "drafter").mkdir()
-    (tmp_path / "drafter" / "model.safetensors").write_bytes(b"w" * 10)
-    digest = sha256_file(tmp_path / "drafter" / "model.safetensors")
-    legacy = {"stage": "export", "key": "k", "files": {"model.safetensors": digest}}
-    atomic_write_json(tmp_path / "manifest.json", legacy)
-    assert done(tmp_path / "manifest.json", "k", hashes=True) is not None
-    (tmp_path / "drafter" / "model.safetensors").unlink()
-    assert problems(tmp_path, read_json(tmp_path / "manifest.json")) == ["drafter/model.safetensors missing"]
 
 
 def test_the_cache_policy_never_uses_a_record_that_outlived_its_files(stage, monkeypatch):

@@ -294,10 +294,10 @@ def test_a_dead_server_fails_the_shard_and_writes_nothing(tmp_path, prepared, to
 def test_keys(prepared, target_dir):
     prepare_dir, config = prepared
     shards = load_shards(prepare_dir)
-    target, template = {"target": "t", "generation_config": "g"}, "tpl"
+    template = "tpl"
 
-    def key(cfg=config, shard=shards[0], target=target, template=template) -> str:
-        return shard_key(target, template, shard, cfg)
+    def key(cfg=config, shard=shards[0], template=template) -> str:
+        return shard_key(template, shard, cfg)
 
     base = key()
     assert base == key() and base != key(shard=shards[1])
@@ -307,7 +307,6 @@ def test_keys(prepared, target_dir):
         key(cfg=config_for(target_dir, seed=3)),
         key(cfg=config_for(target_dir, max_tokens=64)),
         key(cfg=config_for(target_dir, top_p=0.9)),
-        key(target={**target, "generation_config": "other"}),
         key(template="other"),
         key(shard=dataclasses.replace(shards[0], conversations="other")),
         key(shard=dataclasses.replace(shards[0], fingerprint="other")),

@@ -21,13 +21,13 @@ from pathlib import Path
 from eyrie.config import PipelineConfig
 from eyrie.errors import EyrieError
 from eyrie.hidden_states.staging import clean, leftover_bytes, on_tmpfs
-from eyrie.run.folder import atomic_write_json, read_json, sha256_json
+from eyrie.run.folder import atomic_write_json, read_json
 from eyrie.run.manifest import done, files_under, list_files
 from eyrie.stages.train.checkpoints import is_whole, newest_whole_checkpoint, recover
 from eyrie.stages.train.online import online_args
 from eyrie.stages.train.validation import PLATEAU, epoch_validation, history, like_for_like_metrics, still_improving
 from eyrie.target.drafter import draft_layer_config
-from eyrie.target.metadata import target_identity
+from eyrie.target.metadata import stage_key
 
 
 def resolve_device(config: PipelineConfig) -> str:
@@ -41,18 +41,11 @@ def resolve_device(config: PipelineConfig) -> str:
 def train_key(
     config: PipelineConfig, data_keys: list[str], vocab_key: str, aux_ids: list[int], warm_start: str | None = None
 ) -> str:
-    return sha256_json(
-        {
-            "data": data_keys,
-            "vocab": vocab_key,
-            "aux": aux_ids,
-            "warm": warm_start,
-            "train": _train_settings(config),
-            # only when warm: keys of runs from scratch stay as they were
-            **({"warm_lr": learning_rate(config, True)} if warm_start else {}),
-            "target": config.target.model,
-        }
-    )[:16]
+    """The checkpoints' lineage (`eyrie.run.identity.STAGES["train"]`): what determines the weights. `data_keys`
+    are the hidden states' content keys (`eyrie.stages.extract.content_key`; the same online and offline, whatever
+    the storage layout), `warm_start` the base drafter, by its content. Devices, logging, checkpoint frequency and
+    thresholds are not in it: a change of them resumes (`resume_notes`)."""
+    return stage_key("train", config, drafter=warm_start, data=list(data_keys), vocab=vocab_key, aux=list(aux_ids))
 
 
 def learning_rate(config: PipelineConfig, warm: bool) -> float:
@@ -61,14 +54,31 @@ def learning_rate(config: PipelineConfig, warm: bool) -> float:
     return config.train.lr * (config.promotion.warm_start_lr_scale if warm else 1.0)
 
 
-def _train_settings(config: PipelineConfig) -> dict:
-    """The train section as the key sees it: `hidden_states` only when online, so keys of offline runs made before
-    the option existed stay the same (and their training is not redone). Online, `data_keys` are the keys offline
-    extraction would give its shards (target identity, captured layers, shard fingerprint; no manifests exist)."""
-    settings = config.train.model_dump(mode="json")
-    if settings.get("hidden_states") == "offline":
-        settings.pop("hidden_states")
-    return settings
+# Settings outside the train key whose change, on a resume, continues differently from an uninterrupted run.
+APPROXIMATE_ON_RESUME = ("devices", "device")
+RESUME_SETTINGS = "settings.json"  # beside the checkpoints: the APPROXIMATE_ON_RESUME settings they were made with
+
+
+def resume_notes(config: PipelineConfig, work: Path, device: str) -> list[str]:
+    """Warnings for a resume across a change that makes it approximate (a GPU died: fewer devices deal the data
+    out differently from the saved step on); records the current settings for the next resume."""
+    now = {"devices": config.train.devices if device == "cuda" else 1, "device": device}
+    path = work / RESUME_SETTINGS
+    before = read_json(path)
+    notes = []
+    if isinstance(before, dict) and (work / "checkpoints").is_dir():
+        changed = {k: (before.get(k), now[k]) for k in APPROXIMATE_ON_RESUME if before.get(k) != now[k]}
+        if changed:
+            what = ", ".join(f"train.{k} {a} -> {b}" for k, (a, b) in changed.items())
+            notes.append(
+                f"resuming training across a change ({what}): the checkpoints are kept, but from the saved step on "
+                "the batches are dealt out differently than in an uninterrupted run (the drafter is as good, not "
+                "bit-identical)"
+            )
+    if before != now:
+        work.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, now)
+    return notes
 
 
 def steps_per_epoch(seq_lens: list[int], total_seq_len: int, train_ratio: float) -> int:
@@ -215,6 +225,9 @@ def run_training(
     work = out_dir / key
     save_path = work / "checkpoints"
     device = resolve_device(config)
+    notes = resume_notes(config, work, device)
+    for note in notes:
+        log(f"warning: {note}")
     spe = steps_per_epoch(seq_lens, config.train.max_seq_len, 1 - config.train.val_fraction)
     if device == "cuda" and config.train.devices > 1:  # speculators deals the packed batches out across the ranks,
         spe = math.ceil(spe / config.train.devices)  # and checkpoint_freq is a share of one rank's steps
@@ -252,7 +265,9 @@ def run_training(
     plateau = read_json(save_path / PLATEAU)
     if plateau:  # stopped on a plateau before its manifest was written: nothing left to train
         log(f"training stopped on a validation plateau at epoch {plateau.get('epoch')}; not relaunched")
-        return _train_manifest(config, out_dir, key, save_path, device, work / "train.log", resumed_from, data_dir)
+        return _train_manifest(
+            config, out_dir, key, save_path, device, work / "train.log", resumed_from, data_dir, notes
+        )
     state = read_json(resumed_from / "training_state.json") if resumed_from else None
     log(
         f"training on {device} ({spe} steps/epoch, checkpoint every {freq:g} epoch)"
@@ -276,7 +291,7 @@ def run_training(
             f"training exited with code {rc}; checkpoints so far are kept in {save_path} and the "
             f"next run resumes from them. End of {log_path}:\n{tail}"
         )
-    return _train_manifest(config, out_dir, key, save_path, device, log_path, resumed_from, data_dir)
+    return _train_manifest(config, out_dir, key, save_path, device, log_path, resumed_from, data_dir, notes)
 
 
 def _train_manifest(
@@ -288,6 +303,7 @@ def _train_manifest(
     log_path: Path,
     resumed_from,
     data_dir: Path,
+    notes: list[str] | None = None,
 ) -> dict:
     final = newest_whole_checkpoint(save_path)
     if final is None:
@@ -309,7 +325,7 @@ def _train_manifest(
         # Counted over the draft starts vLLM makes (what the train/serve gap compares): once, here, not per run.
         "val_metrics": like_for_like_metrics(epoch_validation(final), data_dir, config.train.val_fraction),
         "stopped_on_plateau": plateau,
-        "warnings": [improving] if improving else [],
+        "warnings": [*(notes or []), *([improving] if improving else [])],
         "log": str(log_path),
         "history": rows,
         "files": list_files(out_dir, files_under(final)),  # the shipped checkpoint
@@ -319,13 +335,9 @@ def _train_manifest(
 
 
 def untrained_key(config: PipelineConfig, vocab_key: str, aux_ids: list[int]) -> str:
-    """What an untrained drafter is made of: the target (its config and the tensors it borrows), the draft
-    vocabulary, the captured layers, and the drafter's own shape and seed."""
-    t = config.train
-    shape = {"num_layers": t.num_layers, "ttt_steps": t.ttt_steps, "max_seq_len": t.max_seq_len, "seed": t.seed}
-    return sha256_json(
-        {"target": target_identity(config.target), "vocab": vocab_key, "aux": aux_ids, "drafter": shape}
-    )[:16]
+    """What an untrained drafter is made of (`eyrie.run.identity.STAGES["untrained"]`): the target (its config and
+    the tensors it borrows), the draft vocabulary, the captured layers, and the drafter's own shape and seed."""
+    return stage_key("untrained", config, vocab=vocab_key, aux=list(aux_ids))
 
 
 def untrained_drafter(

@@ -1,0 +1,236 @@
+"""Every key changes exactly when something its declaration (eyrie.run.identity.STAGES) names changes.
+
+The test walks PipelineConfig recursively and changes each field alone (a new field with no declaration fails it),
+then each kind of input file (the target's weights, config, tokenizer and generation config files, documentation,
+a drafter's weights), and computes every stage's key through the stage's own key function."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import types
+import typing
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from eyrie.config import PipelineConfig, parse_config
+from eyrie.run.identity import NOT_SHAPING, OUTPUT_PICKS, STAGES, output_server_args, output_server_env
+from eyrie.stages.evaluate import draft_tokens_key, evaluate_key
+from eyrie.stages.export import export_key
+from eyrie.stages.extract import content_key, shard_key
+from eyrie.stages.prepare import Shard, prepare_key
+from eyrie.stages.regenerate import shard_key as regenerate_shard_key
+from eyrie.stages.regenerate import stage_key as regenerate_stage_key
+from eyrie.stages.train.trainer import train_key, untrained_key
+from eyrie.stages.vocab import vocab_key
+from eyrie.vllm.spec import ServerSpec
+
+SHARD = Shard(0, 0, 8, "fp", 100)
+SHARD.conversations = "conv"
+
+
+def all_keys(config: PipelineConfig, drafter: Path) -> dict[str, str]:
+    """Every declared stage's key, each through its own key function, with fixed upstream values."""
+    serving = ServerSpec.for_serving(config, str(drafter))
+    keys = {
+        "prepare": prepare_key(config.target, config.data),
+        "regenerate.shard": regenerate_shard_key("template", SHARD, config),
+        "regenerate": regenerate_stage_key({"s0": "k0"}, config),
+        "extract": content_key(config, [2, 4], SHARD),
+        "extract.layout": shard_key("content", config),
+        "vocab": vocab_key({"key": "data"}, config.vocab.draft_vocab_size, 1000, base=str(drafter)),
+        "train": train_key(config, ["d0"], "vocab", [2], warm_start=str(drafter)),
+        "untrained": untrained_key(config, "vocab", [2]),
+        "export": export_key(config, "train", [2], "server"),
+        "evaluate": evaluate_key(config, "trained", "drafter", [[{"role": "user", "content": "hi"}]], "server"),
+        "draft_tokens": draft_tokens_key(config, "trained"),
+        "server.outputs": serving.output_identity(),
+        "server.serving": serving.fingerprint(),
+        "server.extraction": ServerSpec.for_extraction(config, [2, 4], "/staging").fingerprint(),
+    }
+    assert set(keys) == set(STAGES), "a declared stage has no key function in this test"
+    return keys
+
+
+def leaves(model: type[BaseModel], prefix: str = "") -> dict[str, typing.Any]:
+    """Every leaf field of the config model by dotted path, with its annotation."""
+    out = {}
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out.update(leaves(ann, f"{name}."))
+        else:
+            out[prefix + name] = ann
+    return out
+
+
+def declared(path: str) -> set[str]:
+    return {s for s, d in STAGES.items() if path in d.config}
+
+
+def test_every_field_is_declared():
+    fields = set(leaves(PipelineConfig))
+    shaping = {p for d in STAGES.values() for p in d.config}
+    assert not shaping - fields, f"declared fields that do not exist: {sorted(shaping - fields)}"
+    assert not shaping & set(NOT_SHAPING), f"declared both ways: {sorted(shaping & set(NOT_SHAPING))}"
+    missing = fields - shaping - set(NOT_SHAPING)
+    assert not missing, f"config fields with no declaration in eyrie.run.identity: {sorted(missing)}"
+    assert set(NOT_SHAPING) <= fields
+
+
+# Values for fields whose generic change would be invalid or meaningless; the rest are changed by type.
+SPECIAL: dict[str, list] = {
+    "extraction.host": ["localhost"],
+    "extraction.api_key_env": ["EYRIE_TEST_KEY"],
+    "extraction.gpu_memory_utilization": [0.5],
+    "extraction.layer_ids": [[1, 2, 3]],
+    "target.revision": ["v2"],
+    "target.tiny": ["tiny-llama"],
+    "target.vllm_version": [">=0.1"],
+    "target.max_model_len": [4096],
+    "data.subset": ["other"],
+    "data.revision": ["v1"],
+    "data.max_samples": [7],
+    "train.mask_token_id": [5],
+    "evaluate.sweep_draft_tokens": [4],
+    "evaluate.throughput_concurrency": [[2]],
+    "promotion.dir": ["/promoted"],
+    "regenerate.temperature_mix": [[{"temperature": 0.5, "weight": 1.0}]],
+    "regenerate.temperature": [0.5],
+    # one scheduling-only change (shapes the servers' identity only), one that changes what the target computes
+    "extraction.server_args": [["--max-num-seqs", "4"], ["--kv-cache-dtype", "fp8"]],
+    "extraction.server_env": [{"VLLM_LOGGING_LEVEL": "DEBUG"}, {"VLLM_ATTENTION_BACKEND": "FLEX_ATTENTION"}],
+}
+
+
+def changed_value(path: str, ann, value):
+    if path in SPECIAL:
+        return SPECIAL[path]
+    origin = typing.get_origin(ann)
+    args = [a for a in typing.get_args(ann) if a is not type(None)]
+    if origin is typing.Literal:
+        return [next(a for a in typing.get_args(ann) if a != value)]
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        ann = args[0]
+        if typing.get_origin(ann) is typing.Literal:
+            return [next(a for a in typing.get_args(ann) if a != value)]
+    if ann is bool:
+        return [not value]
+    if ann is int:
+        return [value + 1]
+    if ann is float:
+        return [value / 2 if value else 0.5]
+    if ann is str:
+        return [f"{value}-changed"]
+    raise AssertionError(f"no change known for {path} ({ann}): add it to SPECIAL")
+
+
+@pytest.fixture
+def world(tmp_path, tiny_llama):
+    """A local target, data file and drafter the test may change."""
+    target = tmp_path / "target"
+    shutil.copytree(tiny_llama, target)
+    data = tmp_path / "data" / "chat.jsonl"
+    data.parent.mkdir()
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(64, 64)}, str(drafter / "model.safetensors"))
+    (drafter / "config.json").write_text('{"speculators_model_type": "eagle3"}')
+    base = {
+        "target": {"model": str(target)},
+        "data": {"source": str(data), "max_length": 256},
+        "vocab": {"draft_vocab_size": 256},
+    }
+    return tmp_path, target, data, drafter, base
+
+
+def _with(base: dict, path: str, value) -> dict:
+    full = parse_config(base).model_dump(mode="json")
+    section, _, name = path.rpartition(".")
+    (full[section] if section else full)[name] = value
+    return full
+
+
+def test_each_config_field_changes_exactly_the_keys_it_is_declared_for(world):
+    tmp_path, target, data, drafter, base = world
+    config = parse_config(base)
+    before = all_keys(config, drafter)
+    assert before == all_keys(config, drafter)  # stable
+    dumped = config.model_dump(mode="json")
+    for path, ann in leaves(PipelineConfig).items():
+        section, _, name = path.rpartition(".")
+        current = (dumped[section] if section else dumped)[name]
+        if path == "target.model":  # the same target at another path
+            other = tmp_path / "moved" / "target"
+            shutil.copytree(target, other)
+            values = [str(other)]
+        elif path == "data.source":  # the same data at another path
+            other = tmp_path / "moved-data" / data.name
+            other.parent.mkdir()
+            shutil.copy(data, other)
+            values = [str(other)]
+        else:
+            values = changed_value(path, ann, current)
+        for value in values:
+            after = all_keys(parse_config(_with(base, path, value)), drafter)
+            changed = {s for s in STAGES if after[s] != before[s]}
+            want = declared(path)
+            if path in OUTPUT_PICKS and OUTPUT_PICKS[path](value) == OUTPUT_PICKS[path](current):
+                want = {s for s in want if not STAGES[s].outputs_only}  # scheduling only: no output changes
+            assert changed == want, f"{path} = {value!r}: changed {sorted(changed)}, declared {sorted(want)}"
+
+
+def _rewrite(path: Path, data: bytes) -> None:
+    st = path.stat()
+    path.write_bytes(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+
+
+def test_each_input_file_changes_exactly_the_keys_that_read_it(world):
+    tmp_path, target, data, drafter, base = world
+    config = parse_config(base)
+    before = all_keys(config, drafter)
+
+    def flip(path: Path) -> bytes:
+        raw = path.read_bytes()
+        mid = len(raw) - 1000  # inside the tensor data: the header and the size stay
+        return raw[:mid] + bytes([raw[mid] ^ 0xFF]) + raw[mid + 1 :]
+
+    cases = {
+        "target": [(target / "model.safetensors", flip), (target / "config.json", None)],
+        "tokenizer": [(target / "tokenizer.json", None), (target / "chat_template.jinja", None)],
+        "generation_config": [(target / "generation_config.json", None)],
+        "drafter": [(drafter / "model.safetensors", flip)],
+    }
+    for kind, files in cases.items():
+        want = {s for s, d in STAGES.items() if kind in d.files}
+        assert want, kind
+        for path, change in files:
+            original = path.read_bytes()
+            new = change(path) if change else original.rstrip() + b"\n\n"
+            assert new != original
+            _rewrite(path, new)
+            after = all_keys(config, drafter)
+            _rewrite(path, original)
+            changed = {s for s in STAGES if after[s] != before[s]}
+            assert changed == want, f"{path.name} ({kind}): changed {sorted(changed)}, declared {sorted(want)}"
+    assert all_keys(config, drafter) == before  # restored
+    (target / "README.md").write_text("a model card edit")  # documentation shapes nothing
+    assert all_keys(config, drafter) == before
+
+
+def test_scheduling_flags_are_not_outputs():
+    assert output_server_args(["--max-num-seqs", "4", "--kv-cache-dtype", "fp8", "--enable-prefix-caching"]) == [
+        "--kv-cache-dtype",
+        "fp8",
+    ]
+    assert output_server_args(["--max-num-batched-tokens=512", "--quantization", "fp8"]) == ["--quantization", "fp8"]
+    assert output_server_env({"VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_ATTENTION_BACKEND": "X"}) == {
+        "VLLM_ATTENTION_BACKEND": "X"
+    }
