@@ -420,18 +420,7 @@ def cmd_step(args) -> dict:
     timing = {"fwd": 0.0, "bwd": 0.0, "opt": 0.0}
 
     def borrow(variant: str) -> None:
-        """The tensors the drafter borrows from the target (embedding, both heads). Built bare, speculators fills
-        them with NaN until load_verifier_weights reads the target's: every step then computes on NaN (the
-        loss, all gradients and, after one AdamW step, every weight), bit patterns that toggle nothing and draw
-        far less power. `finite` puts in what the synthetic target's files hold (normal, std 0.02), as the
-        trainer's model has; `nan` keeps speculators' placeholder, the bare step as it was first measured."""
-        g = torch.Generator(device=dev).manual_seed(3)
-        with torch.no_grad():
-            for w in (model.embed_tokens.weight, model.verifier_lm_head.weight, model.lm_head.weight):
-                if variant == "nan":
-                    w.fill_(float("nan"))
-                else:
-                    w.copy_(torch.randn(w.shape, device=dev, generator=g) * 0.02)
+        fill_borrowed(model, variant)
         if working is not None:
             working.copied = [False] * len(working.params)  # frozen working copies are made once: again
 
@@ -484,6 +473,27 @@ def cmd_step(args) -> dict:
     return rec
 
 
+def fill_borrowed(model, variant: str) -> None:
+    """The tensors an EAGLE-3 drafter borrows from its target (embedding, both heads). Built bare, speculators
+    fills them with NaN until load_verifier_weights reads the target's: every step then computes on NaN (the
+    loss, every gradient and, after one AdamW step, every weight), constant bit patterns that draw far less power
+    than real numbers, so the GPU holds a higher clock. `finite` puts in what the synthetic target's files hold
+    (normal, std 0.02), as the trainer's model has; `nan` keeps speculators' placeholder: the bare step as it was
+    measured up to 2026-12-01."""
+    import torch
+
+    if variant not in ("finite", "nan"):
+        raise SystemExit(f"--verifier-weights: finite or nan, not {variant!r}")
+    w0 = model.embed_tokens.weight
+    g = torch.Generator(device=w0.device).manual_seed(3)
+    with torch.no_grad():
+        for w in (model.embed_tokens.weight, model.verifier_lm_head.weight, model.lm_head.weight):
+            if variant == "nan":
+                w.fill_(float("nan"))
+            else:
+                w.copy_(torch.randn(w.shape, device=w.device, generator=g) * 0.02)
+
+
 def step_variant(args, variant: str, step, sync, timing: dict, dev: str) -> dict:
     """Warm-up, the timed steps with the GPU sampled, the synchronised phase pass and (--profile) a
     torch.profiler window with its kernel tables, for one setting of the borrowed tensors."""
@@ -520,11 +530,12 @@ def step_variant(args, variant: str, step, sync, timing: dict, dev: str) -> dict
         "loss_finite": bool(torch.isfinite(loss).item()) if loss is not None else None,
         "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev == "cuda" else None,
     }
-    if args.profile and dev == "cuda":  # the same analysis as the trainer's profiled window
+    if args.profile:  # the same analysis as the trainer's profiled window (on a CPU: the plumbing's check)
         n = int(args.profile.split(",")[-1])
         probe = ClockProbe()
+        activities = [torch.profiler.ProfilerActivity.CPU]
         with torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            activities=activities + ([torch.profiler.ProfilerActivity.CUDA] if dev == "cuda" else [])
         ) as prof:
             probe.start()
             for _ in range(n):
@@ -885,6 +896,7 @@ def _bench_entry(argv: list[str]) -> None:
                 yield batch
 
     train_epoch = trainer.Trainer.train_epoch
+    probe: list = []
 
     gc_pause = {"n": [0, 0, 0], "s": [0.0, 0.0, 0.0], "t": 0.0}
 
@@ -912,17 +924,23 @@ def _bench_entry(argv: list[str]) -> None:
                 if cuda:
                     torch.cuda.synchronize()
                 _mark("first step done")
+                print(f"{BENCH_MARK}-json " + json.dumps({"compile": compile_summary()}), flush=True)
             if profile and n == profile[0] and cuda:
                 prof = torch.profiler.profile(
                     activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
                 )
                 prof.start()
+                probe[:] = [ClockProbe()]
+                probe[0].start()
             if prof is not None and n == profile[0] + profile[1]:
                 prof.stop()
+                clocks = probe[0].summary()
                 trace = out / f"trace_{os.getpid()}.json"
                 prof.export_chrome_trace(str(trace))
-                prof = None
                 summary = {"steps": profile[1], "first_step": profile[0], **analyse_trace(trace)}
+                name = opts.get("name") or f"trainer_{os.getpid()}"
+                summary.update(write_profile_tables(prof, trace, profile[1], out, name, clocks))
+                prof = None
                 print(f"{BENCH_MARK}-json " + json.dumps({"profile": summary}), flush=True)
                 last.update(
                     t=time.perf_counter(), step=n, wait=stats["wait_s"], gc=[gc_pause["n"][2], sum(gc_pause["s"])]
@@ -1060,7 +1078,8 @@ def compare_tables(a: dict, b: dict, top: int = 40) -> tuple[dict, str]:
 
     sections = {}
     lines = [
-        f"{b['name']} against {a['name']}, per step: GPU time {b['gpu_ms_per_step']:.2f} vs {a['gpu_ms_per_step']:.2f} ms"
+        f"{b['name']} against {a['name']}, per step: GPU time {b['gpu_ms_per_step']:.2f}"
+        f" vs {a['gpu_ms_per_step']:.2f} ms"
         f" (SM clock {cb} vs {ca} MHz; energy {b.get('clocks', {}).get('energy_W')} vs"
         f" {a.get('clocks', {}).get('energy_W')} W)"
     ]
@@ -1081,11 +1100,11 @@ def compare_tables(a: dict, b: dict, top: int = 40) -> tuple[dict, str]:
         rows.sort(key=lambda r: -abs(r[5]))
         sections[title] = rows[:limit] if limit else rows
         head = f"{'by ' + title:<102} {'n/step a':>9} {'b':>7} {'ms a':>8} {'ms b':>8} {'b-a':>8}"
-        lines += ["", head + (f" {'b@clk a':>8}" if scale else "")]
+        lines += ["", head + (f" {'b@a-clk-a':>9}" if scale else "")]
         for r in sections[title]:
             lines.append(
                 f"{r[0]:<102} {r[1]:>9} {r[2]:>7} {r[3]:>8.3f} {r[4]:>8.3f} {r[5]:>8.3f}"
-                + (f" {r[6]:>8.3f}" if scale else "")
+                + (f" {r[6]:>9.3f}" if scale else "")
             )
     return {"a": a["name"], "b": b["name"], "clock_scale_b_to_a": scale, **sections}, "\n".join(lines)
 
@@ -1098,6 +1117,37 @@ def cmd_compare(args) -> dict:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.log_dir) / f"compare_{b['name']}_vs_{a['name']}.txt").write_text(text + "\n")
     return emit(args, {"what": "compare", **record})
+
+
+def compile_summary() -> dict:
+    """Where torch.compile's time went up to now (dynamo's per-phase totals), how many graphs it made and why it
+    broke them, and Inductor's cache counters: read after the first step, whose wait is mostly compiling."""
+    out: dict = {}
+    try:
+        from torch._dynamo.utils import compile_times, counters
+
+        out["compile_times"] = compile_times(repr="str", aggregate=True)
+        out["stats"] = dict(counters["stats"])
+        out["graph_breaks"] = dict(counters["graph_break"].most_common(12))
+        out["inductor"] = {k: v for k, v in counters["inductor"].items() if "cache" in k or "compile" in k}
+        out["aot_autograd"] = dict(counters["aot_autograd"])
+        from torch._dynamo import utils as dynamo_utils
+
+        frames = []  # each compiled frame: its compile time and its slowest Triton kernels to compile
+        for m in list(getattr(dynamo_utils, "_compilation_metrics", [])):
+            kernels = getattr(m, "triton_kernel_compile_times_us", None)
+            frames.append(
+                [
+                    getattr(m, "co_name", None),
+                    getattr(m, "entire_frame_compile_time_s", None),
+                    getattr(m, "backend_compile_time_s", None),
+                    json.loads(kernels)[:6] if isinstance(kernels, str) else kernels,
+                ]
+            )
+        out["frames"] = frames
+    except Exception as err:  # noqa: BLE001  (another torch's internals: the marks still say when)
+        out["error"] = repr(err)
+    return out
 
 
 def analyse_trace(path: Path, gap_ms: float = 0.3) -> dict:
@@ -1281,7 +1331,12 @@ def cmd_eyrie(args, optimizer: str | None = None) -> dict:
     if not args.exact:  # the same argv through eyrie.stages.train.entry.main, with _bench_entry's measuring hooks
         i = cmd.index("eyrie.stages.train.entry")
         cmd = [cmd[0], str(Path(__file__).resolve()), "_bench_entry", *cmd[i + 1 :]]
-        bench = {"inmem": args.inmem, "off": args.off, "out": str(Path(args.log_dir).resolve())}
+        bench = {
+            "inmem": args.inmem,
+            "off": args.off,
+            "out": str(Path(args.log_dir).resolve()),
+            "name": f"eyrie_{optimizer}{'_' + args.tag if args.tag else ''}",
+        }
         if args.profile:
             bench["profile"] = [int(x) for x in args.profile.split(",")]
         env["EYRIE_BENCH"] = json.dumps(bench)
@@ -1540,25 +1595,54 @@ def cmd_all(args) -> None:
         str(args.iters),
         "--tag",
         "bare",
-    ] + (["--tiny"] if args.tiny else [])
+        "--verifier-weights",
+        args.verifier_weights or "finite,nan",
+        "--log-dir",
+        args.log_dir,
+    ]
+    argv += (["--tiny"] if args.tiny else []) + (["--profile", args.profile] if args.profile else [])
     r = subprocess.run(argv, capture_output=True, text=True)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    if r.returncode or not lines:
+    lines = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+    steps = {x.get("verifier_weights"): x for x in lines if x.get("what") == "step"}
+    if r.returncode or not steps:
         raise SystemExit(f"the bare step failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    bare = json.loads(lines[-1])
-    print(lines[-1], flush=True)
+    for x in steps.values():
+        print(json.dumps(x), flush=True)
+    bare = steps.get("finite") or next(iter(steps.values()))
     runs = [cmd_eyrie(args, opt) for opt in args.optimizers.split(",")]
-    emit_summary(args, bare, runs)
+    emit_summary(args, bare, runs, steps.get("nan"))
+    compare_profiles(args, runs)
 
 
-def emit_summary(args, bare: dict, runs: list[dict]) -> None:
+def compare_profiles(args, runs: list[dict]) -> None:
+    """With --profile: each trainer's window against the bare step's (finite weights), and the bare step on NaN
+    against it, kernel by kernel (compare_tables); text beside the logs, a record in the results."""
+    logs = Path(args.log_dir)
+    base = logs / "kernels_step_bare.json"
+    if not base.exists():
+        return
+    tag = "_" + args.tag if args.tag else ""
+    others = [logs / "kernels_step_bare-nan.json"] + [logs / f"kernels_eyrie_{r['optimizer']}{tag}.json" for r in runs]
+    for other in others:
+        if other.exists():
+            args.compare = [str(base), str(other)]
+            cmd_compare(args)
+
+
+def emit_summary(args, bare: dict, runs: list[dict], bare_nan: dict | None = None) -> None:
     summary = {"what": "summary", "bare_step_tokens_per_s": bare["tokens_per_s"]}
+    if bare_nan:  # the bare step as first measured: speculators' NaN placeholders for the borrowed tensors
+        summary["bare_step_on_nan_tokens_per_s"] = bare_nan["tokens_per_s"]
     for r in runs:
         tag = f"eyrie_{r['optimizer']}"
         summary[tag + "_tokens_per_s"] = r.get("tokens_per_s")
         summary[tag + "_ratio_to_bare"] = (
             round(r["tokens_per_s"] / bare["tokens_per_s"], 3) if r.get("tokens_per_s") else None
         )
+        if bare_nan:
+            summary[tag + "_ratio_to_bare_on_nan"] = (
+                round(r["tokens_per_s"] / bare_nan["tokens_per_s"], 3) if r.get("tokens_per_s") else None
+            )
         summary[tag + "_first_step_s"] = r.get("first_step_s")
         summary[tag + "_compile_cache_warm"] = r["compile_cache_files_before"] > 0
     emit(args, summary)
@@ -1569,7 +1653,7 @@ def main() -> None:
         _bench_entry(sys.argv[2:])
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["all", "gen", "step", "eyrie", "loader", "ab"])
+    p.add_argument("what", choices=["all", "gen", "step", "eyrie", "loader", "ab", "compare"])
     p.add_argument(
         "--root",
         default=os.path.expanduser("~/eyrie-train-throughput"),
@@ -1596,6 +1680,13 @@ def main() -> None:
     p.add_argument("--shifted-docs", action="store_true", help="documents as the trainer packs them (2047 + pad)")
     p.add_argument("--eyrie-patches", action="store_true", help="eyrie.stages.train.entry's sync-free metrics and loss")
     p.add_argument("--bf16-weights", action="store_true", help="with --master fp32: eyrie's bf16 working weights")
+    p.add_argument(
+        "--verifier-weights",
+        default=None,
+        help="step: the borrowed embedding and heads, finite (default) or nan (speculators' placeholder), or both in "
+        "one process: finite,nan (all's default)",
+    )
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare: two kernels_*.json tables, B against A")
     # eyrie
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
     p.add_argument("--optimizers", default="adamw,muon")
@@ -1625,6 +1716,8 @@ def main() -> None:
         cmd_eyrie(args)
     elif args.what == "loader":
         cmd_loader(args)
+    elif args.what == "compare":
+        cmd_compare(args)
     else:
         {"all": cmd_all, "gen": cmd_gen, "ab": cmd_ab}[args.what](args)
 
