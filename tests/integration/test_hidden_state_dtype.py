@@ -31,7 +31,7 @@ from eyrie.hidden_states.encoding import (
     quantize,
     reader_arguments,
 )
-from eyrie.stages.extract import ExtractionPlan, check_sample, extract_shard, load_checked, sample_path, shard_key
+from eyrie.stages.extract import ExtractionPlan, check_sample, extract_shard, load_checked, sample_path
 from eyrie.stages.prepare import Shard
 
 LAYERS, HIDDEN = 4, 64
@@ -145,10 +145,6 @@ def test_dtype_is_part_of_the_key_and_the_server(tiny_llama, tmp_path):
     from eyrie.stages.preflight import PreflightReport
 
     shard = Shard(0, 0, 8, "f" * 16, 400)
-    bf16 = shard_key("t", [2, 4, 8], shard)
-    assert shard_key("t", [2, 4, 8], shard, BFLOAT16) == bf16  # unchanged for bf16: finished shards stay finished
-    assert shard_key("t", [2, 4, 8], shard, FP8) != bf16
-
     report = PreflightReport(
         "LlamaForCausalLM", None, "native", "", None, 8, 64, 512, [2, 4, 5], [2, 4, 5, 8], "x", 512
     )
@@ -158,8 +154,9 @@ def test_dtype_is_part_of_the_key_and_the_server(tiny_llama, tmp_path):
         cfg["extraction"]["hidden_states_dtype"] = dtype
         plans[dtype] = ExtractionPlan(PipelineConfig.model_validate(cfg), RunFolder(tmp_path / dtype), report, [shard])
     assert plans[BFLOAT16].keys != plans[FP8].keys
+    assert plans[BFLOAT16].data_keys != plans[FP8].data_keys  # another content: training keys on it too
     assert plans[FP8].spec.server_env == {ENV: FP8}  # what the connector reads
-    assert ENV not in plans[BFLOAT16].spec.server_env  # bf16 servers keep the identity they had
+    assert plans[BFLOAT16].spec.server_env == {ENV: BFLOAT16}
     assert plans[BFLOAT16].spec.fingerprint() != plans[FP8].spec.fingerprint()
 
 
