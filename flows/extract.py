@@ -16,44 +16,13 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from eyrie.config import PipelineConfig
 from eyrie.errors import ExtractionError
 from eyrie.run.folder import RunFolder, node_name
-from eyrie.stages.extract import ExtractionPlan, clean_staging
+from eyrie.stages.extract import ExtractionPlan
 from eyrie.stages.preflight import PreflightReport
 from eyrie.stages.prepare import load_shards
 from eyrie.stages.regenerate import extraction_source, record_extraction_source
-from eyrie.vllm.process import VllmServer
-from tasks.extract import extract_shard_task, start_server_task, stop_server_task
+from flows.sharded import ShardedStage, ShardServer, run_sharded_stage
+from tasks.extract import ExtractShardJob, extract_shard_task
 from tasks.preflight import preflight_task
-
-
-def shard_failures(submitted) -> dict:
-    """Wait for every (shard, future) pair; each shard fails on its own, and all their errors are reported."""
-    out = {}
-    for shard, fut in submitted:
-        try:
-            fut.result()
-        except Exception as err:
-            out[shard.name] = f"{shard.name}: {err}"
-    return out
-
-
-def start_server(plan, server, startup_timeout_s: float) -> str:
-    """The shards' server, started unless it runs; one that does not run leaves staging files nobody will read.
-    `plan`: an extraction or regeneration plan (its server folder, staging folder and spec)."""
-    removed = clean_staging(plan.staging) if not server.healthy() else 0
-    if removed:
-        get_run_logger().info(f"removed {removed} orphaned staging files")
-    return start_server_task(plan.spec, str(plan.server_dir), startup_timeout_s)
-
-
-def run_shards(submit, shards, url: str | None, server, restart) -> dict:
-    """`submit(shards, url)` and wait; when shards failed because the server died under them (killed, OOM) and
-    `restart` is given, start it once more (`restart()` -> its URL) and redo only those: their finished work on disk
-    is kept. Returns the failures left, by shard name."""
-    failed = shard_failures(submit(shards, url))
-    if failed and restart is not None and not server.healthy():
-        get_run_logger().warning(f"the vLLM server died ({len(failed)} shards failed); restarting it once")
-        failed = shard_failures(submit([s for s in shards if s.name in failed], restart()))
-    return failed
 
 
 @flow(name="eyrie-extract", task_runner=ThreadPoolTaskRunner(max_workers=2))
@@ -91,62 +60,46 @@ def extract_flow(
         "data_keys": [plan.data_keys[s.name] for s in plan.shards],  # what training keys on
         "node": node,
     }
-    if not pending:
-        # Every shard's manifest holds and its files check out by stat: no task per shard. (With 800 shards,
-        # Prefect's bookkeeping of cached shard tasks alone took 10 s of a fully cached run.)
-        return outcome
-    server = VllmServer(plan.server_dir)
-    timeout_s = config.extraction.startup_timeout_s
-    base_url = start_server(plan, server, timeout_s)
+    # With nothing pending no server starts and no task runs: every shard's manifest holds and its files check out
+    # by stat. (With 800 shards, Prefect's bookkeeping of cached shard tasks alone took 10 s of a fully cached run.)
+    jobs = {
+        s.name: ExtractShardJob(
+            shard=s,
+            key=plan.keys[s.name],
+            prepare_dir=str(source),
+            hidden_dir=str(run.hidden_states),
+            manifest_path=str(plan.manifest_path(s)),
+            num_layers=len(plan.captured_ids),
+            hidden_size=plan.hidden_size,
+            concurrency=config.extraction.concurrency,
+            timeout_s=config.extraction.request_timeout_s,
+            api_key_env=config.extraction.api_key_env,
+            rehash_changed=rehash,
+            hidden_states_dtype=plan.hidden_states_dtype,
+            storage=plan.storage,
+        )
+        for s in plan.shards
+        if s.name in pending
+    }
 
     def submit(todo, url):
-        return [
-            (
-                shard,
-                extract_shard_task.with_options(refresh_cache=shard.name in pending).submit(
-                    shard,
-                    plan.keys[shard.name],
-                    url,
-                    config.extraction.api_key_env,
-                    str(source),
-                    str(run.hidden_states),
-                    str(plan.manifest_path(shard)),
-                    len(plan.captured_ids),
-                    plan.hidden_size,
-                    config.extraction.concurrency,
-                    config.extraction.request_timeout_s,
-                    rehash,
-                    plan.hidden_states_dtype,
-                    plan.storage,
-                ),
-            )
-            for shard in todo
-        ]
+        # Pending: whatever Prefect recorded for its key is not trusted (its files are not whole).
+        return [(s, extract_shard_task.with_options(refresh_cache=True).submit(jobs[s.name], url)) for s in todo]
 
-    # A restarted server's shards keep their valid samples on disk: only the missing ones are sent again.
-    def restart() -> str:
-        return start_server_task(plan.spec, str(plan.server_dir), timeout_s)
-
-    failed = list(run_shards(submit, plan.shards, base_url, server, restart).values())
-    # A success must never leave samples missing: re-check the manifests of the shards that ran against their files.
-    # The others were found complete when this flow began and nothing here wrote to them (a task that found one
-    # incomplete failed above): a second stat of every file, about 1 s per 100,000 files, would add nothing.
-    missing = [s.name for s in plan.shards if s.name in pending and not plan.is_complete(s)]
-    if failed or missing:
-        if pending and not config.extraction.keep_server_after_failure:
-            stop_server_task(str(plan.server_dir))
-        raise ExtractionError(
-            f"extraction incomplete: {len(set(missing))} of {len(plan.shards)} shards lack a "
-            f"complete manifest ({', '.join(missing[:10])}); failures: {'; '.join(failed[:5])}. "
-            "Run again (or retry the flow run): finished shards are kept."
+    # A success rechecks the shards that ran; the others were found complete when this flow began and nothing here
+    # wrote to them: a second stat of every file, about 1 s per 100,000 files, would add nothing.
+    run_sharded_stage(
+        ShardedStage(
+            name="extraction",
+            shards=plan.shards,
+            pending=pending,
+            server=ShardServer(plan.spec, plan.server_dir, plan.staging, config.extraction.startup_timeout_s),
+            submit=submit,
+            is_complete=plan.is_complete,
+            error=ExtractionError,
+            keep_server_after_failure=config.extraction.keep_server_after_failure,
         )
-    if pending:
-        stop_server_task(str(plan.server_dir))
-        # Every request of this run has been answered and moved out of staging, and the server is down: what is
-        # left there was written for a client that died (a killed earlier run whose server this run reused).
-        removed = clean_staging(plan.staging)
-        if removed:
-            log.info(f"removed {removed} orphaned staging files")
+    )
     return outcome
 
 

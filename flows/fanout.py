@@ -5,7 +5,8 @@ Each node's share is a flow run of the `eyrie-extract/node` deployment (flows/ex
 vLLM server once for its whole share, in `<run>/extract/nodes/<node>/`. All nodes write into the one run folder, on
 shared storage, and share Prefect's result storage.
 
-The parent prepares and preflights once, then holds the run folder's lock until every node is done, so no pipeline
+The parent opens the run as the pipeline does (flows/opening.py: revisions pinned, staging cleaned, preflight,
+prepare), once, then holds the run folder's lock until every node is done, so no pipeline
 run writes beside the nodes. It runs from a queue of its own (`control`): on a GPU node's queue it would hold that
 node's only slot while waiting for the node's share.
 """
@@ -25,8 +26,7 @@ from eyrie.stages.extract import ExtractionPlan
 from eyrie.stages.preflight import PreflightReport
 from eyrie.stages.prepare import load_shards
 from eyrie.stages.regenerate import extraction_source
-from tasks.preflight import preflight_task
-from tasks.prepare import compute_prepare_key, ensure_target, prepare_task
+from flows.opening import open_run
 
 NODE_DEPLOYMENT = "eyrie-extract/node"
 POLL_S = 5.0
@@ -49,11 +49,10 @@ def extract_fanout_flow(
     run = RunFolder(run_dir)
     run.ensure()
     with run.lock():
-        ensure_target(config)
-        preflight_task(config, str(run.root))  # seconds, before any node loads anything
-        pkey = compute_prepare_key(config)
-        prepared = prepare_task(config, str(run.prepare), pkey)
-        report = preflight_task(config, str(run.root), tokens=prepared["stats"]["tokens"])
+        # The pipeline's own opening: the nodes get the config with its hub revisions pinned, so they key their
+        # shards as the pipeline does.
+        opened = open_run(config, run)
+        config, report = opened.config, opened.report
         # Regeneration is not fanned out: with regenerate.enabled the run folder must hold it (`eyrie run --until
         # regenerate`), and the nodes extract the regenerated data.
         plan = ExtractionPlan(config, run, PreflightReport(**report), load_shards(extraction_source(run, config)))

@@ -14,29 +14,27 @@ from prefect.artifacts import create_markdown_artifact
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import EyrieError
-from eyrie.run.folder import RunFolder, read_json, remove_staging, sha256_json
+from eyrie.run.folder import RunFolder, read_json, sha256_json
 from eyrie.run.manifest import done
 from eyrie.stages import UNTIL
 from eyrie.stages.evaluate import draft_tokens_key, evaluate_key, gap_warning
 from eyrie.stages.export import export_key
 from eyrie.stages.extract import online_plan
-from eyrie.stages.prepare import is_hub_source, iter_eval_prompts, load_seq_lens
+from eyrie.stages.prepare import iter_eval_prompts, load_seq_lens
 from eyrie.stages.promote import choose_base, current_version
 from eyrie.stages.regenerate import extraction_source
 from eyrie.stages.train.trainer import train_key, untrained_key
 from eyrie.stages.vocab import mapping_paths, vocab_key
-from eyrie.target.hub import pin_revisions
-from eyrie.target.metadata import is_local_target
 from eyrie.vllm.process import VllmServer
 from eyrie.vllm.spec import ServerSpec
 from flows.extract import extract_flow
+from flows.opening import open_run
 from flows.regenerate import regenerate_flow
 from tasks.evaluate import draft_tokens_task, evaluate_task, report_task
 from tasks.export import export_task
-from tasks.extract import start_server_task, stop_server_task
 from tasks.preflight import preflight_task
-from tasks.prepare import compute_prepare_key, ensure_target, prepare_task
 from tasks.promote import promote_task
+from tasks.serving import start_server_task, stop_server_task
 from tasks.train import train_task, untrained_drafter_task
 from tasks.vocab import vocab_task
 
@@ -48,22 +46,9 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
     run = RunFolder(run_dir)
     run.ensure()
     with run.lock():
-        # Holding the lock, no writer is in flight here: a temporary file left by an atomic write is from a crash.
-        # Not walked: the hidden states (one file per sample), where no atomic write happens.
-        removed = remove_staging(run.root, skip=run.write_once_folders)
-        if removed:
-            log.info(f"removed {removed} temporary files left by an interrupted run")
-        ensure_target(config)
-        # Hub revisions pinned to the commits they point at now: every stage keys on those, and a weekly run
-        # against a moved `main` retrains (the pinned config is in the run's parameters and preflight.json).
-        config = pin_revisions(config, not is_local_target(config.target), is_hub_source(config.data))
-        if config.target.revision or config.data.revision:
-            log.info(f"hub revisions pinned: target {config.target.revision}, data {config.data.revision}")
         serve = until == "evaluate"  # export and evaluation serve target + drafter in vLLM
-        preflight_task(config, str(run.root), serve=serve)  # seconds, before anything expensive
-        pkey = compute_prepare_key(config)
-        prepared = prepare_task(config, str(run.prepare), pkey)
-        report = preflight_task(config, str(run.root), tokens=prepared["stats"]["tokens"], serve=serve)
+        opened = open_run(config, run, serve=serve)
+        config, pkey, prepared, report = opened.config, opened.prepare_key, opened.prepared, opened.report
         if serve and not prepared["stats"]["rows_eval"]:  # known now, not after extraction and training
             raise EyrieError(
                 f"no held-out conversations to evaluate on ({prepared['stats']['rows_read']} rows read, "
@@ -226,7 +211,11 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         "draft_tokens_plot": evaluation.get("draft_tokens", {}).get("plot"),
         "promotion": promotion,
         # What the team should read before shipping: undertraining, training that does not predict serving.
-        "warnings": [*trained.get("warnings", []), *filter(None, [gap_warning(evaluation["train_serve_gap"])])],
+        "warnings": [
+            *trained.get("warnings", []),
+            *filter(None, [gap_warning(evaluation["train_serve_gap"])]),
+            *evaluation.get("warnings", []),  # a drafter not clearly better than its baseline (issue 25 item 2)
+        ],
     }
     for warning in outputs["warnings"]:
         log.warning(warning)

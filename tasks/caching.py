@@ -1,6 +1,8 @@
 """The cache policy of Eyrie's tasks: keyed on what determines a stage's output, and trusted only while the stage's
 manifest on disk says it is done (`eyrie.run.manifest.done`: that key, every listed file there with its size).
 
+Every task is made by `eyrie_task` (or `stage_task`, `keyed_task` on top of it), so its results are JSON.
+
 Prefect's default policy (inputs + task source + run id) never reuses work across flow runs and throws hours away on
 a comment edit. Here a task's identity is its `key` argument: fingerprints of the target and revision, layer ids,
 the data's content and the format version, computed by the library. A cache record that outlived its files is never
@@ -15,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
-from prefect.cache_policies import CachePolicy
+from prefect.cache_policies import NO_CACHE, CachePolicy
 from prefect.results import get_result_store
+from prefect.serializers import JSONSerializer
 
 from eyrie.run.manifest import done
 
@@ -26,31 +29,60 @@ class KeyedOn(CachePolicy):
     """Cache on the value of one task argument (a fingerprint string), namespaced by task name. Sharded stages use
     it as is: their flow checks every shard's files once (a stat per file) and refreshes the pending ones."""
 
-    argument: str = "key"
+    argument: str = "key"  # or "job.key": the `key` field of the task's `job` argument
 
     def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kw) -> str | None:
-        value = inputs.get(self.argument)
+        value = key_of(inputs, self.argument)
         return f"eyrie-{task_ctx.task.name}-{value}" if value else None
 
 
-BY_KEY = KeyedOn()
+def key_of(inputs: dict[str, Any], argument: str) -> Any:
+    """`inputs[argument]`, or with a dotted name (`job.key`) that argument's attribute."""
+    head, *attrs = argument.split(".")
+    value = inputs.get(head)
+    for attr in attrs:
+        value = getattr(value, attr, None)
+    return value
 
 
 @dataclass
 class StageDone(KeyedOn):
     """`KeyedOn`, while the manifest at `manifest` (formatted with the task's arguments) is done with that key."""
 
-    manifest: str = "{out_dir}/manifest.json"
+    manifest: str = "{out_dir}/manifest.json"  # or "{job.out_dir}/manifest.json"
 
     def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kw) -> str | None:
         cache_key = super().compute_key(task_ctx, inputs, flow_parameters, **kw)
-        if cache_key is None or done(Path(self.manifest.format(**inputs)), inputs[self.argument]) is not None:
+        if cache_key is None or done(Path(self.manifest.format(**inputs)), key_of(inputs, self.argument)) is not None:
             return cache_key
         # Not done, yet Prefect holds a result for this key: it outlived its files. A key of this run alone makes
         # the task run without it; done again, the stage's output is what that record describes.
         return f"{cache_key}-redo-{uuid.uuid4().hex}" if get_result_store().exists(cache_key) else cache_key
 
 
-def stage_task(name: str, manifest: str = "{out_dir}/manifest.json", **options):
-    """Prefect's `task` for a stage: cached on its `key` argument while its manifest is done (see StageDone)."""
-    return task(name=name, cache_policy=StageDone(manifest=manifest), **options)
+# Task results as JSON, never pickles: result storage is shared by every GPU node, and unpickling a planted record at
+# the next cache hit would run its code there. Eyrie's results are JSON-shaped (manifests, reports, paths as strings);
+# no object encoder or decoder either, so a result that is not plain JSON fails its task loudly instead of coming
+# back as something else on a cache hit, and a record can name no class to import.
+JSON_RESULTS = JSONSerializer(object_encoder=None, object_decoder=None)
+
+
+def eyrie_task(name: str, cache_policy: CachePolicy | None = None, **options):
+    """Prefect's `task` as every Eyrie task uses it: with a `cache_policy`, its results are persisted as JSON
+    (`JSON_RESULTS`); without one, nothing is persisted and nothing is cached (a check such as preflight, or the
+    server's start, must run each time it is called, even twice with the same arguments in one flow run)."""
+    if cache_policy is None:
+        return task(name=name, cache_policy=NO_CACHE, persist_result=False, **options)
+    return task(name=name, cache_policy=cache_policy, result_serializer=JSON_RESULTS, **options)
+
+
+def keyed_task(name: str, argument: str = "key", **options):
+    """An Eyrie task cached on one argument's value alone (`KeyedOn`): a shard of a sharded stage, whose flow checks
+    every shard's files once and refreshes the pending ones."""
+    return eyrie_task(name, cache_policy=KeyedOn(argument=argument), **options)
+
+
+def stage_task(name: str, manifest: str = "{out_dir}/manifest.json", argument: str = "key", **options):
+    """An Eyrie task for a stage: cached on its `key` argument (`argument`) while its manifest is done (see
+    StageDone)."""
+    return eyrie_task(name, cache_policy=StageDone(argument=argument, manifest=manifest), **options)

@@ -6,23 +6,27 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import create_image_artifact, create_table_artifact
 
 from eyrie.run.faults import fault_point
 from eyrie.run.folder import atomic_write_json
 from eyrie.run.manifest import done
 from eyrie.stages.evaluate import (
+    baseline_warnings,
+    compare_drafters,
     draft_token_report,
     gap_warning,
     measure,
     measure_throughput,
     plot_draft_tokens,
     train_serve_gap,
+    with_per_request_metrics,
 )
 from eyrie.vllm.client import ServerClient
+from eyrie.vllm.process import VllmServer
 from eyrie.vllm.spec import ServerSpec
-from tasks.caching import stage_task
+from tasks.caching import eyrie_task, stage_task
 from tasks.serving import serve, stop
 
 
@@ -42,6 +46,12 @@ def evaluate_task(
     if measured := done(Path(out_path), key):  # by a run that died before Prefect recorded the result
         return measured
     spec = replace(spec, drafter=drafter)
+    state = VllmServer(Path(server_dir)).state
+    if not (state and state.get("fingerprint") == spec.fingerprint()):
+        # A server of its own: with vLLM's per-request acceptance in each response. The trained drafter's server,
+        # left up by export's proof, is reused as it is (another target load costs more than `measure`'s fallback,
+        # which reads the counters around each prompt sent alone).
+        spec = replace(spec, server_args=with_per_request_metrics(spec.server_args))
     try:
         client = serve(spec, Path(server_dir), startup_timeout_s)
         result = measure(client, prompts, max_tokens)
@@ -93,7 +103,36 @@ def draft_tokens_task(
     return report
 
 
-@task(name="report")
+def _ci(figure: dict) -> str:
+    if figure.get("value") is None:
+        return "-"
+    return (
+        f"{figure['value']} [{figure['ci95'][0]}, {figure['ci95'][1]}]" if figure.get("ci95") else str(figure["value"])
+    )
+
+
+def statistics_rows(results: list[dict]) -> list[dict]:
+    """Pooled and mean-of-per-request acceptance side by side, each with its 95% interval, per drafter."""
+    rows = []
+    for r in results:
+        stats = r.get("statistics")
+        if not stats:
+            continue
+        for kind in ("pooled", "per_request_mean"):
+            s = stats[kind]
+            rows.append(
+                {
+                    "drafter": r["label"],
+                    "figure": "pooled" if kind == "pooled" else "mean of per-request",
+                    "acceptance_length": _ci(s["acceptance_length"]),
+                    **{f"accept@{i + 1}": _ci(f) for i, f in enumerate(s["per_position"])},
+                    "requests": stats["requests_with_drafts"],
+                }
+            )
+    return rows
+
+
+@eyrie_task("report")
 def report_task(results: list[dict], out_dir: str, val_metrics: dict | None, max_gap: float) -> dict:
     rows = [
         {
@@ -106,14 +145,34 @@ def report_task(results: list[dict], out_dir: str, val_metrics: dict | None, max
         for r in results
     ]
     create_table_artifact(rows, key="evaluation", description="acceptance length on held-out prompts")
+    if stats := statistics_rows(results):
+        create_table_artifact(
+            stats,
+            key="evaluation-intervals",
+            description="pooled vs mean of per-request acceptance, with 95% confidence intervals",
+        )
     summary = {r["label"]: r for r in results}
     trained = summary["trained"]
+    # The trained drafter against the untrained baseline and the current drafter, paired on the same prompts:
+    # promotion decides on these (eyrie.stages.promote.decide), and one not clearly better is a warning.
+    comparisons = compare_drafters(summary)
+    trained["versus"] = comparisons
+    warnings = baseline_warnings(summary, comparisons)
     gap = train_serve_gap(val_metrics, trained["per_position_acceptance"], max_gap, trained["drafts"])
     create_table_artifact(
         gap["rows"], key="train-serve-gap", description="validation accuracy vs acceptance in vLLM, per position"
     )
+    log = get_run_logger()
     if warning := gap_warning(gap):
-        get_run_logger().warning(warning)
-    manifest = {"stage": "evaluate", "results": summary, "train_serve_gap": gap}
+        log.warning(warning)
+    for warning in warnings:
+        log.warning(warning)
+    manifest = {
+        "stage": "evaluate",
+        "results": summary,
+        "comparisons": comparisons,
+        "train_serve_gap": gap,
+        "warnings": warnings,
+    }
     atomic_write_json(Path(out_dir) / "manifest.json", manifest)
     return manifest

@@ -1,70 +1,62 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from eyrie.errors import DiskFullError
 from eyrie.stages.extract import extract_shard
 from eyrie.stages.prepare import Shard
 from eyrie.vllm.client import ServerClient
-from eyrie.vllm.process import VllmServer
-from eyrie.vllm.spec import ServerSpec
-from tasks.caching import BY_KEY
+from tasks.caching import keyed_task
 
 
-@task(name="start-server", retries=1, retry_delay_seconds=5)
-def start_server_task(spec: ServerSpec, folder: str, startup_timeout_s: float) -> str:
-    """Start (or reuse) the extraction server; returns its base URL."""
-    log = get_run_logger()
-    return VllmServer(Path(folder)).ensure(spec, startup_timeout_s, log=log.info).base_url
+@dataclass
+class ExtractShardJob:
+    """One shard's extraction: what it reads, where it writes, and how (the extraction plan's settings for it).
+    Plain fields (strings, numbers, the shard), so it is JSON as a task parameter."""
 
-
-@task(name="stop-server")
-def stop_server_task(folder: str) -> bool:
-    return VllmServer(Path(folder)).stop(log=get_run_logger().info)
+    shard: Shard
+    key: str  # the shard's key (its cache identity)
+    prepare_dir: str  # the data extraction reads (prepared or regenerated)
+    hidden_dir: str
+    manifest_path: str
+    num_layers: int  # captured layers
+    hidden_size: int
+    concurrency: int
+    timeout_s: float
+    api_key_env: str | None = None
+    rehash_changed: bool = True
+    hidden_states_dtype: str = "bfloat16"
+    storage: str = "files"
 
 
 def _worth_retrying(task, task_run, state) -> bool:
     return not isinstance(state.data, DiskFullError)  # nothing changes in 5 s until someone frees space
 
 
-@task(
-    name="extract",
-    task_run_name="extract-{shard.name}",
-    cache_policy=BY_KEY,
+@keyed_task(
+    "extract",
+    argument="job.key",
+    task_run_name="extract-{job.shard.name}",
     retries=2,
     retry_delay_seconds=5,
     retry_condition_fn=_worth_retrying,
 )
-def extract_shard_task(
-    shard: Shard,
-    key: str,
-    base_url: str | None,
-    api_key_env: str | None,
-    prepare_dir: str,
-    hidden_dir: str,
-    manifest_path: str,
-    num_layers: int,
-    hidden_size: int,
-    concurrency: int,
-    timeout_s: float,
-    rehash_changed: bool = True,
-    hidden_states_dtype: str = "bfloat16",
-    storage: str = "files",
-) -> dict:
+def extract_shard_task(job: ExtractShardJob, base_url: str | None) -> dict:
     log = get_run_logger()
-    # No server: the flow found this shard complete and Prefect had no cache record of it (a new PREFECT_HOME or
-    # result storage); extract_shard returns its manifest after the same stat check, or fails if it is not.
+    # No server: the shard must be complete on disk already; extract_shard returns its manifest after the same stat
+    # check the flow made, or fails if it is not (the flow submits only pending shards, with a server).
     client = (
-        ServerClient(base_url, os.environ.get(api_key_env) if api_key_env else None, max(10, concurrency))
+        ServerClient(base_url, os.environ.get(job.api_key_env) if job.api_key_env else None, max(10, job.concurrency))
         if base_url
         else None
     )
     shown = [0.0]
-    artifact = create_progress_artifact(0.0, description=f"extract {shard.name}") if client else None
+    artifact = create_progress_artifact(0.0, description=f"extract {job.shard.name}") if client else None
 
     def progress(done: int, total: int) -> None:
         pct = 100.0 * done / max(total, 1)
@@ -74,20 +66,20 @@ def extract_shard_task(
 
     manifest = extract_shard(
         client,
-        Path(prepare_dir),
-        shard,
-        key,
-        Path(hidden_dir),
-        Path(manifest_path),
-        num_layers,
-        hidden_size,
-        concurrency,
-        timeout_s,
+        Path(job.prepare_dir),
+        job.shard,
+        job.key,
+        Path(job.hidden_dir),
+        Path(job.manifest_path),
+        job.num_layers,
+        job.hidden_size,
+        job.concurrency,
+        job.timeout_s,
         progress=progress,
         log=log.info,
-        rehash_changed=rehash_changed,
-        hidden_states_dtype=hidden_states_dtype,
-        storage=storage,
+        rehash_changed=job.rehash_changed,
+        hidden_states_dtype=job.hidden_states_dtype,
+        storage=job.storage,
     )
-    log.info(f"{shard.name}: {manifest['extracted_samples']} extracted, {manifest['reused_samples']} reused")
+    log.info(f"{job.shard.name}: {manifest['extracted_samples']} extracted, {manifest['reused_samples']} reused")
     return {k: v for k, v in manifest.items() if k != "files"}

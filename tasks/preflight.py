@@ -2,15 +2,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
 from eyrie.config import PipelineConfig
 from eyrie.run.folder import atomic_write_json
 from eyrie.stages.preflight import report_markdown, run_preflight
+from tasks.caching import eyrie_task
 
 
-@task(name="preflight", retries=0)
+@eyrie_task("preflight", retries=0)
 def preflight_task(config: PipelineConfig, run_dir: str, tokens: int | None = None, serve: bool = False) -> dict:
     """Seconds of checks before any weights load; raises PreflightError listing every problem."""
     report = run_preflight(config, Path(run_dir), tokens=tokens, raise_on_failure=False, serve=serve)

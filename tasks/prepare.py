@@ -2,16 +2,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from eyrie.config import PipelineConfig
 from eyrie.stages.prepare import prepare, prepare_key
 from eyrie.target.tiny import build_target
-from tasks.caching import stage_task
+from tasks.caching import eyrie_task, stage_task
 
 
-@task(name="target", retries=0)
+@eyrie_task("target", retries=0)
 def ensure_target(config: PipelineConfig) -> str:
     """Build the configured tiny target if its folder is missing (demo and tests); real targets are left alone."""
     if config.target.tiny and not Path(config.target.model, "config.json").exists():
@@ -19,7 +18,7 @@ def ensure_target(config: PipelineConfig) -> str:
     return config.target.model
 
 
-@task(name="data-fingerprint")
+@eyrie_task("data-fingerprint")
 def compute_prepare_key(config: PipelineConfig) -> str:
     return prepare_key(config.target, config.data)
 

@@ -1,31 +1,45 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
 from eyrie.config import PipelineConfig
+from eyrie.errors import RegenerationError
+from eyrie.run.folder import read_json
 from eyrie.stages.prepare import Shard
-from eyrie.stages.regenerate import assemble, regenerate_shard, shared_tokenizer
+from eyrie.stages.regenerate import assemble, regenerate_shard, shard_complete, shard_paths, shared_tokenizer
 from eyrie.vllm.client import ServerClient
-from tasks.caching import BY_KEY, stage_task
+from tasks.caching import keyed_task, stage_task
 
 
-@task(
-    name="regenerate",
-    task_run_name="regenerate-{shard.name}",
-    cache_policy=BY_KEY,
-    retries=2,
-    retry_delay_seconds=5,
+@dataclass
+class RegenerateShardJob:
+    """One shard's regeneration: its conversations (in `prepare_dir`), where its rows go (`stage_dir`), its key."""
+
+    shard: Shard
+    key: str
+    prepare_dir: str
+    stage_dir: str
+
+
+@keyed_task(
+    "regenerate", argument="job.key", task_run_name="regenerate-{job.shard.name}", retries=2, retry_delay_seconds=5
 )
-def regenerate_shard_task(
-    shard: Shard, key: str, base_url: str | None, config: PipelineConfig, prepare_dir: str, stage_dir: str
-) -> dict:
-    log = get_run_logger()
+def regenerate_shard_task(job: RegenerateShardJob, base_url: str | None, config: PipelineConfig) -> dict:
+    shard, key, stage_dir = job.shard, job.key, Path(job.stage_dir)
     if base_url is None:
-        raise RuntimeError(f"{shard.name} has no finished manifest but no server was started for it")
+        # The disk before the server: a shard complete there needs none (its Prefect record may be gone).
+        if shard_complete(stage_dir, shard, key):
+            return read_json(shard_paths(stage_dir, shard)[1]) or {}
+        raise RegenerationError(
+            f"{shard.name} has no finished manifest in {stage_dir / 'shards'} and no server was started for it: "
+            "run the regenerate stage again (it starts the server for the shards it finds pending)"
+        )
+    log = get_run_logger()
     cfg = config.regenerate
     api_key_env = config.extraction.api_key_env
     client = ServerClient(base_url, os.environ.get(api_key_env) if api_key_env else None, max(10, cfg.concurrency))
@@ -41,8 +55,8 @@ def regenerate_shard_task(
     manifest = regenerate_shard(
         client,
         shared_tokenizer(config.target),
-        Path(prepare_dir),
-        Path(stage_dir),
+        Path(job.prepare_dir),
+        stage_dir,
         shard,
         key,
         cfg,

@@ -3,13 +3,13 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
 from eyrie.config import PipelineConfig
 from eyrie.stages.train.checkpoints import newest_whole_checkpoint
 from eyrie.stages.train.trainer import run_training, untrained_drafter
-from tasks.caching import stage_task
+from tasks.caching import eyrie_task, stage_task
 
 
 def _watch_progress(save_path: Path, total_epochs: int, stop: threading.Event) -> None:
@@ -66,7 +66,7 @@ def train_task(
     return manifest
 
 
-@task(name="untrained-drafter")
+@eyrie_task("untrained-drafter")
 def untrained_drafter_task(
     config: PipelineConfig,
     out_dir: str,
