@@ -4,6 +4,7 @@ name the key; cross-field rules live here too, so a bad config fails before anyt
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import re
 from pathlib import Path
@@ -17,6 +18,17 @@ from eyrie.errors import ConfigError
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a server bound to `host` is reachable from this machine only (127.0.0.0/8, ::1, localhost); 0.0.0.0
+    and :: are every interface."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: whatever it resolves to, it is not known to be loopback
 
 
 class _Section(BaseModel):
@@ -339,11 +351,7 @@ class PromotionConfig(_Section):
 
 
 class PipelineConfig(_Section):
-    name: str = Field(
-        "eyrie",
-        description="The run's name: the default run folder is runs/<name>. Letters, digits, '.', '_' and '-' (it "
-        "names a folder: no '/', no '..').",
-    )
+    name: str = Field("eyrie", description="The run's name: the default run folder is runs/<name>.")
     target: TargetConfig
     data: DataConfig
     regenerate: RegenerateConfig = RegenerateConfig()
@@ -375,7 +383,7 @@ class PipelineConfig(_Section):
                 raise ValueError(f"extraction.layer_ids {ids} has duplicates: each id must appear once")
             if any(i < 0 for i in ids):
                 raise ValueError(f"extraction.layer_ids {ids} has a negative id: ids count layers from 0")
-        if self.extraction.host not in ("127.0.0.1", "localhost", "::1") and not self.extraction.api_key_env:
+        if not is_loopback(self.extraction.host) and not self.extraction.api_key_env:
             raise ValueError(
                 f"extraction.host {self.extraction.host!r} exposes the server beyond loopback: set "
                 "extraction.api_key_env to the name of an environment variable holding an API key"

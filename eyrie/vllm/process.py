@@ -182,6 +182,8 @@ class VllmServer:
         state = state or self.state
         if not state or not self.owns(state):
             return False
+        if headers is None and (key := os.environ.get(state.get("api_key_env") or "")):
+            headers = {"Authorization": f"Bearer {key}"}  # a server with a key guards /health too (plugin/auth.py)
         try:
             r = requests.get(self.url(state) + "/health", timeout=PROBE_TIMEOUT_S, headers=headers)
         except requests.RequestException:
@@ -257,6 +259,7 @@ class VllmServer:
     def launch(self, spec: ServerSpec, log=print) -> tuple[dict, subprocess.Popen]:
         """Start a server for `spec` detached, in its own session and process group, and record it with its process
         fingerprint (start time, boot id); does not wait for it to load."""
+        spec.check_bind()
         key = spec.api_key()
         self.folder.mkdir(parents=True, exist_ok=True)
         if spec.storage_path:
@@ -283,6 +286,7 @@ class VllmServer:
             "host": spec.host,
             "port": port,
             "fingerprint": spec.fingerprint(),
+            "api_key_env": spec.api_key_env,  # the variable's name, never the key: probes read it from there
             "kind": spec.kind,
             "model": spec.model,
             "layer_ids": spec.layer_ids,

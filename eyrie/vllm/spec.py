@@ -11,9 +11,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eyrie.config import is_loopback
 from eyrie.errors import ExtractionError
 from eyrie.hidden_states.encoding import ENV as HIDDEN_STATES_DTYPE_ENV
 from eyrie.vllm.plugin import CONNECTOR_NAME
+from eyrie.vllm.plugin.auth import MIDDLEWARE as AUTH_MIDDLEWARE
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; the package supports 3.10
@@ -182,7 +184,19 @@ class ServerSpec:
             cmd.append("--enforce-eager")
         if self.gpu_memory_utilization is not None:
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.api_key_env:
+            # vLLM's key guards a few path prefixes only: Eyrie's middleware guards every route (plugin/auth.py).
+            cmd += ["--middleware", AUTH_MIDDLEWARE]
         return cmd + list(self.server_args)
+
+    def check_bind(self) -> None:
+        """A server listens beyond loopback only with an API key, which then guards every route (`arguments`)."""
+        if not is_loopback(self.host) and not self.api_key_env:
+            raise ExtractionError(
+                f"a vLLM server on {self.host!r} would answer anyone on the network, and vLLM without a key "
+                "authenticates nothing: keep extraction.host on loopback (127.0.0.1), or set "
+                "extraction.api_key_env to the name of a variable holding an API key"
+            )
 
 
 @dataclass

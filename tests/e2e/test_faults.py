@@ -52,6 +52,38 @@ def files_holding(text: str, *folders: Path) -> list[str]:
     return [str(p) for folder in folders for p in folder.rglob("*") if p.is_file() and needle in p.read_bytes()]
 
 
+def check_every_route_refuses_strangers(base: str, run: Path) -> None:
+    """Issue 22, item 5, on the running server: every route it lists (its own /openapi.json, read with the key) and
+    the routes outside that list (/metrics, the docs) answer 401 without the key; and with it, a request whose
+    `request_id`, X-Request-Id and `hidden_states_path` point outside the run still gets a file the connector named,
+    in its staging folder."""
+    from eyrie.stages.extract import _wait_and_release
+
+    auth = {"Authorization": f"Bearer {SECRET}"}
+    schema = requests.get(base + "/openapi.json", headers=auth, timeout=10).json()
+    routes = [(m.upper(), p.replace("{", "").replace("}", "")) for p, ops in schema["paths"].items() for m in ops]
+    routes += [("GET", "/metrics"), ("GET", "/docs"), ("GET", "/openapi.json"), ("OPTIONS", "/invocations")]
+    assert ("POST", "/invocations") in routes and len(routes) > 20
+    answered = {(m, p): requests.request(m, base + p, timeout=10).status_code for m, p in routes}
+    assert {k: v for k, v in answered.items() if v != 401} == {}
+    body = {
+        "model": "target",
+        "prompt": [1, 2, 3, 4],
+        "max_tokens": 1,
+        "request_id": "../../../../escape-body",
+        "kv_transfer_params": {"hidden_states_path": str(run.parent / "escape-path.safetensors")},
+    }
+    r = requests.post(
+        base + "/v1/completions", json=body, headers={**auth, "X-Request-Id": "../../../escape-header"}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    path = Path(r.json()["kv_transfer_params"]["hidden_states_path"])
+    assert path.parent == run / "extract" / "staging" and path.name.startswith("eyrie-"), path
+    _wait_and_release(str(path))
+    path.unlink()
+    assert not [p for p in run.parent.rglob("escape*")]
+
+
 def test_server_killed_mid_run_is_restarted_once_and_only_missing_samples_are_redone(tmp_path, tiny_llama):
     # The server requires an API key here (as it does off loopback); the key must survive the restart and must
     # never be written down.
@@ -78,6 +110,7 @@ def test_server_killed_mid_run_is_restarted_once_and_only_missing_samples_are_re
     url = f"http://{server['host']}:{server['port']}/v1/models"
     assert requests.get(url, timeout=10).status_code == 401
     assert requests.get(url, timeout=10, headers={"Authorization": f"Bearer {SECRET}"}).status_code == 200
+    check_every_route_refuses_strangers(f"http://{server['host']}:{server['port']}", run)
     kept = {p.name: p.stat().st_mtime_ns for p in (run / "extract" / "hidden_states").glob("hs_*.safetensors")}
     os.killpg(read_json(run / "extract" / "server.json")["pid"], signal.SIGKILL)  # the server and its engine
     out, _ = proc.communicate(timeout=900)
