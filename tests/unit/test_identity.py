@@ -234,3 +234,45 @@ def test_scheduling_flags_are_not_outputs():
     assert output_server_env({"VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_ATTENTION_BACKEND": "X"}) == {
         "VLLM_ATTENTION_BACKEND": "X"
     }
+
+
+@pytest.fixture
+def hub_model(monkeypatch):
+    """A model repo in the hub cache's own layout with two commits; `main` at the first."""
+    import json
+    import uuid
+
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = f"eyrie-test/model-{uuid.uuid4().hex[:8]}"
+    root = Path(constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}"
+    weight_map = {"model.embed_tokens.weight": "w-1.safetensors", "model.layers.0.w": "w-2.safetensors"}
+    for commit in ("a" * 40, "b" * 40):
+        snap = root / "snapshots" / commit
+        snap.mkdir(parents=True)
+        (snap / "config.json").write_text(json.dumps({"commit": commit}))
+        (snap / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        for name in set(weight_map.values()):
+            (snap / name).write_bytes(commit.encode())
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text("a" * 40)
+    yield repo, root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_hub_targets_identity_and_verifier_are_its_pinned_commit(hub_model):
+    from eyrie.config import TargetConfig
+    from eyrie.stages.train.trainer import verifier_source
+    from eyrie.target.metadata import target_identity
+
+    repo, root = hub_model
+    pinned = TargetConfig(model=repo, revision="a" * 40)  # what the run pinned `main` to at its start
+    moving = TargetConfig(model=repo)
+    before = target_identity(moving)
+    assert target_identity(pinned) == before
+    (root / "refs" / "main").write_text("b" * 40)  # a push to the hub
+    assert target_identity(moving) != before and target_identity(pinned) == before
+    # The trainer reads the verifier's borrowed tensors at the pinned commit, not the default branch.
+    path = Path(verifier_source(pinned, {"embed_tokens.weight": "model.embed_tokens.weight"}))
+    assert path.name == "a" * 40 and (path / "w-1.safetensors").read_bytes() == b"a" * 40

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from eyrie.config import PipelineConfig
+from eyrie.config import PipelineConfig, TargetConfig
 from eyrie.errors import EyrieError
 from eyrie.hidden_states.staging import clean, leftover_bytes, on_tmpfs
 from eyrie.run.folder import atomic_write_json, read_json
@@ -87,6 +87,39 @@ def steps_per_epoch(seq_lens: list[int], total_seq_len: int, train_ratio: float)
     return max(1, math.ceil(sum(min(s, total_seq_len) for s in seq_lens[:n]) / total_seq_len))
 
 
+# The files of a hub target the trainer reads besides the borrowed tensors' weight files: configs, tokenizer, code.
+VERIFIER_FILES = ("*.json", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.tokenizer")
+
+
+def verifier_source(target: TargetConfig, borrowed: dict[str, str]) -> str:
+    """Where the trainer reads the verifier from (its config, tokenizer and the embedding, norm and head it
+    borrows): a local target's folder; a hub target's snapshot at the commit its revision resolves to (the run
+    pins it: the hidden states came from that commit), holding its small files and only the weight files of the
+    borrowed tensors. speculators, given a hub id, would read every file from the default branch."""
+    from eyrie.target.metadata import is_local_target
+
+    if is_local_target(target):
+        return str(target.model)
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    from eyrie.target.hub import hub_commit
+
+    commit = hub_commit(target.model, "model", target.revision)
+    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+    try:
+        index = hf_hub_download(target.model, "model.safetensors.index.json", revision=commit, local_files_only=offline)
+        weight_map = json.loads(Path(index).read_text())["weight_map"]
+        shards = sorted({weight_map[n] for n in borrowed.values() if n in weight_map})
+    except Exception:  # no index: one weight file
+        shards = ["model.safetensors"]
+    return snapshot_download(
+        target.model,
+        revision=commit,
+        allow_patterns=[*VERIFIER_FILES, *shards],
+        local_files_only=offline,
+    )
+
+
 def training_command(
     config: PipelineConfig,
     data_dir: Path,
@@ -121,7 +154,7 @@ def training_command(
         "--speculator-type",
         "eagle3",
         "--verifier-name-or-path",
-        str(config.target.model),
+        verifier_source(config.target, target_facts.get("verifier_weights") or {}),
         "--data-path",
         str(data_dir),
         "--d2t-path",
