@@ -146,15 +146,18 @@ STAGES: dict[str, Inputs] = {
             "train.mask_token_id",
             "train.seed",
             "train.optimizer",
-            "train.stop_on_plateau",
-            "train.plateau_patience",
-            "train.plateau_min_delta",
             "vocab.draft_vocab_size",
             "promotion.warm_start_lr_scale",
         ),
         upstream=("data", "vocab", "aux"),
         files=("target", "drafter"),  # the verifier's embedding, norm and head; a warm start's base
         versions=("speculators",),
+    ),
+    # Which of the lineage's checkpoints ships: the plateau rule. A change of it keeps the checkpoints (the
+    # train key is the lineage's key and this one's, `eyrie.stages.train.trainer.train_key`) and re-decides.
+    "train.stop": Inputs(
+        config=("train.stop_on_plateau", "train.plateau_patience", "train.plateau_min_delta"),
+        upstream=("lineage",),
     ),
     "untrained": Inputs(
         config=("train.num_layers", "train.ttt_steps", "train.max_seq_len", "train.seed", "vocab.draft_vocab_size"),

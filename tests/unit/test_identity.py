@@ -23,8 +23,9 @@ from eyrie.stages.extract import content_key, shard_key
 from eyrie.stages.prepare import Shard, prepare_key
 from eyrie.stages.regenerate import shard_key as regenerate_shard_key
 from eyrie.stages.regenerate import stage_key as regenerate_stage_key
-from eyrie.stages.train.trainer import train_key, untrained_key
+from eyrie.stages.train.trainer import LINEAGE_CHARS, train_key, untrained_key
 from eyrie.stages.vocab import vocab_key
+from eyrie.target.metadata import stage_key
 from eyrie.vllm.spec import ServerSpec
 
 SHARD = Shard(0, 0, 8, "fp", 100)
@@ -41,7 +42,8 @@ def all_keys(config: PipelineConfig, drafter: Path) -> dict[str, str]:
         "extract": content_key(config, [2, 4], SHARD),
         "extract.layout": shard_key("content", config),
         "vocab": vocab_key({"key": "data"}, config.vocab.draft_vocab_size, 1000, base=str(drafter)),
-        "train": train_key(config, ["d0"], "vocab", [2], warm_start=str(drafter)),
+        "train": train_key(config, ["d0"], "vocab", [2], warm_start=str(drafter))[:LINEAGE_CHARS],
+        "train.stop": stage_key("train.stop", config, lineage="lineage"),
         "untrained": untrained_key(config, "vocab", [2]),
         "export": export_key(config, "train", [2], "server"),
         "evaluate": evaluate_key(config, "trained", "drafter", [[{"role": "user", "content": "hi"}]], "server"),
@@ -276,3 +278,30 @@ def test_a_hub_targets_identity_and_verifier_are_its_pinned_commit(hub_model):
     # The trainer reads the verifier's borrowed tensors at the pinned commit, not the default branch.
     path = Path(verifier_source(pinned, {"embed_tokens.weight": "model.embed_tokens.weight"}))
     assert path.name == "a" * 40 and (path / "w-1.safetensors").read_bytes() == b"a" * 40
+
+
+def test_a_changed_plateau_rule_keeps_the_checkpoints_and_decides_again(tmp_path):
+    import json
+
+    from eyrie.stages.train.trainer import adopt_lineage
+    from eyrie.stages.train.validation import PLATEAU, VALIDATION
+
+    def config(**train):
+        return parse_config({"target": {"model": "/t"}, "data": {"source": "/d"}, "train": train})
+
+    old = config(stop_on_plateau=True, plateau_patience=1, plateau_min_delta=0.01)
+    new = config(stop_on_plateau=True, plateau_patience=2, plateau_min_delta=0.01)
+    old_key, new_key = train_key(old, ["d"], "v", [2]), train_key(new, ["d"], "v", [2])
+    assert old_key != new_key and old_key[:LINEAGE_CHARS] == new_key[:LINEAGE_CHARS]
+    assert train_key(config(devices=4, log_every_steps=1), ["d"], "v", [2])[:LINEAGE_CHARS] == old_key[:16]
+    save = tmp_path / old_key / "checkpoints"
+    for epoch, acc in enumerate([0.5, 0.6, 0.6]):  # no gain at epoch 2: patience 1 stops there, patience 2 not
+        (save / str(epoch)).mkdir(parents=True)
+        (save / str(epoch) / VALIDATION).write_text(json.dumps({"full_acc_0_epoch": acc}))
+    (save / PLATEAU).write_text(json.dumps({"epoch": 2, "best_epoch": 1}))
+    adopt_lineage(tmp_path, new_key, new)
+    moved = tmp_path / new_key / "checkpoints"
+    assert (moved / "2" / VALIDATION).exists() and not (tmp_path / old_key).exists()  # nothing is trained again
+    assert not (moved / PLATEAU).exists()  # patience 2: no plateau yet, training goes on from epoch 2
+    adopt_lineage(tmp_path, old_key, old)  # and back: the plateau at epoch 2 again
+    assert json.loads((tmp_path / old_key / "checkpoints" / PLATEAU).read_text())["epoch"] == 2

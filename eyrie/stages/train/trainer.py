@@ -21,6 +21,7 @@ from pathlib import Path
 from eyrie.config import PipelineConfig, TargetConfig
 from eyrie.errors import EyrieError
 from eyrie.hidden_states.staging import clean, leftover_bytes, on_tmpfs
+from eyrie.run.environment import child_environment
 from eyrie.run.folder import atomic_write_json, read_json
 from eyrie.run.manifest import done, files_under, list_files
 from eyrie.stages.train.checkpoints import is_whole, newest_whole_checkpoint, recover
@@ -44,8 +45,53 @@ def train_key(
     """The checkpoints' lineage (`eyrie.run.identity.STAGES["train"]`): what determines the weights. `data_keys`
     are the hidden states' content keys (`eyrie.stages.extract.content_key`; the same online and offline, whatever
     the storage layout), `warm_start` the base drafter, by its content. Devices, logging, checkpoint frequency and
-    thresholds are not in it: a change of them resumes (`resume_notes`)."""
-    return stage_key("train", config, drafter=warm_start, data=list(data_keys), vocab=vocab_key, aux=list(aux_ids))
+    thresholds are not in it: a change of them resumes (`resume_notes`). The key is the lineage's 16 characters
+    and 8 of the stop rule's (`STAGES["train.stop"]`): a changed plateau rule keeps the lineage's checkpoints
+    (`adopt_lineage`) and decides again which one ships."""
+    lineage = stage_key("train", config, drafter=warm_start, data=list(data_keys), vocab=vocab_key, aux=list(aux_ids))
+    return lineage + stage_key("train.stop", config, lineage=lineage)[:8]
+
+
+LINEAGE_CHARS = 16
+
+
+def adopt_lineage(out_dir: Path, key: str, config: PipelineConfig, log=print) -> None:
+    """Before training into `out_dir/key`: the checkpoints of the same lineage made under another stop rule move
+    here (no epoch is trained again), and the plateau is decided again under this rule from their saved
+    validation (`decide_plateau`)."""
+    work = out_dir / key
+    if work.exists() or len(key) != LINEAGE_CHARS + 8:
+        return
+    same = [
+        d
+        for d in sorted(out_dir.glob(key[:LINEAGE_CHARS] + "*"))
+        if d.is_dir() and len(d.name) == len(key) and (d / "checkpoints").is_dir()
+    ]
+    if not same:
+        return
+    os.replace(same[-1], work)
+    log(f"train: the plateau rule changed; training continues from the checkpoints of {same[-1].name}")
+    decide_plateau(work / "checkpoints", config)
+
+
+def decide_plateau(save_path: Path, config: PipelineConfig) -> None:
+    """The plateau under the current rule, from the saved epochs' validation: the first epoch it would have
+    stopped at (PLATEAU written), or none (PLATEAU removed: training goes on)."""
+    from eyrie.stages.train.validation import plateaued, predicted_acceptance_length
+
+    (save_path / PLATEAU).unlink(missing_ok=True)
+    t = config.train
+    if not t.stop_on_plateau:
+        return
+    scores: dict[int, float] = {}
+    epoch = 0
+    while (metrics := epoch_validation(save_path / str(epoch))) is not None:
+        scores[epoch] = predicted_acceptance_length(metrics)
+        if plateaued(list(scores.values()), t.plateau_patience, t.plateau_min_delta):
+            best = max(scores, key=lambda e: scores[e])
+            atomic_write_json(save_path / PLATEAU, {"epoch": epoch, "best_epoch": best, "scores": scores})
+            return
+        epoch += 1
 
 
 def learning_rate(config: PipelineConfig, warm: bool) -> float:
@@ -234,6 +280,14 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def trainer_environment(config: PipelineConfig, device: str, online: bool) -> dict[str, str]:
+    """The trainer's environment: an allow-list of the flow's (eyrie/run/environment.py: no Prefect key, no hub
+    token), the device, and, online, the variable extraction.api_key_env names (its client reads the server's key
+    there)."""
+    key_env = [config.extraction.api_key_env] if online and config.extraction.api_key_env else []
+    return child_environment({"EYRIE_TRAIN_DEVICE": device, "PYTHONUNBUFFERED": "1"}, passed=key_env)
+
+
 def run_training(
     config: PipelineConfig,
     out_dir: Path,
@@ -255,6 +309,7 @@ def run_training(
     and `hidden_dir` its tmpfs storage path: the trainer asks it for every sample (eyrie.stages.train.online)."""
     if manifest := done(out_dir / "manifest.json", key):
         return manifest
+    adopt_lineage(out_dir, key, config, log)
     work = out_dir / key
     save_path = work / "checkpoints"
     device = resolve_device(config)
@@ -306,7 +361,7 @@ def run_training(
         f"training on {device} ({spe} steps/epoch, checkpoint every {freq:g} epoch)"
         + (f"; resuming from {resumed_from} (global step {state and state.get('global_step')})" if resumed_from else "")
     )
-    env = dict(os.environ, EYRIE_TRAIN_DEVICE=device, PYTHONUNBUFFERED="1")
+    env = trainer_environment(config, device, online)
     work.mkdir(parents=True, exist_ok=True)
     log_path = work / "train.log"
     with open(log_path, "ab") as f:
@@ -395,7 +450,7 @@ def untrained_drafter(
     cmd = training_command(
         config, data_dir, hidden_dir, d2t, t2d, aux_ids, target_facts, staging, 1.0, "cpu", dry_run=True
     )
-    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, EYRIE_TRAIN_DEVICE="cpu"))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=child_environment({"EYRIE_TRAIN_DEVICE": "cpu"}))
     if r.returncode != 0:
         raise EyrieError(f"could not initialise the untrained drafter:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
     os.replace(staging, path)
