@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import time
 
+from eyrie import FORMAT_VERSION, __version__
 from eyrie.ops.verify import Listed, shard_files
-from eyrie.run.folder import RunFolder, read_json, sample_path, server_folders, serving_server_folders
+from eyrie.run.folder import STAMP, RunFolder, read_json, sample_path, server_folders, serving_server_folders
 from eyrie.run.manifest import file_problem, problems
 from eyrie.stages import RUN_FOLDER_STAGES
 from eyrie.stages.prepare import load_shards
@@ -20,6 +21,14 @@ def run_status(run: RunFolder) -> dict:
     """Each stage's and shard's state. A manifest counts only with the files it lists: each is stat'ed (present,
     and of its recorded size where the manifest records one); nothing is read or hashed (`eyrie verify` does)."""
     out: dict = {"run_dir": str(run.root), "stages": {}, "shards": {}}
+    stamp = read_json(run.root / STAMP)
+    if isinstance(stamp, dict) and stamp.get("format_version") != FORMAT_VERSION:
+        # Its manifests hold keys of another recipe: none is reused by this Eyrie, and none is reported as done.
+        out["format"] = (
+            f"made by Eyrie {stamp.get('eyrie_version')} (format {stamp.get('format_version')}); this Eyrie "
+            f"{__version__} reads format {FORMAT_VERSION} and will not run on it: use a new --run-dir, or the "
+            "Eyrie version that made it"
+        )
     shards = load_shards(extraction_source(run))  # the regenerated data's, when that is what was extracted
     online = (read_json(run.root / "preflight.json") or {}).get("hidden_states") == "online"
     for stage in RUN_FOLDER_STAGES:
@@ -57,6 +66,10 @@ def run_status(run: RunFolder) -> dict:
             out["stages"][stage] = regenerate_progress(run)
         else:
             out["stages"][stage] = _stage_state(run, stage)
+    if out.get("format"):
+        old = f"format {stamp.get('format_version')}: not reused by this Eyrie"  # type: ignore[union-attr]
+        out["stages"] = {stage: old for stage in out["stages"]}
+        out["shards"] = {}
     out["server"] = server_status(VllmServer(run.extract))
     # Nodes sharing the run folder (fanned-out extraction) each have their own server.
     out["node_servers"] = {f.name: server_status(VllmServer(f)) for f in server_folders(run.extract)[1:]}
@@ -124,6 +137,8 @@ def server_status(server: VllmServer) -> str:
 
 def format_status(status: dict) -> str:
     lines = [f"run folder: {status['run_dir']}"]
+    if status.get("format"):
+        lines.append(f"  {status['format']}")
     lines += [f"  {stage:<10} {state}" for stage, state in status["stages"].items()]
     if status["shards"]:
         lines.append("shards:")

@@ -305,3 +305,20 @@ def test_a_changed_plateau_rule_keeps_the_checkpoints_and_decides_again(tmp_path
     assert not (moved / PLATEAU).exists()  # patience 2: no plateau yet, training goes on from epoch 2
     adopt_lineage(tmp_path, old_key, old)  # and back: the plateau at epoch 2 again
     assert json.loads((tmp_path / old_key / "checkpoints" / PLATEAU).read_text())["epoch"] == 2
+
+
+def test_status_of_an_older_format_run_folder_says_what_to_do(tmp_path):
+    import json
+
+    from eyrie import FORMAT_VERSION
+    from eyrie.ops.status import format_status, run_status
+    from eyrie.run.folder import STAMP, RunFolder, atomic_write_json
+
+    run = RunFolder(tmp_path / "run")
+    run.ensure()
+    atomic_write_json(run.manifest("vocab"), {"stage": "vocab", "key": "k", "files": {}})
+    assert run_status(run)["stages"]["vocab"] == "done" and "format" not in run_status(run)
+    (run.root / STAMP).write_text(json.dumps({"format_version": FORMAT_VERSION - 1, "eyrie_version": "0.0.9"}))
+    status = run_status(run)
+    assert status["stages"]["vocab"] == f"format {FORMAT_VERSION - 1}: not reused by this Eyrie"
+    assert "use a new --run-dir" in format_status(status)
