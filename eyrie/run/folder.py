@@ -6,6 +6,7 @@ disk is the truth; Prefect's cache is only the fast path.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -205,6 +206,32 @@ def contained(path: str | Path, folder: str | Path, what: str) -> Path:
             "folders, so it is left alone. Check where it came from (a damaged or edited manifest, another server)."
         )
     return Path(path)
+
+
+def private_dir(path: Path, create: bool = True) -> bool:
+    """Make `path` a folder only this user may enter (mode 0700), creating it if missing (`create`); True if it
+    exists. Refused (RunFolderError): a symlink or anything but a folder at that name, or a folder of another user's
+    (planted at a predictable name in a shared place such as /dev/shm, to read what is written there or to have a
+    clean-up delete files elsewhere). One of this user's with a wider mode (an older Eyrie's) is narrowed."""
+    path = Path(path)
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a folder" if not stat.S_ISDIR(st.st_mode) else None
+        raise RunFolderError(
+            f"{path} is {kind or f'a folder of another user (uid {st.st_uid})'}, where Eyrie keeps files of its own: "
+            "it is not used. Remove it (or ask its owner to), or point the run elsewhere (for online training's "
+            "tmpfs folder, $EYRIE_ONLINE_TMPFS)"
+        )
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return True
 
 
 def server_file_name() -> str:

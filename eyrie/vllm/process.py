@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 import requests
 
 from eyrie.errors import ExtractionError
-from eyrie.run.folder import atomic_write_json, read_json
+from eyrie.run.environment import child_environment
+from eyrie.run.folder import atomic_write_json, private_dir, read_json
 from eyrie.vllm.client import ServerClient
 from eyrie.vllm.phases import phases as start_phases
 from eyrie.vllm.spec import ServerSpec, free_port
@@ -262,10 +263,12 @@ class VllmServer:
         spec.check_bind()
         key = spec.api_key()
         self.folder.mkdir(parents=True, exist_ok=True)
-        if spec.storage_path:
-            Path(spec.storage_path).mkdir(parents=True, exist_ok=True)
+        if spec.storage_path:  # where the connector writes hidden states in flight: this user's alone
+            private_dir(Path(spec.storage_path))
         port = spec.port or free_port(spec.host)
-        env = {**os.environ, **spec.server_env}
+        # An allow-list, not the flow's environment (no Prefect key, no hub token: eyrie/run/environment.py), then the
+        # operator's extraction.server_env over it.
+        env = child_environment(spec.server_env)
         if key:
             env["VLLM_API_KEY"] = key  # through the environment: a command line shows in `ps` and in logs
         with open(self.log_path, "ab") as logf:
