@@ -3,10 +3,24 @@
 Acceptance length is mean tokens per target step with the bonus token: 1 + accepted / drafts. Per-position rates are
 accepted_at_position_i / drafts. Counters are read from the server's Prometheus /metrics before and after the
 prompts, so a reused server's earlier traffic does not count.
+
+Two figures, side by side, each with a 95% confidence interval, overall and per position (`request_statistics`):
+the **pooled** acceptance length (every request's drafts together: what a server's counters and vLLM's own
+benchmarks report, weighted by how long each request drafted) and the **mean of the per-request** acceptance
+lengths (what one user's request sees on average; vllm #42508 is the two taken for each other). The per-request
+counts come from vLLM's per-request speculative-decoding metrics in each response (`--per-request-spec-decode-
+metrics summary`, added to the server's arguments where the installed vLLM has it), else from the counters read
+around each prompt sent alone. The pooled interval is the ratio estimator's (the delta method over requests), not a
+binomial over drafts: drafts of one request are not independent.
+
+Two drafters measured on the same prompts are compared pairwise (`paired_difference`): the difference of their
+pooled acceptance lengths with the standard error of that difference over the prompts, which is what promotion
+decides on and what tells a trained drafter from a useless one (`baseline_warnings`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 import time
@@ -74,8 +88,57 @@ def acceptance(before: dict, after: dict) -> dict:
     }
 
 
+PER_REQUEST_METRICS = "--per-request-spec-decode-metrics"
+Z95 = 1.96  # two-sided 95% confidence intervals
+CLEARLY_BETTER_Z = 1.645  # a drafter is clearly better when its paired difference is above 0 at one-sided 95%
+
+
+def vllm_has_per_request_metrics() -> bool:
+    """Whether the installed vLLM has `--per-request-spec-decode-metrics`, read from its source without importing it
+    (an import of vLLM takes seconds to tens of seconds)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / "config" / "observability.py"
+        if path.is_file() and "per_request_spec_decode_metrics" in path.read_text(errors="replace"):
+            return True
+    return False
+
+
+def with_per_request_metrics(server_args: list[str]) -> list[str]:
+    """The serving arguments plus vLLM's per-request acceptance in each response, where the installed vLLM has it."""
+    if any(a.split("=")[0] == PER_REQUEST_METRICS for a in server_args) or not vllm_has_per_request_metrics():
+        return list(server_args)
+    return [*server_args, PER_REQUEST_METRICS, "summary"]
+
+
+def request_counts(response: dict) -> dict | None:
+    """One response's per-request speculative-decoding counts (`metrics.speculative_decoding`), or None: drafts
+    (verify steps), accepted draft tokens, and per position i the steps that accepted at least i tokens."""
+    sd = (response.get("metrics") or {}).get("speculative_decoding")
+    if not sd or "acceptance_histogram" not in sd:
+        return None
+    hist = [int(c) for c in sd["acceptance_histogram"]]
+    return {
+        "drafts": sum(hist),
+        "accepted": sum(j * c for j, c in enumerate(hist)),
+        "per_pos": [sum(hist[i:]) for i in range(1, len(hist))],
+    }
+
+
+def _counts_between(before: dict, after: dict) -> dict:
+    positions = sorted(after["per_pos"])
+    return {
+        "drafts": int(after["drafts"] - before["drafts"]),
+        "accepted": int(after["accepted"] - before["accepted"]),
+        "per_pos": [int(after["per_pos"][p] - before["per_pos"].get(p, 0.0)) for p in positions],
+    }
+
+
 def measure(client, prompts: list[list[dict]], max_tokens: int, concurrency: int = 8) -> dict:
-    """Send every prompt (greedy) and return the acceptance figures for exactly this traffic."""
+    """Send every prompt (greedy) and return the acceptance figures for exactly this traffic: the pooled counters,
+    each request's own counts (`requests`, in prompt order) and their statistics (`request_statistics`)."""
     before = spec_counters(client.metrics())
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         outs = list(pool.map(lambda p: client.chat(p, max_tokens), prompts))
@@ -83,7 +146,177 @@ def measure(client, prompts: list[list[dict]], max_tokens: int, concurrency: int
     result = acceptance(before, after)
     result["prompts"] = len(prompts)
     result["completion_tokens"] = sum(o["usage"]["completion_tokens"] for o in outs)
+    found = [request_counts(o) for o in outs]
+    requests = [r for r in found if r is not None]
+    source = "vllm per-request metrics"
+    if len(requests) < len(found):
+        # This vLLM gives no per-request figures: each prompt again, alone, between two reads of the counters.
+        requests, source = [], "counters around each prompt sent alone"
+        for p in prompts:
+            b = spec_counters(client.metrics())
+            client.chat(p, max_tokens)
+            requests.append(_counts_between(b, spec_counters(client.metrics())))
+    result["requests"] = requests
+    result["requests_source"] = source
+    result["statistics"] = request_statistics(requests)
     return result
+
+
+def ratio_estimate(num: list[float], den: list[float]) -> tuple[float | None, float | None]:
+    """sum(num) / sum(den) and its standard error over the units (the delta method): each unit is one request, whose
+    drafts are not independent of each other."""
+    m, total = len(den), sum(den)
+    if not m or total <= 0:
+        return None, None
+    r = sum(num) / total
+    if m < 2:
+        return r, None
+    resid = sum((a - r * n) ** 2 for a, n in zip(num, den, strict=True))
+    return r, math.sqrt(resid / (m * (m - 1))) / (total / m)
+
+
+def mean_estimate(xs: list[float]) -> tuple[float | None, float | None]:
+    if not xs:
+        return None, None
+    mean = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return mean, None
+    var = sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)
+    return mean, math.sqrt(var / len(xs))
+
+
+def _figure(value: float | None, se: float | None, offset: float = 0.0) -> dict:
+    if value is None:
+        return {"value": None, "se": None, "ci95": None}
+    v = value + offset
+    return {
+        "value": round(v, 4),
+        "se": round(se, 4) if se is not None else None,
+        "ci95": [round(v - Z95 * se, 4), round(v + Z95 * se, 4)] if se is not None else None,
+    }
+
+
+def request_statistics(requests: list[dict]) -> dict:
+    """The pooled acceptance length and the mean of the per-request ones, each with its standard error and 95%
+    interval, overall and per position. Requests that drafted nothing (answers of one token) count in neither."""
+    used = [r for r in requests if r["drafts"] > 0]
+    drafts = [float(r["drafts"]) for r in used]
+    k = max((len(r["per_pos"]) for r in used), default=0)
+    pos = [[float(r["per_pos"][i]) if i < len(r["per_pos"]) else 0.0 for r in used] for i in range(k)]
+    return {
+        "requests": len(requests),
+        "requests_with_drafts": len(used),
+        "pooled": {
+            "acceptance_length": _figure(*ratio_estimate([float(r["accepted"]) for r in used], drafts), offset=1.0),
+            "per_position": [_figure(*ratio_estimate(pos[i], drafts)) for i in range(k)],
+        },
+        "per_request_mean": {
+            "acceptance_length": _figure(*mean_estimate([1 + r["accepted"] / r["drafts"] for r in used])),
+            "per_position": [
+                _figure(*mean_estimate([c / n for c, n in zip(pos[i], drafts, strict=True)])) for i in range(k)
+            ],
+        },
+    }
+
+
+def paired_difference(new: dict, old: dict) -> dict | None:
+    """`new`'s pooled acceptance length minus `old`'s, measured on the same prompts (their `requests`, in prompt
+    order), with the standard error of the difference over the prompts (the delta method for two ratio
+    estimators on paired units: a prompt easy for one drafter is easy for the other, so the pair's difference is
+    far less noisy than either figure). None when either has no per-request counts for the same prompts."""
+    a, b = new.get("requests"), old.get("requests")
+    if not a or not b or len(a) != len(b):
+        return None
+    pairs = [(x, y) for x, y in zip(a, b, strict=True) if x["drafts"] > 0 and y["drafts"] > 0]
+    if len(pairs) < 2:
+        return None
+    m = len(pairs)
+    n1, n2 = sum(x["drafts"] for x, _ in pairs) / m, sum(y["drafts"] for _, y in pairs) / m
+    r1 = sum(x["accepted"] for x, _ in pairs) / (n1 * m)
+    r2 = sum(y["accepted"] for _, y in pairs) / (n2 * m)
+    u = [(x["accepted"] - r1 * x["drafts"]) / n1 - (y["accepted"] - r2 * y["drafts"]) / n2 for x, y in pairs]
+    mean_u = sum(u) / m
+    se = math.sqrt(sum((v - mean_u) ** 2 for v in u) / (m - 1) / m)
+    diff = r1 - r2
+    return {
+        "new": round(1 + r1, 4),
+        "old": round(1 + r2, 4),
+        "difference": round(diff, 4),
+        "se": round(se, 4),
+        "ci95": [round(diff - Z95 * se, 4), round(diff + Z95 * se, 4)],
+        "prompts": m,
+        "clearly_better": diff > CLEARLY_BETTER_Z * se if se > 0 else diff > 0,
+    }
+
+
+FLOOR = 1.0  # acceptance length with no drafter, or one whose drafts are never accepted
+
+
+def floor_comparison(result: dict) -> dict | None:
+    """A drafter against the floor (`FLOOR`: what no drafter gives, known without serving one): its pooled
+    acceptance length minus 1 with that figure's standard error over the prompts. None without per-request counts."""
+    figure = (result.get("statistics") or {}).get("pooled", {}).get("acceptance_length") or {}
+    value, se = figure.get("value"), figure.get("se")
+    if value is None or se is None:
+        return None
+    diff = value - FLOOR
+    return {
+        "new": value,
+        "old": FLOOR,
+        "difference": round(diff, 4),
+        "se": se,
+        "ci95": [round(diff - Z95 * se, 4), round(diff + Z95 * se, 4)],
+        "prompts": result["statistics"]["requests_with_drafts"],
+        "clearly_better": diff > CLEARLY_BETTER_Z * se if se > 0 else diff > 0,
+    }
+
+
+def compare_drafters(results: dict[str, dict]) -> dict[str, dict]:
+    """The trained drafter against each other one measured on the same prompts (`untrained`, `current`), paired;
+    with no untrained drafter served, against the floor (`floor`)."""
+    trained = results["trained"]
+    out = {}
+    for label, other in results.items():
+        if label != "trained" and (cmp := paired_difference(trained, other)) is not None:
+            out[label] = cmp
+    if "untrained" not in results and (floor := floor_comparison(trained)) is not None:
+        out["floor"] = floor
+    return out
+
+
+BASELINES = (
+    ("untrained", "an untrained drafter of the same shape"),
+    ("floor", f"no drafter at all (acceptance length {FLOOR}, every draft rejected)"),
+    ("current", "the current drafter"),
+)
+
+
+def baseline_warnings(results: dict[str, dict], comparisons: dict[str, dict]) -> list[str]:
+    """A trained drafter not clearly better than the untrained baseline (or, with none served, the floor), or than
+    the current drafter: a warning (and promotion refuses it, eyrie.stages.promote.decide)."""
+    warnings = []
+    for label, what in BASELINES:
+        cmp = comparisons.get(label)
+        if cmp is None:
+            if label not in results:
+                continue
+            new, old = results["trained"].get("acceptance_length"), results[label].get("acceptance_length")
+            if new is not None and old is not None and new > old:
+                continue
+            detail = f"acceptance length {new} vs {old}, no per-request counts to pair"
+        elif cmp["clearly_better"]:
+            continue
+        else:
+            detail = (
+                f"acceptance length {cmp['new']} vs {cmp['old']}, difference {cmp['difference']:+} "
+                f"(standard error {cmp['se']}, 95% interval {cmp['ci95']}) over {cmp['prompts']} prompts"
+            )
+        warnings.append(
+            f"the trained drafter is not clearly better than {what}: {detail}. It is not promoted. Train longer "
+            "or on more data, check the capture (extract/capture/*.json) and that the held-out prompts are like "
+            "the training data; more evaluate.num_prompts narrows the interval"
+        )
+    return warnings
 
 
 def train_serve_gap(val_metrics: dict | None, served: list[float], bound: float, drafts: int | None = None) -> dict:

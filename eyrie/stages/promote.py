@@ -1,4 +1,4 @@
-"""promote: the drafter serving loads from one stable path, replaced only by a drafter that is at least as good.
+"""promote: the drafter serving loads from one stable path, replaced only by a drafter that is clearly better.
 
 Layout of `promotion.dir`:
   current -> versions/<id>     a relative symlink; point vLLM's speculative config at `<dir>/current`
@@ -7,14 +7,27 @@ Layout of `promotion.dir`:
 Versions are never changed once written, and the link is swapped by rename, so a reader sees the old drafter or
 the new one, never a mix. A run warm-starts from the version that was current when its training began; that
 choice is recorded in the run folder so re-runs of the same data train (and cache) the same way.
+
+Runs may share `promotion.dir`. The decision and the swap happen under an exclusive `flock` on
+`<dir>/promotion.lock` (as the run folder's own lock, eyrie/run/folder.py), and under it the version current now
+must be the one this run measured against: if another run promoted meanwhile, this run refuses (its comparison was
+against a drafter that is no longer current) and says to run again, which measures against the new one.
+
+The decision is a paired comparison on the same held-out prompts (`eyrie.stages.evaluate.paired_difference`): the
+candidate is promoted only when its pooled acceptance length is above the current drafter's by more than 1.645
+standard errors of the difference (one-sided 95%), so an equal drafter is almost never promoted (with `new >= old`
+between two noisy figures it was, half the time); and never when it is not clearly better than the untrained
+baseline it was measured beside, or, with none served, than the floor of no drafter (acceptance length 1.0).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from eyrie.run.folder import atomic_write_json, read_json
@@ -59,16 +72,56 @@ def check_base(base: Path, target: str, draft_vocab_size: int, aux_ids: list[int
 
 
 def decide(candidate: dict, current: dict | None) -> tuple[bool, str]:
-    """Promote when there is no current drafter, or when the candidate's acceptance length is at least its."""
+    """Promote when the candidate is clearly better than the untrained baseline it was measured beside (when there
+    was one) and than the current drafter, each by a paired comparison on the same prompts (`candidate["versus"]`,
+    attached by the evaluation's report, or computed here from both measurements' per-request counts)."""
+    from eyrie.stages.evaluate import paired_difference
+
     new = candidate.get("acceptance_length")
+    if new is None:
+        return False, "the new drafter's acceptance length could not be measured (no drafts): the current one stays"
+    versus = candidate.get("versus") or {}
+    for label, what in (("untrained", "an untrained drafter"), ("floor", "no drafter (acceptance length 1.0)")):
+        if (base := versus.get(label)) is not None and not base["clearly_better"]:
+            return False, f"it is not clearly better than {what} ({_paired(base)}): a useless drafter is never promoted"
     if current is None:
         return True, "there is no current drafter yet"
     old = current.get("acceptance_length")
-    if new is None:
-        return False, "the new drafter's acceptance length could not be measured (no drafts): the current one stays"
-    if old is None or new >= old:
-        return True, f"acceptance length {new} is at least the current drafter's {old}"
-    return False, f"acceptance length {new} is below the current drafter's {old}: the current drafter stays"
+    if old is None:
+        return True, f"acceptance length {new}; the current drafter's could not be measured"
+    cmp = versus.get("current") or paired_difference(candidate, current)
+    if cmp is None:  # no per-request counts (a measurement from before they were kept): the figures alone
+        if new > old:
+            return (
+                True,
+                f"acceptance length {new} is above the current drafter's {old} (unpaired: no per-request counts)",
+            )
+        return False, f"acceptance length {new} is not above the current drafter's {old}: the current drafter stays"
+    if cmp["clearly_better"]:
+        return True, f"it is clearly better than the current drafter ({_paired(cmp)})"
+    return False, f"it is not clearly better than the current drafter ({_paired(cmp)}): the current drafter stays"
+
+
+def _paired(cmp: dict) -> str:
+    return (
+        f"acceptance length {cmp['new']} vs {cmp['old']} on the same {cmp['prompts']} prompts, difference "
+        f"{cmp['difference']:+} with standard error {cmp['se']}"
+    )
+
+
+LOCK = "promotion.lock"
+
+
+@contextmanager
+def promotion_lock(promo_dir: Path):
+    """Exclusive across the runs (and nodes, on a filesystem whose flock is shared) that promote into `promo_dir`."""
+    promo_dir.mkdir(parents=True, exist_ok=True)
+    with open(promo_dir / LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def promote(promo_dir: Path, drafter: Path, version: str, record: dict) -> Path:
@@ -92,29 +145,45 @@ def promote(promo_dir: Path, drafter: Path, version: str, record: dict) -> Path:
 def decide_and_promote(
     promo_dir: Path, drafter: Path, version: str, candidate: dict, current: dict | None, context: dict
 ) -> dict:
-    """Promote `drafter` if it is at least as good as the current one; log the decision either way."""
-    promo_dir.mkdir(parents=True, exist_ok=True)
-    now = current_version(promo_dir)
-    if now is not None and now.name == version:
-        return {
-            "promoted": True,
+    """Promote `drafter` if it is clearly better than the current one (and than the untrained baseline); log the
+    decision either way. `current` is the current drafter's measurement in this run (its `drafter`: the version
+    folder measured), None when there was none. Decided and swapped under the promotion folder's lock."""
+    with promotion_lock(promo_dir):
+        now = current_version(promo_dir)
+        if now is not None and now.name == version:
+            return {
+                "promoted": True,
+                "version": version,
+                "reason": "it is already the current drafter",
+                "current": str(promo_dir / CURRENT),
+            }
+        measured = Path(current["drafter"]).name if current and current.get("drafter") else None
+        if current is not None and measured is None:
+            measured = now.name if now else None  # a measurement that does not say which version it was of
+        if (now.name if now else None) != measured:
+            promoted, reason = (
+                False,
+                (
+                    f"the current drafter changed since this run measured against it (measured "
+                    f"{measured or 'none'}, now {now.name if now else 'none'}: another run promoted meanwhile): run "
+                    "again to measure against the new current drafter"
+                ),
+            )
+        else:
+            promoted, reason = decide(candidate, current)
+        entry = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "version": version,
-            "reason": "it is already the current drafter",
-            "current": str(promo_dir / CURRENT),
+            "promoted": promoted,
+            "reason": reason,
+            "acceptance_length": candidate.get("acceptance_length"),
+            "current_before": str(now) if now else None,
+            "current_acceptance_length": current.get("acceptance_length") if current else None,
+            "comparisons": candidate.get("versus") or {},
+            **context,
         }
-    promoted, reason = decide(candidate, current)
-    entry = {
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "version": version,
-        "promoted": promoted,
-        "reason": reason,
-        "acceptance_length": candidate.get("acceptance_length"),
-        "current_before": str(now) if now else None,
-        "current_acceptance_length": current.get("acceptance_length") if current else None,
-        **context,
-    }
-    if promoted:
-        promote(promo_dir, drafter, version, entry)
-    with open(promo_dir / "history.jsonl", "a") as f:
-        f.write(json.dumps(entry, sort_keys=True) + "\n")
+        if promoted:
+            promote(promo_dir, drafter, version, entry)
+        with open(promo_dir / "history.jsonl", "a") as f:
+            f.write(json.dumps(entry, sort_keys=True) + "\n")
     return {**entry, "current": str(promo_dir / CURRENT)}

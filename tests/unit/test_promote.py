@@ -27,11 +27,11 @@ def make_drafter(folder, weights=b"w1", vocab=256, aux=(2, 4, 5), verifier="/tar
     return folder
 
 
-def test_decide_promotes_only_when_at_least_as_good():
+def test_decide_promotes_only_when_better():
     assert decide({"acceptance_length": 1.2}, None)[0]  # the first drafter
-    assert decide({"acceptance_length": 1.5}, {"acceptance_length": 1.5})[0]  # ties promote
+    assert not decide({"acceptance_length": 1.5}, {"acceptance_length": 1.5})[0]  # a tie keeps the current one
     ok, why = decide({"acceptance_length": 1.4}, {"acceptance_length": 1.5})
-    assert not ok and "1.4 is below the current drafter's 1.5" in why
+    assert not ok and "1.4 is not above the current drafter's 1.5" in why
     ok, why = decide({"acceptance_length": None}, {"acceptance_length": 1.5})
     assert not ok and "could not be measured" in why
 
@@ -47,7 +47,7 @@ def test_promotion_swaps_the_link_and_a_worse_drafter_leaves_it(tmp_path):
 
     worse = make_drafter(tmp_path / "b", b"w2")
     d = decide_and_promote(promo, worse, "v2", {"acceptance_length": 1.1}, {"acceptance_length": 1.3}, {})
-    assert not d["promoted"] and "below" in d["reason"]
+    assert not d["promoted"] and "not above" in d["reason"]
     assert current_version(promo).name == "v1" and not (promo / "versions" / "v2").exists()
 
     better = make_drafter(tmp_path / "c", b"w3")
