@@ -326,8 +326,8 @@ class EvaluateConfig(_Section):
     )
     untrained_baseline: Literal["auto", "always", "never"] = Field(
         "auto",
-        description="Also measure an untrained drafter of the same shape (one more target load). auto: only "
-        "when there is no current drafter to compare with.",
+        description="always: also serve and measure an untrained drafter of the same shape (one more target "
+        "load). auto, never: not served; the report compares with the floor it measures, 1.0 (no draft accepted).",
     )
 
 

@@ -30,12 +30,12 @@ from eyrie.vllm.spec import ServerSpec
 from flows.extract import extract_flow
 from flows.opening import open_run
 from flows.regenerate import regenerate_flow
-from tasks.evaluate import draft_tokens_task, evaluate_task, report_task
-from tasks.export import export_task
+from tasks.evaluate import DraftTokensJob, EvaluateJob, draft_tokens_task, evaluate_task, report_task
+from tasks.export import ExportJob, export_task
 from tasks.preflight import preflight_task
 from tasks.promote import promote_task
 from tasks.serving import start_server_task, stop_server_task
-from tasks.train import train_task, untrained_drafter_task
+from tasks.train import TrainingData, TrainJob, UntrainedJob, train_task, untrained_drafter_task
 from tasks.vocab import vocab_task
 
 
@@ -113,37 +113,42 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         token_freq = str(data_dir / "dataset" / "token_freq.pt")
         vocab_task(token_freq, dvs, report["vocab_size"], str(run.vocab), vkey, warm)
         d2t, t2d = (str(p) for p in mapping_paths(run.vocab, dvs))
-        data = (str(data_dir / "dataset"), extracted["hidden_states"], d2t, t2d, aux, report["target_facts"])
+        hidden = extracted["hidden_states"]
+        data = TrainingData(str(data_dir / "dataset"), hidden, d2t, t2d, aux, report["target_facts"])
         tkey = train_key(config, extracted["data_keys"], vkey, aux, warm)
         spec = ServerSpec.for_serving(config)  # each drafter set per use
         ekey = export_key(config, tkey, aux, spec.output_identity())
         # The drafter to beat: the current one, unless this run's own drafter already is it (a re-run).
         rival = current if current and current.name != ekey else None
-        baseline = config.evaluate.untrained_baseline
-        with_untrained = baseline == "always" or (baseline == "auto" and rival is None)
+        # An untrained drafter is served only when asked for (`always`): its acceptance length is known without a
+        # target load (the floor, 1.0: no draft accepted, each step yields the target's own token; served on the
+        # demo it measured 1.00), and the floor is the comparison the report makes (`auto`, `never`).
+        with_untrained = config.evaluate.untrained_baseline == "always"
         server_url = None
         if online and not done(run.manifest("train"), tkey):  # the server up (reused, or started) for training
             server_url = start_server_task(plan.spec, str(plan.server_dir), config.extraction.startup_timeout_s)
-        trained = train_task(config, str(run.train), tkey, *data, load_seq_lens(data_dir), warm, server_url=server_url)
+        trained = train_task(config, TrainJob(str(run.train), tkey, data, load_seq_lens(data_dir), warm, server_url))
         if online and VllmServer(plan.server_dir).state:  # kept up on failure, for the resume to reuse
             stop_server_task(str(plan.server_dir))
         ukey = untrained_key(config, vkey, aux)
-        untrained = untrained_drafter_task(config, str(run.train), ukey, *data) if with_untrained else None
+        untrained = untrained_drafter_task(config, UntrainedJob(str(run.train), ukey, data)) if with_untrained else None
         if until == "train":
             return {"run_dir": str(run.root), "checkpoint": trained["checkpoint"], "untrained": untrained}
 
         prompts = list(islice(iter_eval_prompts(run.prepare), config.evaluate.num_prompts))
         timeout = config.extraction.startup_timeout_s
         exported = export_task(
-            trained["checkpoint"],
-            str(run.export),
-            config.target.model,
-            aux,
-            report["hidden_size"],
-            ekey,
-            spec,
-            prompts[0],
-            timeout,
+            ExportJob(
+                trained["checkpoint"],
+                str(run.export),
+                config.target.model,
+                aux,
+                report["hidden_size"],
+                ekey,
+                spec,
+                prompts[0],
+                timeout,
+            )
         )
         drafters = [("trained", exported["drafter"], run.export / "server-trained", ekey)]
         if rival:
@@ -159,16 +164,18 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
             concurrency = config.evaluate.throughput_concurrency if sweep and label == "trained" else None
             results.append(
                 evaluate_task(
-                    label,
-                    drafter,
-                    spec,
-                    str(server_dir),
-                    prompts,
-                    config.evaluate.max_tokens,
-                    str(out),
-                    key,
-                    timeout,
-                    concurrency,
+                    EvaluateJob(
+                        label,
+                        drafter,
+                        spec,
+                        str(server_dir),
+                        prompts,
+                        config.evaluate.max_tokens,
+                        str(out),
+                        key,
+                        timeout,
+                        concurrency,
+                    )
                 )
             )
         # The train manifest's validation is counted over the draft starts vLLM makes
@@ -177,16 +184,12 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
             results, str(run.evaluate), trained["val_metrics"], config.evaluate.max_train_serve_gap
         )
         if sweep:
+            evaluate_max = config.evaluate.max_tokens
             skey = draft_tokens_key(config, results[0]["key"])
             evaluation["draft_tokens"] = draft_tokens_task(
-                exported["drafter"],
-                spec,
-                str(run.evaluate),
-                prompts,
-                config.evaluate.max_tokens,
-                skey,
-                timeout,
-                sweep,
+                DraftTokensJob(
+                    exported["drafter"], spec, str(run.evaluate), prompts, evaluate_max, skey, timeout, sweep
+                ),
                 results[0],
             )
         summary = evaluation["results"]
@@ -256,6 +259,9 @@ def _summary_markdown(
                 f"| {label} | {r['acceptance_length']} | {r['per_position_acceptance']} |"
                 for label, r in summary.items()
             ),
+            # Not served: what no drafter, or one whose drafts are never accepted, gives (each step the target's
+            # own token).
+            *([] if "untrained" in summary else ["| none (the floor, not served) | 1.0 | no draft accepted |"]),
             "",
             f"Training predicts serving within {gap['bound']} per position (validation accuracy vs acceptance in "
             "vLLM):",

@@ -3,7 +3,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from prefect import get_run_logger
@@ -30,57 +30,67 @@ from tasks.caching import eyrie_task, stage_task
 from tasks.serving import serve, stop
 
 
-@stage_task("evaluate", manifest="{out_path}", task_run_name="evaluate-{label}", retries=1)
-def evaluate_task(
-    label: str,
-    drafter: str,
-    spec: ServerSpec,
-    server_dir: str,
-    prompts: list[list[dict]],
-    max_tokens: int,
-    out_path: str,
-    key: str,
-    startup_timeout_s: float,
-    throughput_concurrency: list[int] | None = None,
-) -> dict:
-    if measured := done(Path(out_path), key):  # by a run that died before Prefect recorded the result
+@dataclass
+class EvaluateJob:
+    """One drafter's measurement: served with the target (`spec`, its drafter set here) in `server_dir`, on the
+    held-out `prompts`; the result written to `out_path`."""
+
+    label: str  # trained, current, untrained
+    drafter: str
+    spec: ServerSpec
+    server_dir: str
+    prompts: list[list[dict]]
+    max_tokens: int
+    out_path: str
+    key: str
+    startup_timeout_s: float
+    throughput_concurrency: list[int] | None = None  # also tokens/s at these concurrencies, on the same server
+
+
+@stage_task("evaluate", manifest="{job.out_path}", argument="job.key", task_run_name="evaluate-{job.label}", retries=1)
+def evaluate_task(job: EvaluateJob) -> dict:
+    if measured := done(Path(job.out_path), job.key):  # by a run that died before Prefect recorded the result
         return measured
-    spec = replace(spec, drafter=drafter)
-    state = VllmServer(Path(server_dir)).state
+    spec = replace(job.spec, drafter=job.drafter)
+    state = VllmServer(Path(job.server_dir)).state
     if not (state and state.get("fingerprint") == spec.fingerprint()):
         # A server of its own: with vLLM's per-request acceptance in each response. The trained drafter's server,
         # left up by export's proof, is reused as it is (another target load costs more than `measure`'s fallback,
         # which reads the counters around each prompt sent alone).
         spec = replace(spec, server_args=with_per_request_metrics(spec.server_args))
     try:
-        client = serve(spec, Path(server_dir), startup_timeout_s)
-        result = measure(client, prompts, max_tokens)
-        if throughput_concurrency:  # on the same server: the drafter at the served k, for the draft-token report
-            result["throughput"] = [measure_throughput(client, prompts, max_tokens, c) for c in throughput_concurrency]
+        client = serve(spec, Path(job.server_dir), job.startup_timeout_s)
+        result = measure(client, job.prompts, job.max_tokens)
+        if job.throughput_concurrency:  # on the same server: the drafter at the served k, for the draft-token report
+            result["throughput"] = [
+                measure_throughput(client, job.prompts, job.max_tokens, c) for c in job.throughput_concurrency
+            ]
     finally:
-        stop(Path(server_dir))
-    result.update(label=label, key=key, drafter=drafter, num_speculative_tokens=spec.num_speculative_tokens)
-    atomic_write_json(Path(out_path), result)
-    fault_point(f"evaluate.{label}.written")
+        stop(Path(job.server_dir))
+    result.update(label=job.label, key=job.key, drafter=job.drafter, num_speculative_tokens=spec.num_speculative_tokens)
+    atomic_write_json(Path(job.out_path), result)
+    fault_point(f"evaluate.{job.label}.written")
     return result
 
 
-@stage_task("draft-tokens", manifest="{out_dir}/draft_tokens.json", retries=1)
-def draft_tokens_task(
-    drafter: str,
-    spec: ServerSpec,
-    out_dir: str,
-    prompts: list[list[dict]],
-    max_tokens: int,
-    key: str,
-    startup_timeout_s: float,
-    sweep: int,
-    trained: dict,
-) -> dict:
+@dataclass
+class DraftTokensJob:
+    drafter: str
+    spec: ServerSpec
+    out_dir: str
+    prompts: list[list[dict]]
+    max_tokens: int
+    key: str
+    startup_timeout_s: float
+    sweep: int  # the most draft tokens served
+
+
+@stage_task("draft-tokens", manifest="{job.out_dir}/draft_tokens.json", argument="job.key", retries=1)
+def draft_tokens_task(job: DraftTokensJob, trained: dict) -> dict:
     """How many draft tokens: the trained drafter served drafting `sweep` tokens (acceptance at every k up to it)
     and the target alone (throughput without a drafter), each its own server, beside `trained`, the evaluation's
     measurement at the served k. A table, a plot (`draft_tokens.png`, also an image artifact) and a JSON report."""
-    out = Path(out_dir)
+    out, key, startup_timeout_s = Path(job.out_dir), job.key, job.startup_timeout_s
     if measured := done(out / "draft_tokens.json", key):
         return measured
 
@@ -91,7 +101,7 @@ def draft_tokens_task(
         finally:
             stop(out / folder)
 
-    report = draft_token_report(serving, spec, drafter, prompts, max_tokens, sweep, trained)
+    report = draft_token_report(serving, job.spec, job.drafter, job.prompts, job.max_tokens, job.sweep, trained)
     table, throughput = report["draft_tokens"], report["throughput"]
     plot = plot_draft_tokens(table, throughput, out / "draft_tokens.png")
     report.update(key=key, plot=str(plot))

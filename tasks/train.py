@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import get_run_logger
@@ -21,43 +22,63 @@ def _watch_progress(save_path: Path, total_epochs: int, stop: threading.Event) -
             update_progress_artifact(artifact, min(100.0, 100.0 * (int(last.name) + 1) / total_epochs))
 
 
+@dataclass
+class TrainingData:
+    """What a drafter is trained on, and what shapes it: the data and its hidden states, the draft vocabulary's maps,
+    the captured aux layers and the target's facts (preflight's)."""
+
+    data_dir: str
+    hidden_dir: str
+    d2t: str
+    t2d: str
+    aux_ids: list[int]
+    target_facts: dict
+
+
+@dataclass
+class TrainJob:
+    out_dir: str
+    key: str
+    data: TrainingData
+    seq_lens: list[int]
+    warm_start: str | None = None  # the drafter training starts from
+    server_url: str | None = None  # train.hidden_states: online: the extraction server to train from
+
+
+@dataclass
+class UntrainedJob:
+    out_dir: str
+    key: str
+    data: TrainingData
+
+
 # retries resume from the newest checkpoint: the key (and so the checkpoint folder) is unchanged.
-@stage_task("train", retries=1, retry_delay_seconds=5)
-def train_task(
-    config: PipelineConfig,
-    out_dir: str,
-    key: str,
-    data_dir: str,
-    hidden_dir: str,
-    d2t: str,
-    t2d: str,
-    aux_ids: list[int],
-    target_facts: dict,
-    seq_lens: list[int],
-    warm_start: str | None = None,
-    server_url: str | None = None,  # train.hidden_states: online: the extraction server to train from
-) -> dict:
+@stage_task("train", manifest="{job.out_dir}/manifest.json", argument="job.key", retries=1, retry_delay_seconds=5)
+def train_task(config: PipelineConfig, job: TrainJob) -> dict:
     log = get_run_logger()
     stop = threading.Event()
     watcher = threading.Thread(
-        target=_watch_progress, args=(Path(out_dir) / key / "checkpoints", config.train.epochs, stop), daemon=True
+        target=_watch_progress,
+        args=(Path(job.out_dir) / job.key / "checkpoints", config.train.epochs, stop),
+        daemon=True,
     )
     watcher.start()
+    d = job.data
     try:
         manifest = run_training(
             config,
-            Path(out_dir),
-            key,
-            Path(data_dir),
-            Path(hidden_dir),
-            Path(d2t),
-            Path(t2d),
-            aux_ids,
-            target_facts,
-            seq_lens,
-            Path(warm_start) if warm_start else None,
+            Path(job.out_dir),
+            job.key,
+            Path(d.data_dir),
+            Path(d.hidden_dir),
+            Path(d.d2t),
+            Path(d.t2d),
+            d.aux_ids,
+            d.target_facts,
+            job.seq_lens,
+            Path(job.warm_start) if job.warm_start else None,
             log=log.info,
-            server_url=server_url,
+            server_url=job.server_url,
         )
     finally:
         stop.set()
@@ -67,19 +88,18 @@ def train_task(
 
 
 @eyrie_task("untrained-drafter")
-def untrained_drafter_task(
-    config: PipelineConfig,
-    out_dir: str,
-    key: str,
-    data_dir: str,
-    hidden_dir: str,
-    d2t: str,
-    t2d: str,
-    aux_ids: list[int],
-    target_facts: dict,
-) -> str:
+def untrained_drafter_task(config: PipelineConfig, job: UntrainedJob) -> str:
+    d = job.data
     return str(
         untrained_drafter(
-            config, Path(out_dir), key, Path(data_dir), Path(hidden_dir), Path(d2t), Path(t2d), aux_ids, target_facts
+            config,
+            Path(job.out_dir),
+            job.key,
+            Path(d.data_dir),
+            Path(d.hidden_dir),
+            Path(d.d2t),
+            Path(d.t2d),
+            d.aux_ids,
+            d.target_facts,
         )
     )
