@@ -28,6 +28,7 @@ from packaging.version import InvalidVersion, Version
 from eyrie.config import PipelineConfig
 from eyrie.errors import PreflightError
 from eyrie.hidden_states.encoding import check_config as check_hidden_states_dtype
+from eyrie.run.folder import RunFolder
 from eyrie.stages.promote import check_base, current_version
 from eyrie.target.drafter import draft_layer_config
 from eyrie.target.metadata import (
@@ -472,6 +473,27 @@ def hidden_state_bytes(tokens: int, num_captured: int, hidden_size: int, dtype_b
     return tokens * (num_captured * hidden_size * dtype_bytes + 8)
 
 
+def bytes_still_to_write(config: PipelineConfig, estimated_bytes: int, hidden_dir: Path) -> int:
+    """What the disk check asks for: the estimated hidden states less those already on disk (a re-run of a half
+    finished extraction, or a finished one, needs only the rest); nothing with online hidden states, which go
+    through tmpfs and never reach the run folder."""
+    if config.train.hidden_states == "online":
+        return 0
+    have = 0
+    stack = [hidden_dir]
+    while stack:  # os.scandir: one stat per file from the directory read itself, for 200,000 files
+        try:
+            with os.scandir(stack.pop()) as entries:
+                for e in entries:
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(Path(e.path))
+                    elif e.is_file(follow_symlinks=False):
+                        have += e.stat(follow_symlinks=False).st_size
+        except FileNotFoundError:
+            continue
+    return max(estimated_bytes - have, 0)
+
+
 def check_context(config: PipelineConfig, cfg: dict) -> list[str]:
     """Extraction sends each prepared sample (up to data.max_length tokens) and asks for one token more."""
     failures = []
@@ -644,13 +666,14 @@ def run_preflight(
         report.estimated_bytes = hidden_state_bytes(tokens, len(report.captured_layer_ids), hidden, 1 if fp8 else 2)
         run_dir.mkdir(parents=True, exist_ok=True)
         report.free_bytes = shutil.disk_usage(run_dir).free
-        need = report.estimated_bytes + int(config.extraction.min_free_disk_gib * 2**30)
+        todo = bytes_still_to_write(config, report.estimated_bytes, RunFolder(run_dir).hidden_states)
+        need = todo + int(config.extraction.min_free_disk_gib * 2**30)
         if need > report.free_bytes:
             failures.append(
-                f"hidden states need about {report.estimated_bytes / 2**30:.1f} GiB (+ "
-                f"{config.extraction.min_free_disk_gib} GiB head-room) but {run_dir} has "
-                f"{report.free_bytes / 2**30:.1f} GiB free: free space, use a larger volume for "
-                "--run-dir, or lower data.max_samples / data.max_length"
+                f"hidden states need about {todo / 2**30:.1f} GiB more (of "
+                f"{report.estimated_bytes / 2**30:.1f} GiB in all; + {config.extraction.min_free_disk_gib} GiB "
+                f"head-room) but {run_dir} has {report.free_bytes / 2**30:.1f} GiB free: free space, use a larger "
+                "volume for --run-dir, or lower data.max_samples / data.max_length"
             )
     report.failures = failures
     if failures and raise_on_failure:
