@@ -144,7 +144,7 @@ def probe_eagle3(cfg: dict) -> ClassProbe:
     probe = ClassProbe(archs[0])
     cls = resolve_vllm_class(archs[0])
     if cls is None:
-        probe.reason = f"the installed vLLM has no model class for {archs[0]}"
+        probe.reason = model_class_unavailable(archs[0])
         return probe
     probe.vllm_class = f"{cls.__module__}.{cls.__qualname__}"
     kind = not_a_decoder_lm(cls, cfg)
@@ -571,6 +571,145 @@ def check_drafter_inputs(config: PipelineConfig, cfg: dict, report: PreflightRep
     return failures
 
 
+# --- the node: what a run needs of the machine and the filesystems it runs on (issue 22, item 7) ---------------
+
+
+def model_class_unavailable(architecture: str) -> str:
+    """Why vLLM gave no class for `architecture`: it has none, or it has one whose module fails to import (a
+    multimodal wrapper whose module needs a package that is not installed): then the import error, and its fix."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    registered = ModelRegistry.models.get(architecture)
+    if registered is None:
+        return f"the installed vLLM has no model class for {architecture}"
+    try:
+        registered.load_model_cls()
+    except ModuleNotFoundError as err:
+        return (
+            f"the installed vLLM has a model class for {architecture}, but its module fails to import: "
+            f"{type(err).__name__}: {err}. Fix: install the missing package ({err.name}) in this environment"
+        )
+    except Exception as err:  # noqa: BLE001 - whatever the module raises is the news
+        return (
+            f"the installed vLLM has a model class for {architecture}, but it fails to import: "
+            f"{type(err).__name__}: {err}. Fix: the packages this model needs (see the error), or another vLLM"
+        )
+    return f"vLLM would not load its class for {architecture} (see the log above for its error)"
+
+
+def gpu_count() -> int:
+    """The GPUs this process may use (CUDA_VISIBLE_DEVICES applied), without creating a CUDA context."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_train_devices(config: PipelineConfig, gpus: int | None = None) -> list[str]:
+    """train.devices no larger than the GPUs present, when training runs on GPUs (train.device cuda, or auto on a
+    machine that has any); online, the extraction server's GPUs beside the trainer's too."""
+    gpus = gpu_count() if gpus is None else gpus
+    t = config.train
+    if t.device == "cpu" or (t.device == "auto" and gpus == 0):
+        return []
+    if gpus == 0:
+        return [
+            "train.device is cuda but this machine has no GPU visible to Eyrie (CUDA_VISIBLE_DEVICES, the driver): "
+            "run on a GPU node, or set train.device: cpu"
+        ]
+    need, what = t.devices, f"train.devices {t.devices}"
+    if t.hidden_states == "online":  # the server stays up, on GPUs of its own, while the trainer runs
+        need += config.target.tensor_parallel_size
+        what += f" + target.tensor_parallel_size {config.target.tensor_parallel_size} (online: the server stays up)"
+    if need > gpus:
+        return [
+            f"{what} need {need} GPUs, but {gpus} are visible here: lower train.devices (or the tensor "
+            "parallelism), or run on a node with more GPUs"
+        ]
+    return []
+
+
+def _unescape_mount(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
+def mount_of(path: Path, mounts: str | None = None) -> tuple[str, str, set[str]] | None:
+    """(mount point, filesystem type, options) of the filesystem holding `path` (its nearest existing folder, with
+    symlinks resolved), from /proc/mounts; from `mounts` instead (that text, `path` taken as it is written) when
+    given. None when /proc/mounts cannot be read."""
+    p = Path(os.path.abspath(path))
+    if mounts is None:
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        p = Path(os.path.realpath(p))
+        try:
+            mounts = Path("/proc/mounts").read_text()
+        except OSError:
+            return None
+    best = None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        point = _unescape_mount(fields[1])
+        if (p == Path(point) or Path(point) in p.parents) and (best is None or len(point) >= len(best[0])):
+            best = (point, fields[2], set(fields[3].split(",")))
+    return best
+
+
+def check_lock_filesystem(run_dir: Path, mounts: str | None = None) -> list[str]:
+    """The run lock (an flock on the run folder) must hold across nodes: refused on a filesystem whose flock is
+    node-local (Lustre `localflock`, NFS `nolock` or `local_lock=flock|all`) or absent (Lustre without `flock`),
+    where two nodes would both hold it and interleave their writes."""
+    found = mount_of(run_dir, mounts)
+    if found is None:
+        return []
+    point, fstype, options = found
+    why = None
+    if fstype == "lustre":
+        if "localflock" in options:
+            why = "Lustre mounted with `localflock`: flock is local to each client node"
+        elif "flock" not in options:
+            why = "Lustre mounted without `flock` (or with `noflock`): flock is not supported"
+    elif fstype in ("nfs", "nfs4"):
+        if "nolock" in options:
+            why = "NFS mounted with `nolock`: locks are local to each client node"
+        elif {"local_lock=flock", "local_lock=all"} & options:
+            why = "NFS mounted with `local_lock`: flock is local to each client node"
+    if why is None:
+        return []
+    return [
+        f"the run folder {run_dir} is on {point} ({why}), so the run lock would not keep two runs (or a run and "
+        "`eyrie verify`) on different nodes apart: use a --run-dir on a filesystem with cluster-wide flock (Lustre "
+        "`-o flock`, NFS without `nolock`/`local_lock`, a node-local disk for a one-node run)"
+    ]
+
+
+def check_online_tmpfs(config: PipelineConfig, run_dir: Path, captured: int, hidden: int) -> list[str]:
+    """Online training keeps the requests in flight as files on tmpfs: it must hold them all at the longest sample
+    (every request of extraction.concurrency, twice: those written and not yet read beside those being written)."""
+    if config.train.hidden_states != "online" or not captured or not hidden:
+        return []
+    from eyrie.hidden_states.staging import staging_dir
+
+    base = staging_dir(run_dir).parent
+    try:
+        free = shutil.disk_usage(base).free
+    except OSError:
+        return [f"online hidden states go through {base}, which does not exist: create it, or set $EYRIE_ONLINE_TMPFS"]
+    per_sample = hidden_state_bytes(
+        config.data.max_length, captured, hidden, 1 if config.extraction.hidden_states_dtype == "float8_e4m3fn" else 2
+    )
+    need = 2 * config.extraction.concurrency * per_sample
+    if need > free:
+        return [
+            f"online training keeps up to {2 * config.extraction.concurrency} samples of up to "
+            f"{per_sample / 2**20:.0f} MiB in flight on {base}, {need / 2**30:.2f} GiB, but it has "
+            f"{free / 2**30:.2f} GiB free: enlarge it (`mount -o remount,size=... {base}`), point $EYRIE_ONLINE_TMPFS "
+            "at a larger tmpfs, or lower extraction.concurrency or data.max_length"
+        ]
+    return []
+
+
 def run_preflight(
     config: PipelineConfig, run_dir: Path, tokens: int | None = None, raise_on_failure: bool = True, serve: bool = True
 ) -> PreflightReport:
@@ -619,6 +758,9 @@ def run_preflight(
             f"vocabulary ({vocab}): set it to at most {vocab}"
         )
     failures += check_context(config, cfg) + check_parallelism(config, text) + (check_serving(cfg) if serve else [])
+    failures += check_train_devices(config)
+    failures += check_lock_filesystem(run_dir)
+    failures += check_online_tmpfs(config, run_dir, len(captured_layer_ids(aux_ids, num_layers)), hidden)
     tok = None
     try:
         tok = load_tokenizer(config.target)
