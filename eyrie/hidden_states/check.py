@@ -51,8 +51,9 @@ ROWS_PER_FILE = 512  # rows per file whose norms are measured
 POSITIONS_PER_SHARD = 256  # positions put through the target's norm and head
 NORM_FAR = 1.5  # a layer's median row norm this many times off the first shard's, either way, fails
 GREEDY_MIN_AGREEMENT = 0.8  # of greedy positions whose next token the final layer's top token must be
-DATA_WARN_AGREEMENT = 0.2  # below this, on data the target did not generate, the log warns
+DATA_WARN_AGREEMENT = 0.5  # below this, on data the target did not generate, the log warns
 MIN_POSITIONS = 8  # fewer sampled positions prove nothing either way: recorded, not judged
+SMALL_HEAD = 1 << 27  # elements: heads up to this size are kept in float32 for the check
 
 
 class CaptureError(ExtractionError):
@@ -112,9 +113,9 @@ _HEADS_LOCK = threading.Lock()
 
 
 def load_head(ctx: dict) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(norm weight, norm bias or None, head weight [V, H]) in float32, by the checkpoint names preflight resolved,
-    through speculators' loader (the one the trainer's `_load_verifier_weights_by` hands the same names). A tied head
-    is the embedding. Loaded once per process and target."""
+    """(norm weight, norm bias or None, head weight [V, H]), float32 but for a large head, by the checkpoint names
+    preflight resolved, through speculators' loader (the one the trainer's `_load_verifier_weights_by` hands the same
+    names). A tied head is the embedding. Loaded once per process and target."""
     names = ctx["verifier_weights"]
     key = (ctx["model"], ctx.get("revision"), tuple(sorted(names.items())))
     with _HEADS_LOCK:
@@ -133,10 +134,12 @@ def load_head(ctx: dict) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tenso
         if norm_name not in found or head_name not in found:
             found = load_model_layers(wanted[:2], ctx["model"])
         bias = found.get(wanted[2]) if len(wanted) > 2 else None
+        head = found[head_name]
         out = (
             found[norm_name].float(),
             bias.float() if bias is not None else None,
-            found[head_name].float(),
+            # float32 for small heads; a large one (Kimi's: 163,840 x 7,168) stays in its checkpoint dtype
+            head.float() if head.numel() <= SMALL_HEAD else head,
         )
         _HEADS[key] = out
         return out
@@ -301,7 +304,8 @@ def _against_baseline(folder: Path, shard_name: str, ctx, medians: dict, figures
 
 def _head_check(ctx: dict, rows: torch.Tensor, next_tokens: list[int], prepare_dir, figures: dict, log) -> list[str]:
     weight, bias, head = load_head(ctx)
-    logits = apply_norm(rows, weight, bias, ctx) @ head.T
+    normed = apply_norm(rows, weight, bias, ctx)
+    logits = (normed.to(head.dtype) @ head.T).float()
     top = logits.argmax(-1)
     want = torch.tensor(next_tokens)
     agreement = float((top == want).float().mean())

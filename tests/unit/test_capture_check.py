@@ -171,3 +171,32 @@ def test_a_first_shard_that_fails_sets_no_baseline(tmp_path, target):
     assert not (run.extract / FOLDER / "baseline.json").exists()
     _check(run, source, shards[1])
     assert read_json(run.extract / FOLDER / "baseline.json")["shard"] == shards[1].name
+
+
+def test_a_large_head_is_used_in_its_checkpoint_dtype(tmp_path, target, monkeypatch):
+    """Kimi's head (163,840 x 7,168) is not copied to float32 for the check: the bf16 path proves the same."""
+    from eyrie.hidden_states import check
+
+    monkeypatch.setattr(check, "SMALL_HEAD", 0)
+    monkeypatch.setattr(check, "_HEADS", {})
+    run, source, shards = _run(tmp_path, target)
+    figures = _check(run, source, shards[0])
+    assert figures["head_check"]["agreement"] >= 0.9, figures
+    with pytest.raises(CaptureError, match=f"layer {LAYERS} "):
+        run, source, shards = _run(tmp_path / "wrong", target, _wrong_layer)
+        _check(run, source, shards[1])  # the corrupted shard, checked first
+
+
+def test_answers_the_target_did_not_generate_are_recorded_not_judged(tmp_path, target):
+    """Data that is not the target's own greedy output (regeneration off, or sampled): a low agreement cannot prove
+    the capture wrong, so it is a warning in the log and the figures, and the shard passes."""
+    run, source, shards = _run(tmp_path, target, _wrong_layer)
+    atomic_write_json(source / "stats.json", {"temperatures": {"0.7": ROWS}})  # sampled answers
+    _check(run, source, shards[0])
+    said = []
+    figures = check_shard(
+        run.hidden_states, run.shard_manifests / "shard-00001.json", source, shards[1], log=said.append
+    )
+    assert figures["head_check"]["reference"] == "the data's next tokens"
+    assert figures["head_check"]["agreement"] < 0.5
+    assert said and "cannot prove the capture either way" in said[0]
