@@ -16,8 +16,9 @@ message that names the layer:
    checkpoint by the names preflight resolved (`report.target_facts["verifier_weights"]`, the trainer's own
    loader), and its top token compared with the token that follows at sampled positions. Where the tokens that follow
    are the target's own greedy choices (regeneration at temperature 0: the extraction source is `regenerate/`
-   and every row was generated at 0), at least `GREEDY_MIN_AGREEMENT` must agree (ties and the server's batch
-   numerics cost a few percent; a wrong layer, a double-counted residual or zeros cost nearly all). Where they are
+   and every row was generated at 0), at least `GREEDY_MIN_AGREEMENT` must agree, counting as agreeing a token
+   within `TIE_NATS` of the top one (near-ties, which the server's batch numerics decide: on the demo's target
+   all of the 4% top-1 misses); a wrong layer, a double-counted residual or zeros cost far more. Where they are
    the data's own answers or sampled ones, the target need not reproduce them: the agreement is recorded and a low
    one is a warning in the log, not a failure.
 
@@ -50,7 +51,11 @@ FILES_PER_SHARD = 8  # files read again per shard (spread over it): the capture 
 ROWS_PER_FILE = 512  # rows per file whose norms are measured
 POSITIONS_PER_SHARD = 256  # positions put through the target's norm and head
 NORM_FAR = 1.5  # a layer's median row norm this many times off the first shard's, either way, fails
-GREEDY_MIN_AGREEMENT = 0.8  # of greedy positions whose next token the final layer's top token must be
+GREEDY_MIN_AGREEMENT = 0.9  # of greedy positions whose next token must be the top one (within TIE_NATS)
+# A near-tie: the target's greedy token within this many nats of the top token recomputed from the stored states.
+# On the demo's tiny target every one of its 4% top-1 misses is within 0.05 (the server's batch numerics and
+# bf16 rounding of the stored stream decide ties); a wrong layer or a double-counted residual is far off.
+TIE_NATS = 0.1
 DATA_WARN_AGREEMENT = 0.5  # below this, on data the target did not generate, the log warns
 MIN_POSITIONS = 8  # fewer sampled positions prove nothing either way: recorded, not judged
 SMALL_HEAD = 1 << 27  # elements: heads up to this size are kept in float32 for the check
@@ -305,16 +310,19 @@ def _against_baseline(folder: Path, shard_name: str, ctx, medians: dict, figures
 def _head_check(ctx: dict, rows: torch.Tensor, next_tokens: list[int], prepare_dir, figures: dict, log) -> list[str]:
     weight, bias, head = load_head(ctx)
     normed = apply_norm(rows, weight, bias, ctx)
-    logits = (normed.to(head.dtype) @ head.T).float()
-    top = logits.argmax(-1)
+    logprobs = (normed.to(head.dtype) @ head.T).float().log_softmax(-1)
     want = torch.tensor(next_tokens)
-    agreement = float((top == want).float().mean())
+    # How far the token that followed is below the top one, in log-probability: 0 where it is the top token.
+    below = logprobs.max(-1).values - logprobs.gather(1, want[:, None])[:, 0]
+    top1 = float((below <= 0).float().mean())
+    agreement = float((below <= TIE_NATS).float().mean())
     greedy = _greedy_source(prepare_dir)
     lid = ctx["num_layers"]
     figures["head_check"] = {
         "layer": lid,
         "positions": len(next_tokens),
-        "agreement": round(agreement, 4),
+        "agreement": round(agreement, 4),  # the token that followed is the top one, or within TIE_NATS of it
+        "top1": round(top1, 4),
         "reference": "the target's greedy tokens (regeneration)" if greedy else "the data's next tokens",
     }
     if len(next_tokens) < MIN_POSITIONS:
@@ -322,8 +330,9 @@ def _head_check(ctx: dict, rows: torch.Tensor, next_tokens: list[int], prepare_d
     if greedy and agreement < GREEDY_MIN_AGREEMENT:
         return [
             f"layer {lid} (the last layer's output) through the target's own final norm and head gives the token "
-            f"the target itself generated at only {agreement:.0%} of {len(next_tokens)} positions (at least "
-            f"{GREEDY_MIN_AGREEMENT:.0%} expected): it is not the stream the target's head reads"
+            f"the target itself generated (or one within {TIE_NATS} nats of it) at only {agreement:.0%} of "
+            f"{len(next_tokens)} positions (at least {GREEDY_MIN_AGREEMENT:.0%} expected; top-1 {top1:.0%}): it is "
+            "not the stream the target's head reads"
         ]
     if not greedy and agreement < DATA_WARN_AGREEMENT:
         log(
