@@ -257,7 +257,10 @@ def check_shard(
     medians = {lid: float(torch.cat(v).median()) for lid, v in norms.items() if v}
     figures: dict[str, Any] = {"shard": shard.name, "files_checked": len(offsets), "median_row_norm": medians}
     if ctx and next_tokens:
-        problems += _head_check(ctx, torch.cat(final_rows), next_tokens, prepare_dir, figures, log)
+        # Judged only where the positions are those of generated tokens (the loss mask read): a prompt's next
+        # token is the user's, not the target's.
+        greedy = masks is not None and _greedy_source(prepare_dir)
+        problems += _head_check(ctx, torch.cat(final_rows), next_tokens, greedy, figures, log)
     # The first shard sets the reference only if it passed the checks that need none.
     problems += _against_baseline(folder, shard.name, ctx, medians, figures, set_it=not problems)
     folder.mkdir(parents=True, exist_ok=True)
@@ -307,7 +310,7 @@ def _against_baseline(folder: Path, shard_name: str, ctx, medians: dict, figures
     return problems
 
 
-def _head_check(ctx: dict, rows: torch.Tensor, next_tokens: list[int], prepare_dir, figures: dict, log) -> list[str]:
+def _head_check(ctx: dict, rows: torch.Tensor, next_tokens: list[int], greedy: bool, figures: dict, log) -> list[str]:
     weight, bias, head = load_head(ctx)
     normed = apply_norm(rows, weight, bias, ctx)
     logprobs = (normed.to(head.dtype) @ head.T).float().log_softmax(-1)
@@ -316,7 +319,6 @@ def _head_check(ctx: dict, rows: torch.Tensor, next_tokens: list[int], prepare_d
     below = logprobs.max(-1).values - logprobs.gather(1, want[:, None])[:, 0]
     top1 = float((below <= 0).float().mean())
     agreement = float((below <= TIE_NATS).float().mean())
-    greedy = _greedy_source(prepare_dir)
     lid = ctx["num_layers"]
     figures["head_check"] = {
         "layer": lid,
