@@ -157,6 +157,20 @@ def weights_fingerprint(path: Path) -> str:
     return sampled_fingerprint(path)
 
 
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_COMMITS: dict[tuple[str, str], str] = {}
+
+
+def _pinned_commit(model: str, revision: str | None) -> str:
+    """The commit a hub target's revision resolves to; asked once per process for a commit (what a run pins), so
+    800 shard keys ask the hub nothing; a branch or tag is asked every time (it may move)."""
+    if revision and COMMIT.match(revision):
+        if (model, revision) not in _COMMITS:
+            _COMMITS[(model, revision)] = hub_commit(model, "model", revision)
+        return _COMMITS[(model, revision)]
+    return hub_commit(model, "model", revision)
+
+
 def file_identity(kind: str, target: TargetConfig | None, drafter: str | Path | None = None) -> object:
     """The identity of one kind of input file (`eyrie.run.identity.FILE_KINDS`). A local target's files by content,
     wherever the folder is; a hub target's by its id and the commit its revision resolves to now (a run pins it at
@@ -166,7 +180,7 @@ def file_identity(kind: str, target: TargetConfig | None, drafter: str | Path | 
     if target is None:
         raise TypeError(f"the {kind} identity needs the target")
     if not is_local_target(target):
-        return ["hub", target.model, hub_commit(target.model, "model", target.revision)]
+        return ["hub", target.model, _pinned_commit(target.model, target.revision)]
     folder = Path(target.model)
     if not folder.is_dir():
         return ["missing", str(folder)]

@@ -263,6 +263,22 @@ def hub_model(monkeypatch):
     shutil.rmtree(root, ignore_errors=True)
 
 
+def test_a_pinned_hub_target_asks_the_hub_once_per_process(hub_model, monkeypatch):
+    from eyrie.config import TargetConfig
+    from eyrie.target import metadata
+
+    calls = []
+    real = metadata.hub_commit
+    monkeypatch.setattr(metadata, "hub_commit", lambda *a: calls.append(a) or real(*a))
+    pinned = TargetConfig(model=hub_model[0], revision="a" * 40)
+    keys = {content_key(parse_config({"target": pinned.model_dump(), "data": {"source": "/d"}}), [1], SHARD)}
+    keys |= {metadata.target_identity(pinned) for _ in range(5)}
+    assert len(calls) == 1
+    metadata.target_identity(TargetConfig(model=hub_model[0]))  # a branch: asked each time (it may move)
+    metadata.target_identity(TargetConfig(model=hub_model[0]))
+    assert len(calls) == 3
+
+
 def test_a_hub_targets_identity_and_verifier_are_its_pinned_commit(hub_model):
     from eyrie.config import TargetConfig
     from eyrie.stages.train.trainer import verifier_source
