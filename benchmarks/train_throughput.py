@@ -13,7 +13,12 @@ this builds a synthetic run folder in the layout Eyrie's stages write, then meas
           boundaries miss flex attention's 128-token blocks), `--eyrie-patches` applies eyrie.stages.train.entry's
           sync-free accuracy and loss scalars, `--bf16-weights` (with `--master fp32`) its bfloat16 working copies
           of the float32 weights (BF16_WEIGHTS). `--iters` steps are timed (20: a 2 s burst; the trainer's window
-          is 20-25 s at the GPU's sustained clock); GPU clocks and power are sampled over them.
+          is 20-25 s at the GPU's sustained clock); GPU clocks and power (nvidia-smi, and NVML's energy
+          counter: `energy_W`, `joules_per_step`) are sampled over them. The tensors the drafter borrows from the
+          target (embedding, both heads) are finite, as the trainer's (`--verifier-weights finite`); built bare,
+          speculators leaves them NaN, and a step on NaN draws ~470 W against ~680 W, so the GPU keeps ~1930 MHz
+          under its 700 W cap instead of ~1650: `--verifier-weights finite,nan` (all's default) times both in one
+          process, `bare-nan` being the bare step as measured up to 2026-12-01.
   eyrie   the command `eyrie.stages.train.trainer.training_command()` builds from the Kimi preset pointed at the
   synthetic target,
           run as Eyrie runs it (a subprocess with EYRIE_TRAIN_DEVICE), reading the hidden-state files; tokens/s
@@ -34,7 +39,13 @@ this builds a synthetic run folder in the layout Eyrie's stages write, then meas
   ab      optimizer A/B on a carried Eyrie run folder (the demo's extracted hidden states): `run_training` with
           each optimizer, validation accuracy per position per epoch against wall-clock seconds.
 
-`all` runs gen, step and eyrie (each optimizer in --optimizers) and prints the rates and their ratio.
+`all` runs gen, step and eyrie (each optimizer in --optimizers) and prints the rates and their ratio (to the bare
+step on finite tensors, and to it on NaN). With `--profile START,STEPS` both the bare step and the trainer write
+`kernels_<name>.json` (every GPU kernel by full name: launches and ms per step, with the window's SM clock and
+power) and `keyavg_<name>.txt` (torch.profiler's key_averages table) beside the logs, and `all` ends with
+`compare`: the trainer's window against the bare step's, kernel by kind, by family and by name, also at the bare
+step's clock (`compare --compare A.json B.json` does it for any two tables). The trainer's first step also logs
+where torch.compile's time went (`compile`: dynamo's phase totals, each compiled frame and its slowest kernels).
 Every measurement is one JSON line on stdout and in --results.
 
 Runs on a GPU machine with torch, transformers, safetensors, numpy, pyarrow and PyYAML but neither speculators nor

@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/train_throughput.sh all                 # gen, bare step, Eyrie's command with adamw and muon
 #   bash benchmarks/train_throughput.sh all --optimizers adamw --iters 250  # bare step over as long as the window
+#   bash benchmarks/train_throughput.sh all --optimizers adamw --iters 250 --profile 30,3  # + kernel-by-kernel compare
 #   bash benchmarks/train_throughput.sh eyrie --tag stock --off GPU_FEED --profile 30,3  # one switch off, profiled
 #   bash benchmarks/train_throughput.sh loader              # the loader alone
 #   bash benchmarks/train_throughput.sh eyrie --optimizer adamw --tag retry   # again: compile cache now warm
@@ -19,7 +20,8 @@
 #            truststore==0.10.5 sniffio==1.3.1 jiter==0.19.0 distro==1.9.0; do
 #     pip download --no-deps --python-version 3.12 --only-binary=:all: -d .whl "$p"; done
 #
-# Results: $OUT/results.jsonl (one JSON line per measurement), $OUT/logs/ (trainer logs), $OUT/env.txt.
+# Results: $OUT/results.jsonl (one JSON line per measurement), $OUT/logs/ (trainer logs; with --profile the traces,
+# kernels_*.json, keyavg_*.txt and compare_*.txt), $OUT/env.txt.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/eyrie-train-throughput-out}
