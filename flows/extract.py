@@ -93,7 +93,7 @@ def extract_flow(
             name="extraction",
             shards=plan.shards,
             pending=pending,
-            server=ShardServer(plan.spec, plan.server_dir, plan.staging, config.extraction.startup_timeout_s),
+            server=ShardServer.of(plan, config.extraction.startup_timeout_s),
             submit=submit,
             is_complete=plan.is_complete,
             error=ExtractionError,

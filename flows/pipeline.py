@@ -34,7 +34,7 @@ from tasks.evaluate import DraftTokensJob, EvaluateJob, draft_tokens_task, evalu
 from tasks.export import ExportJob, export_task
 from tasks.preflight import preflight_task
 from tasks.promote import promote_task
-from tasks.serving import start_server_task, stop_server_task
+from tasks.serving import start_server_task, stop_server_task, stop_unused_servers_task
 from tasks.train import TrainingData, TrainJob, UntrainedJob, train_task, untrained_drafter_task
 from tasks.vocab import vocab_task
 
@@ -125,8 +125,11 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         # demo it measured 1.00), and the floor is the comparison the report makes (`auto`, `never`).
         with_untrained = config.evaluate.untrained_baseline == "always"
         server_url = None
-        if online and not done(run.manifest("train"), tkey):  # the server up (reused, or started) for training
-            server_url = start_server_task(plan.spec, str(plan.server_dir), config.extraction.startup_timeout_s)
+        if not done(run.manifest("train"), tkey):
+            # The GPUs free for the trainer: no server of this run left up (online: but the extraction server).
+            stop_unused_servers_task(str(run.root), [str(plan.server_dir)] if online else [], "train")
+            if online:  # the server up (reused, or started) for training
+                server_url = start_server_task(plan.spec, str(plan.server_dir), config.extraction.startup_timeout_s)
         trained = train_task(config, TrainJob(str(run.train), tkey, data, load_seq_lens(data_dir), warm, server_url))
         if online and VllmServer(plan.server_dir).state:  # kept up on failure, for the resume to reuse
             stop_server_task(str(plan.server_dir))
@@ -137,6 +140,8 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
 
         prompts = list(islice(iter_eval_prompts(run.prepare), config.evaluate.num_prompts))
         timeout = config.extraction.startup_timeout_s
+        if not done(run.manifest("export"), ekey):  # its proof serves the drafter: no other server of this run up
+            stop_unused_servers_task(str(run.root), [str(run.export / "server-trained")], "export")
         exported = export_task(
             ExportJob(
                 trained["checkpoint"],

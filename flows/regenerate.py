@@ -42,7 +42,7 @@ def regenerate_flow(config: PipelineConfig, run_dir: str, report: dict, keep_ser
             name="regeneration",
             shards=plan.shards,
             pending=pending,
-            server=ShardServer(plan.spec, plan.server_dir, plan.staging, config.extraction.startup_timeout_s),
+            server=ShardServer.of(plan, config.extraction.startup_timeout_s),
             submit=submit,
             is_complete=plan.is_complete,
             error=RegenerationError,

@@ -21,7 +21,7 @@ from eyrie.stages.extract import clean_staging
 from eyrie.stages.prepare import Shard
 from eyrie.vllm.process import VllmServer
 from eyrie.vllm.spec import ServerSpec
-from tasks.serving import start_server_task, stop_server_task
+from tasks.serving import start_server_task, stop_server_task, stop_unused_servers_task
 
 
 class StageServer(Protocol):
@@ -31,6 +31,7 @@ class StageServer(Protocol):
     def start(self) -> str: ...  # start or reuse it; its base URL
     def stop(self) -> None: ...
     def clean_staging(self) -> int: ...  # files left in the connector's staging folder, removed; how many
+    def stop_unused(self) -> None: ...  # stop the run's other servers, which this stage does not use
 
 
 @dataclass
@@ -42,6 +43,14 @@ class ShardServer:
     folder: Path
     staging: Path
     startup_timeout_s: float
+    run_root: Path
+    stage_folder: Path  # the servers this stage may use (each node's, when nodes share the run): kept
+
+    @classmethod
+    def of(cls, plan, startup_timeout_s: float) -> ShardServer:
+        """The server of an extraction or regeneration plan (its spec, server folder and staging folder)."""
+        run = plan.run
+        return cls(plan.spec, plan.server_dir, plan.staging, startup_timeout_s, run.root, run.extract)
 
     def healthy(self) -> bool:
         return VllmServer(self.folder).healthy()
@@ -54,6 +63,9 @@ class ShardServer:
 
     def clean_staging(self) -> int:
         return clean_staging(self.staging)
+
+    def stop_unused(self) -> None:
+        stop_unused_servers_task(str(self.run_root), [str(self.stage_folder)], "a sharded stage")
 
 
 @dataclass
@@ -89,6 +101,7 @@ def run_sharded_stage(stage: ShardedStage, keep_server: bool = False) -> bool:
     if not stage.pending:
         return False  # no server, no task: every shard is complete on disk
     log = get_run_logger()
+    stage.server.stop_unused()  # GPU memory held by servers this stage does not use (export's, evaluation's)
     # A server that does not run leaves staging files nobody will read.
     removed = stage.server.clean_staging() if not stage.server.healthy() else 0
     if removed:

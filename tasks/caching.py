@@ -60,11 +60,19 @@ class StageDone(KeyedOn):
         return f"{cache_key}-redo-{uuid.uuid4().hex}" if get_result_store().exists(cache_key) else cache_key
 
 
+def encode_failure(obj: Any) -> Any:
+    """What JSON cannot hold of a task's outcome: the exception a failed task stores as its result, kept as its type
+    and message. Anything else is an error (a result that is not plain JSON must fail loudly, not come back as
+    something else on a cache hit)."""
+    if isinstance(obj, BaseException):
+        return {"exception": type(obj).__name__, "message": str(obj)}
+    raise TypeError(f"a task result must be JSON: {type(obj).__name__} is not")
+
+
 # Task results as JSON, never pickles: result storage is shared by every GPU node, and unpickling a planted record at
 # the next cache hit would run its code there. Eyrie's results are JSON-shaped (manifests, reports, paths as strings);
-# no object encoder or decoder either, so a result that is not plain JSON fails its task loudly instead of coming
-# back as something else on a cache hit, and a record can name no class to import.
-JSON_RESULTS = JSONSerializer(object_encoder=None, object_decoder=None)
+# no object decoder either, so a record can name no class to import.
+JSON_RESULTS = JSONSerializer(object_encoder="tasks.caching.encode_failure", object_decoder=None)
 
 
 def eyrie_task(name: str, cache_policy: CachePolicy | None = None, **options):

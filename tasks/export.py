@@ -7,7 +7,7 @@ from eyrie.stages.export import export_and_prove
 from eyrie.vllm.client import ServerClient
 from eyrie.vllm.spec import ServerSpec
 from tasks.caching import stage_task
-from tasks.serving import serve
+from tasks.serving import serve, stop
 
 
 @dataclass
@@ -31,6 +31,12 @@ def export_task(job: ExportJob) -> dict:
     def serve_drafter(drafter: str) -> ServerClient:
         return serve(replace(job.spec, drafter=drafter), out / "server-trained", job.startup_timeout_s)
 
-    return export_and_prove(
-        Path(job.checkpoint), out, job.target_model, job.aux_ids, job.hidden_size, job.key, serve_drafter, job.probe
-    )
+    try:
+        return export_and_prove(
+            Path(job.checkpoint), out, job.target_model, job.aux_ids, job.hidden_size, job.key, serve_drafter, job.probe
+        )
+    except Exception:
+        # A failed proof leaves no server holding the GPUs for an evaluation that will not come (a kill or a crash
+        # of the flow process keeps it, for the retry to reuse).
+        stop(out / "server-trained")
+        raise

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
+from eyrie.run.folder import run_server_folders
 from eyrie.vllm.client import ServerClient
 from eyrie.vllm.process import VllmServer
 from eyrie.vllm.spec import ServerSpec
@@ -31,3 +32,26 @@ def start_server_task(spec: ServerSpec, folder: str, startup_timeout_s: float) -
 @eyrie_task("stop-server")
 def stop_server_task(folder: str) -> bool:
     return VllmServer(Path(folder)).stop(log=get_run_logger().info)
+
+
+def unused_servers(run_root: Path, keep: list[Path]) -> list[Path]:
+    """The run's server folders outside `keep` (each kept folder with everything below it)."""
+    kept = [Path(k).resolve() for k in keep]
+    return [
+        f for f in run_server_folders(run_root) if not any(f.resolve() == k or k in f.resolve().parents for k in kept)
+    ]
+
+
+@eyrie_task("stop-unused-servers")
+def stop_unused_servers_task(run_dir: str, keep: list[str], stage: str) -> list[str]:
+    """Before a GPU stage with work to do: stop the run's servers on this host that `stage` does not use (`keep`:
+    the folders of those it does), so their GPU memory is free when it starts. An extraction server that outlived its
+    flow, an export server of a run that died: each holds its share of the GPUs until someone stops it. Servers of
+    other hosts are never signalled (`VllmServer.stop`). Returns the folders whose server was stopped."""
+    log = get_run_logger()
+    stopped = [
+        str(f) for f in unused_servers(Path(run_dir), [Path(k) for k in keep]) if VllmServer(f).stop(log=log.info)
+    ]
+    if stopped:
+        log.warning(f"before {stage}: stopped {len(stopped)} server(s) of this run that it does not use: {stopped}")
+    return stopped

@@ -19,6 +19,7 @@ from prefect import flow
 from prefect.cache_policies import NO_CACHE
 from prefect.serializers import JSONSerializer
 from prefect.tasks import Task
+from test_server_lifecycle import fake, quiet  # noqa: F401 (`fake` is the fixture)
 
 import tasks
 from eyrie.config import parse_config
@@ -57,6 +58,9 @@ class FakeServer:
     def clean_staging(self) -> int:
         self.events.append("clean")
         return 0
+
+    def stop_unused(self) -> None:
+        self.events.append("stop-unused")
 
 
 class Done:
@@ -118,14 +122,20 @@ def test_only_the_pending_shards_are_submitted_and_the_server_stops_after():
     st, submitted = stage(server, pending=["shard-00001"])
     assert run_stage(st) is False
     assert submitted == [("shard-00001", "http://server-1")]
-    assert server.events == ["clean", "start", "stop", "clean"]  # staging of a dead server, then after the stop
+    assert server.events == [
+        "stop-unused",
+        "clean",
+        "start",
+        "stop",
+        "clean",
+    ]  # staging of a dead server, then after the stop
 
 
 def test_kept_up_for_the_next_stage():
     server = FakeServer(alive=True)  # reused: its staging is its requests' and is not touched
     st, _ = stage(server, pending=["shard-00000"])
     assert run_stage(st, keep_server=True) is True
-    assert server.events == ["start"]
+    assert server.events == ["stop-unused", "start"]
 
 
 def test_a_dead_server_is_restarted_once_and_only_the_failed_shards_redone():
@@ -152,7 +162,11 @@ def test_a_live_server_is_not_restarted_and_kept_after_failure_when_asked():
     st, _ = stage(server, ["shard-00000"], lambda s, url: True, keep_server_after_failure=True)
     with pytest.raises(ExtractionError):
         run_stage(st)
-    assert server.events == ["clean", "start"]  # alive: a shard's own failure is no reason to reload the target
+    assert server.events == [
+        "stop-unused",
+        "clean",
+        "start",
+    ]  # alive: a shard's own failure is no reason to reload the target
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -284,3 +298,63 @@ def test_no_flow_opens_a_run_by_hand():
         text = path.read_text()
         for step in ("pin_revisions(", "prepare_task(", "remove_staging(", "ensure_target("):
             assert step not in text, f"{path.name} calls {step}...): open the run with flows.opening.open_run"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPUs free when a GPU stage starts: the run's servers that stage does not use are stopped (fake vLLM processes, as
+# tests/unit/test_server_lifecycle.py starts them).
+
+
+def test_before_a_gpu_stage_the_servers_it_does_not_use_are_stopped(tmp_path, fake):  # noqa: F811
+    from eyrie.vllm.process import VllmServer, _alive
+    from tasks.serving import stop_unused_servers_task
+
+    run = RunFolder(tmp_path / "run")
+    folders = {
+        "extract": run.extract,
+        "node": run.extract / "nodes" / "n1",
+        "trained": run.export / "server-trained",
+        "current": run.evaluate / "server-current",
+    }
+    pids = {}
+    for name, folder in folders.items():
+        spec = fake.spec(drafter=None if name in ("extract", "node") else f"/drafters/{name}")
+        pids[name] = VllmServer(fake.folder(folder)).launch(spec, log=quiet)[0]["pid"]
+
+    @flow
+    def before(keep: list[str], stage: str) -> list[str]:
+        return stop_unused_servers_task(str(run.root), keep, stage)
+
+    # A sharded stage keeps every extraction server (each node's own), stops the serving ones.
+    assert sorted(before([str(run.extract)], "extract")) == sorted(str(folders[n]) for n in ("trained", "current"))
+    assert _alive(pids["extract"]) and _alive(pids["node"]) and not _alive(pids["current"])
+    # Export keeps only its own.
+    pids["trained"] = VllmServer(folders["trained"]).launch(fake.spec(drafter="/drafters/trained"), log=quiet)[0]["pid"]
+    assert sorted(before([str(folders["trained"])], "export")) == sorted(str(folders[n]) for n in ("extract", "node"))
+    assert _alive(pids["trained"]) and not _alive(pids["extract"]) and not _alive(pids["node"])
+    assert before([], "train") == [str(folders["trained"])] and before([], "train") == []
+
+
+def test_a_failed_export_proof_stops_its_server(tmp_path, fake, monkeypatch):  # noqa: F811
+    import tasks.export as export
+    from eyrie.vllm.process import VllmServer, _alive
+
+    def failing_proof(checkpoint, out, target_model, aux_ids, hidden_size, key, serve_drafter, probe):
+        serve_drafter(str(out / "drafter"))
+        raise RuntimeError("vLLM did not load the drafter as eagle3")
+
+    monkeypatch.setattr(export, "export_and_prove", failing_proof)
+    out = tmp_path / "export"
+    folder = fake.folder(out / "server-trained")
+    job = export.ExportJob(
+        str(tmp_path / "ckpt"), str(out), "fake-target", [2], 64, "k", fake.spec(drafter="x"), [], 30
+    )
+
+    @flow
+    def export_flow():
+        return export.export_task.with_options(retries=0)(job)
+
+    with pytest.raises(RuntimeError, match="eagle3"):
+        export_flow()
+    state = VllmServer(folder).state
+    assert not state or not _alive(state["pid"])
