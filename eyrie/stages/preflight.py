@@ -605,17 +605,13 @@ def gpu_count() -> int:
 
 
 def check_train_devices(config: PipelineConfig, gpus: int | None = None) -> list[str]:
-    """train.devices no larger than the GPUs present, when training runs on GPUs (train.device cuda, or auto on a
-    machine that has any); online, the extraction server's GPUs beside the trainer's too."""
+    """train.devices no larger than the GPUs present, when training runs on GPUs; online, the extraction server's
+    GPUs beside the trainer's too. A host with no GPU at all is not judged: preflight of a GPU config runs from a
+    login node too, and the GPU node's preflight (each run's own) decides."""
     gpus = gpu_count() if gpus is None else gpus
     t = config.train
-    if t.device == "cpu" or (t.device == "auto" and gpus == 0):
+    if t.device == "cpu" or gpus == 0:
         return []
-    if gpus == 0:
-        return [
-            "train.device is cuda but this machine has no GPU visible to Eyrie (CUDA_VISIBLE_DEVICES, the driver): "
-            "run on a GPU node, or set train.device: cpu"
-        ]
     need, what = t.devices, f"train.devices {t.devices}"
     if t.hidden_states == "online":  # the server stays up, on GPUs of its own, while the trainer runs
         need += config.target.tensor_parallel_size
