@@ -198,16 +198,6 @@ def within(path: str | Path, folder: str | Path) -> bool:
     return parent == root or root in parent.parents
 
 
-def contained(path: str | Path, folder: str | Path, what: str) -> Path:
-    """`path`, if it lies inside `folder` (`within`); else a RunFolderError naming `what` it came from."""
-    if not within(path, folder):
-        raise RunFolderError(
-            f"{what} names {path}, which is outside {folder}: Eyrie moves and deletes only files inside a run's own "
-            "folders, so it is left alone. Check where it came from (a damaged or edited manifest, another server)."
-        )
-    return Path(path)
-
-
 def private_dir(path: Path, create: bool = True) -> bool:
     """Make `path` a folder only this user may enter (mode 0700), creating it if missing (`create`); True if it
     exists. Refused (RunFolderError): a symlink or anything but a folder at that name, or a folder of another user's
