@@ -130,7 +130,8 @@ def server_status(server: VllmServer) -> str:
         return f"starting: pid {pid}, {loading}" + (f" ({so_far} so far)" if so_far else "")
     if server.healthy(state):
         measured = state.get("phases") or phases.phases(_log(server), state["ready_at"])
-        started = f"; started in {measured['total']:.0f} s: {phases.summary(measured)}" if "total" in measured else ""
+        where = phases.summary(measured)  # empty when the log names no phase (not vLLM's, or worded otherwise)
+        started = f"; started in {measured['total']:.0f} s: {where}" if where and "total" in measured else ""
         return f"running pid {pid} at {url}{started}"
     return f"not answering: pid {pid} is alive but {url}/health failed repeatedly"
 
