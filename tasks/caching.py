@@ -11,14 +11,16 @@ trusted: while the stage is not done, the task runs (and the stage reuses whatev
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
+from prefect._internal.compatibility.blocks import call_explicitly_sync_block_method
 from prefect.cache_policies import NO_CACHE, CachePolicy
-from prefect.results import get_result_store
+from prefect.results import get_default_result_storage, get_result_store
 from prefect.serializers import JSONSerializer
 
 from eyrie.run.manifest import done
@@ -33,7 +35,37 @@ class KeyedOn(CachePolicy):
 
     def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kw) -> str | None:
         value = key_of(inputs, self.argument)
-        return f"eyrie-{task_ctx.task.name}-{value}" if value else None
+        if not value:
+            return None
+        cache_key = f"eyrie-{task_ctx.task.name}-{value}"
+        if record_serializer(cache_key) in (None, "json"):
+            return cache_key
+        # A record that is not JSON (a pickle: from an Eyrie before JSON results, or planted in the shared result
+        # storage) is never read: Prefect would unpickle it, even only to check that it exists. The task runs
+        # under a key of this run alone; the stage reuses whatever of its work is whole on disk.
+        get_run_logger().warning(
+            f"the cached result {cache_key!r} in Prefect's result storage is not JSON and is not used: delete it "
+            "(an Eyrie before JSON results wrote it, or someone else did)"
+        )
+        return f"{cache_key}-untrusted-{uuid.uuid4().hex}"
+
+
+def record_serializer(key: str) -> str | None:
+    """The serializer a stored result record names (its type: json, pickle, ...), read as plain JSON without
+    deserializing it (Prefect's own `exists` and `read` unpickle a pickle record); None when there is no record,
+    "unreadable" when the file is not a record."""
+    store = get_result_store()
+    storage = store.metadata_storage or store.result_storage or get_default_result_storage(_sync=True)
+    try:
+        content = call_explicitly_sync_block_method(storage, "read_path", (key,), {})
+    except (OSError, ValueError):
+        return None  # no such record (local storage raises ValueError for a missing path)
+    try:
+        record = json.loads(content)
+        meta = record if store.metadata_storage is not None else record["metadata"]
+        return str(meta["serializer"]["type"])
+    except (ValueError, KeyError, TypeError):
+        return "unreadable"
 
 
 def key_of(inputs: dict[str, Any], argument: str) -> Any:
@@ -53,7 +85,9 @@ class StageDone(KeyedOn):
 
     def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kw) -> str | None:
         cache_key = super().compute_key(task_ctx, inputs, flow_parameters, **kw)
-        if cache_key is None or done(Path(self.manifest.format(**inputs)), key_of(inputs, self.argument)) is not None:
+        if cache_key is None or "-untrusted-" in cache_key:
+            return cache_key
+        if done(Path(self.manifest.format(**inputs)), key_of(inputs, self.argument)) is not None:
             return cache_key
         # Not done, yet Prefect holds a result for this key: it outlived its files. A key of this run alone makes
         # the task run without it; done again, the stage's output is what that record describes.

@@ -239,6 +239,44 @@ def test_a_stage_result_on_disk_is_json_and_still_a_cache_hit(tmp_path):
     assert (name, again) == ("Cached", first)
 
 
+def test_a_pickled_record_is_never_read(tmp_path):
+    """A pickle in the shared result storage under a stage's cache key (an older Eyrie's record, or a planted one)
+    is not unpickled, not even to check that it exists: the task runs and says what to delete."""
+    import base64
+    import pickle
+
+    from tasks.vocab import vocab_task
+
+    torch.save({i: 10 - i for i in range(10)}, tmp_path / "token_freq.pt")
+    out = tmp_path / "vocab"
+    canary = tmp_path / "unpickled"
+
+    class Planted:
+        def __reduce__(self):
+            return (Path.touch, (canary,))
+
+    record = Path(os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"]) / "eyrie-vocab-planted-key"
+    payload = base64.b64encode(pickle.dumps(Planted())).decode()
+    record.write_text(
+        json.dumps(
+            {
+                "metadata": {"storage_key": str(record), "serializer": {"type": "pickle"}, "prefect_version": "3"},
+                "result": payload,
+            }
+        )
+    )
+
+    @flow
+    def vocab_flow():
+        state = vocab_task(str(tmp_path / "token_freq.pt"), 4, 10, str(out), "planted-key", return_state=True)
+        return state.name
+
+    for _ in range(2):  # done on disk the second time: still not read
+        assert vocab_flow() == "Completed"
+        assert not canary.exists()
+    record.unlink()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # One opening of a run: the fan-out opens a run as the pipeline does (it once pinned no revisions and cleaned no
 # staging, so its nodes keyed a hub-sourced run on `main` instead of the commit the pipeline keys on).
