@@ -55,14 +55,15 @@ def record_serializer(key: str) -> str | None:
     deserializing it (Prefect's own `exists` and `read` unpickle a pickle record); None when there is no record,
     "unreadable" when the file is not a record."""
     store = get_result_store()
-    storage = store.metadata_storage or store.result_storage or get_default_result_storage(_sync=True)
+    meta_storage = getattr(store, "metadata_storage", None)
+    storage = meta_storage or getattr(store, "result_storage", None) or get_default_result_storage(_sync=True)
     try:
         content = call_explicitly_sync_block_method(storage, "read_path", (key,), {})
     except (OSError, ValueError):
         return None  # no such record (local storage raises ValueError for a missing path)
     try:
         record = json.loads(content)
-        meta = record if store.metadata_storage is not None else record["metadata"]
+        meta = record if meta_storage is not None else record["metadata"]
         return str(meta["serializer"]["type"])
     except (ValueError, KeyError, TypeError):
         return "unreadable"
