@@ -33,6 +33,7 @@ def _run_on_cpu() -> None:
     if torch.accelerator.is_available():
         return
     torch.accelerator.synchronize = lambda *a, **k: None
+    _distributed_on_cpu()
     torch.accelerator.is_available = lambda: False
     current = torch.accelerator.current_accelerator
 
@@ -41,6 +42,23 @@ def _run_on_cpu() -> None:
         return current(check_available=True) if check_available else torch.device("cpu")
 
     torch.accelerator.current_accelerator = current_accelerator
+
+
+def _distributed_on_cpu() -> None:
+    """Under torchrun without an accelerator (the DDP path's check on CPU, tests/integration/test_ddp.py),
+    speculators' `maybe_setup_distributed` selects the rank's device and hands `init_process_group` that index as
+    `device_id`; both need an accelerator. Here the first does nothing and the second is given no device, so the
+    process group is gloo's (`get_default_backend_for_device("cpu")`) and DDP runs on CPU."""
+    import torch
+    import torch.distributed as dist
+    from speculators.train import distributed
+
+    torch.accelerator.set_device_index = lambda *a, **k: None
+
+    def init_process_group(*args, device_id=None, **kwargs):  # noqa: ARG001
+        return dist.init_process_group(*args, **kwargs)
+
+    distributed.dist = _Overlay(dist, init_process_group=init_process_group)  # type: ignore[assignment]
 
 
 def _worker_init(worker_id: int) -> None:  # noqa: ARG001
