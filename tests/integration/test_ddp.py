@@ -17,6 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
 LR = 1e-3
+MODES = ("fp32", "bf16")
 
 
 def _tiny_eagle3():
@@ -118,44 +119,48 @@ def _trainer_config(save_path: Path, dtype):
     )
 
 
-def _rank_main(out: Path, mode: str) -> None:
-    """One rank: Eyrie's CPU patches (and, in `mode` bf16, the GPU path's: BF16_WEIGHTS, the trainer's view of
-    torch, sync-free metrics), speculators' own distributed set-up under torchrun, then its trainer's epoch on this
-    rank's halves of the global batches; rank 0 writes the weights."""
+def _rank_main(out: Path) -> None:
+    """One rank: Eyrie's CPU patches and speculators' own distributed set-up under torchrun, then two trainers on
+    this rank's halves of the global batches, rank 0 writing each one's weights: `fp32` as the entry trains on CPU
+    (float32 weights), then `bf16` with the GPU path's patches as well (`_gpu_speedups`: the trainer's view of
+    torch, sync-free metrics, the BF16_WEIGHTS hooks) and bfloat16 autocast, which is how DDP trains on GPUs."""
     import torch
 
     from eyrie.stages.train import entry
 
     os.environ["EYRIE_TRAIN_DEVICE"] = "cpu"
     torch.set_num_threads(1)
-    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     entry._run_on_cpu()
-    if mode == "bf16":
-        entry._gpu_speedups()
     from speculators.train import distributed
-    from speculators.train.trainer import Trainer
 
     distributed.maybe_setup_distributed()
-    rank = distributed.get_rank()
     assert distributed.is_distributed() and distributed.get_world_size() == 2
     assert torch.distributed.get_backend() == "gloo"
-    trainer = Trainer(
-        _tiny_eagle3(),
-        _trainer_config(out / "checkpoints", dtype),
-        _Loader([_batch(s, rank, dtype) for s in range(STEPS)]),
-    )
-    assert isinstance(trainer.model, torch.nn.parallel.DistributedDataParallel)
-    trainer.train_epoch(0)
-    entry._to_master_weights()
-    state = {k: v.detach().clone() for k, v in trainer.model.module.state_dict().items()}
-    torch.save({"state": state, "working": len(entry._WORKING)}, out / f"rank{rank}.pt")
+    rank = distributed.get_rank()
+    for mode in MODES:
+        dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+        if mode == "bf16":  # less what concerns the loader and the model's build, which this program makes itself
+            entry.GPU_FEED = entry.BUILD_ON_GPU = entry.FORKSERVER_WORKERS = False
+            entry._gpu_speedups()
+        from speculators.train.trainer import Trainer
+
+        trainer = Trainer(
+            _tiny_eagle3(),
+            _trainer_config(out / mode / "checkpoints", dtype),
+            _Loader([_batch(s, rank, dtype) for s in range(STEPS)]),
+        )
+        assert isinstance(trainer.model, torch.nn.parallel.DistributedDataParallel)
+        trainer.train_epoch(0)
+        entry._to_master_weights()
+        state = {k: v.detach().clone() for k, v in trainer.model.module.state_dict().items()}
+        torch.save({"state": state, "working": len(entry._WORKING)}, out / f"{mode}-rank{rank}.pt")
     distributed.maybe_destroy_distributed()
 
 
 def _one_process(dtype, ranks: tuple[int, ...] = (0, 1), working: bool = False) -> dict:
     """The trainer's step (autocast forward, zero_grad, backward, clip to 1, AdamW) in one process on the whole
-    global batch: the loss is the mean of the ranks' losses, as DDP's mean of their gradients is. `working`:
-    BF16_WEIGHTS' bfloat16 working copies (put back before the clip, as the trainer's patched clip does)."""
+    global batch: the gradient is the mean of the ranks' halves' gradients, accumulated in float32, as DDP's is.
+    `working`: BF16_WEIGHTS' bfloat16 working copies (put back before the clip, as the trainer's patched clip does)."""
     import torch
     from speculators.train.optimizers import build_optimizers
 
@@ -165,10 +170,11 @@ def _one_process(dtype, ranks: tuple[int, ...] = (0, 1), working: bool = False) 
     weights = entry._WorkingWeights(model, dtype) if working else None
     (opt,) = build_optimizers(model, _trainer_config(Path("unused"), dtype))
     for step in range(STEPS):
-        with torch.autocast("cpu", dtype=dtype):
-            loss = sum(model(**_batch(step, r, dtype), **_call_kwargs())[1] for r in ranks) / len(ranks)
         opt.zero_grad()
-        loss.backward()
+        for r in ranks:  # a forward each, as each rank makes (autocast's bfloat16 weight copies are made per forward)
+            with torch.autocast("cpu", dtype=dtype):
+                loss = model(**_batch(step, r, dtype), **_call_kwargs())[1]
+            (loss / len(ranks)).backward()
         if weights is not None:
             weights.to_master()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -184,7 +190,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ddp(tmp_path: Path, mode: str) -> tuple[dict, dict]:
+@pytest.fixture(scope="module")
+def ddp_weights(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
+    """Both modes' weights from both ranks, from one torchrun of two gloo ranks (the imports dominate its cost)."""
+    import torch
+
+    out = tmp_path_factory.mktemp("ddp")
     env = {
         **os.environ,
         "EYRIE_TRAIN_DEVICE": "cpu",
@@ -199,14 +210,11 @@ def _ddp(tmp_path: Path, mode: str) -> tuple[dict, dict]:
         "--nproc-per-node=2",
         f"--master-port={_free_port()}",
         __file__,
-        str(tmp_path),
-        mode,
+        str(out),
     ]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    import torch
-
-    return tuple(torch.load(tmp_path / f"rank{i}.pt") for i in (0, 1))  # type: ignore[return-value]
+    return {m: tuple(torch.load(out / f"{m}-rank{i}.pt") for i in (0, 1)) for m in MODES}  # type: ignore[misc]
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -214,13 +222,13 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.slow
-def test_ddp_on_two_gloo_ranks_makes_the_one_process_update_of_the_global_batch(tmp_path):
-    """float32 weights under autocast (what DDP runs without BF16_WEIGHTS): after two steps both ranks hold the
-    same weights, and they are the weights one process reaches on the whole global batch (to float32 rounding of
-    gloo's sum); a rank's own half alone would have moved them measurably elsewhere."""
+def test_ddp_on_two_gloo_ranks_makes_the_one_process_update_of_the_global_batch(ddp_weights):
+    """float32 weights (how the entry trains on CPU): after two steps both ranks hold the same weights, and they are
+    the weights one process reaches on the whole global batch (to float32 rounding of gloo's sum); a rank's own half
+    alone would have moved them measurably elsewhere."""
     import torch
 
-    rank0, rank1 = _ddp(tmp_path, "fp32")
+    rank0, rank1 = ddp_weights["fp32"]
     assert all(torch.equal(rank0["state"][k], rank1["state"][k]) for k in rank0["state"])
     want = _one_process(torch.float32)
     got = rank0["state"]
@@ -232,5 +240,23 @@ def test_ddp_on_two_gloo_ranks_makes_the_one_process_update_of_the_global_batch(
     assert _max_diff(got, alone) > 100 * _max_diff(got, want)  # and not as rank 0's half alone moves them
 
 
+@pytest.mark.slow
+def test_ddp_with_the_gpu_patches_trains_float32_weights_under_autocast_like_one_process(ddp_weights):
+    """The GPU path's patches (`_gpu_speedups`) under DDP: BF16_WEIGHTS' working copies are for one process only,
+    so DDP trains float32 weights under bfloat16 autocast, and its update is the one process's update of the same
+    global batch under the same autocast; both ranks agree."""
+    import torch
+
+    rank0, rank1 = ddp_weights["bf16"]
+    assert rank0["working"] == rank1["working"] == 0  # no working copies under DDP
+    assert all(torch.equal(rank0["state"][k], rank1["state"][k]) for k in rank0["state"])
+    got = rank0["state"]
+    assert all(v.dtype == torch.float32 for v in got.values() if v.is_floating_point())
+    want = _one_process(torch.bfloat16)
+    assert _max_diff(got, want) < 1e-6
+    alone = _one_process(torch.bfloat16, ranks=(0,))
+    assert _max_diff(got, alone) > 100 * max(_max_diff(got, want), 1e-8)
+
+
 if __name__ == "__main__":
-    _rank_main(Path(sys.argv[1]), sys.argv[2])
+    _rank_main(Path(sys.argv[1]))
