@@ -309,6 +309,9 @@ def run_training(
     and `hidden_dir` its tmpfs storage path: the trainer asks it for every sample (eyrie.stages.train.online)."""
     if manifest := done(out_dir / "manifest.json", key):
         return manifest
+    online = config.train.hidden_states == "online"
+    if online and not server_url:  # before anything is written under out_dir
+        raise EyrieError("train.hidden_states is online, but no extraction server was given to train from")
     adopt_lineage(out_dir, key, config, log)
     work = out_dir / key
     save_path = work / "checkpoints"
@@ -321,10 +324,7 @@ def run_training(
         spe = math.ceil(spe / config.train.devices)  # and checkpoint_freq is a share of one rank's steps
     every = config.train.save_every_steps
     freq = 1.0 if not every or every >= spe else max(every / spe, 1 / spe)
-    online = config.train.hidden_states == "online"
     if online:
-        if not server_url:
-            raise EyrieError("train.hidden_states is online, but no extraction server was given to train from")
         if not on_tmpfs(hidden_dir):
             log(f"warning: online hidden states go through {hidden_dir}, which is not on tmpfs: they touch the disk")
         dropped = clean(hidden_dir)  # requests a killed trainer left in flight: nobody will read them
