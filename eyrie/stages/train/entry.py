@@ -382,7 +382,14 @@ def _bf16_working_weights() -> None:
     forward and backward on bfloat16 copies made once a step instead, with float32 master weights, gradients and
     optimizer state, on one GPU (DDP and FSDP are left as they are; speculators' FSDP path already runs this way
     through its MixedPrecisionPolicy). The clip and the optimizer step see float32 weights and gradients; so does
-    every checkpoint."""
+    every checkpoint.
+
+    Not under DDP, where they would be wrong rather than slow: DDP's reducer hooks each parameter's gradient
+    accumulator, and a `.data` of another dtype gives the parameter a new one, so no gradient would be averaged and
+    the ranks would drift apart without an error (measured with gloo on CPU: the two ranks' gradients differ after
+    the first step). DDP's own mixed precision (`mixed_precision=`, a private `_MixedPrecision` in torch 2.13)
+    needs streams and events, so it cannot be checked on CPU. Under DDP the trainer runs float32 weights under
+    autocast; tests/integration/test_ddp.py checks that update against one process's."""
     import torch
     from speculators.train import trainer
 
