@@ -3,11 +3,14 @@ extraction server (tasks that start and stop it, for the sharded stages and onli
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from prefect import get_run_logger
+from prefect.artifacts import create_table_artifact
 
 from eyrie.run.folder import run_server_folders
+from eyrie.vllm import phases
 from eyrie.vllm.client import ServerClient
 from eyrie.vllm.process import VllmServer
 from eyrie.vllm.spec import ServerSpec
@@ -15,8 +18,19 @@ from tasks.caching import eyrie_task
 
 
 def serve(spec: ServerSpec, folder: Path, timeout_s: float) -> ServerClient:
-    """Start (or reuse) the server recorded in `folder`, logging to the task's run log."""
-    return VllmServer(folder).ensure(spec, timeout_s, log=get_run_logger().info)
+    """Start (or reuse) the server recorded in `folder`, logging to the task's run log; a server this call started
+    leaves where its start-up went (weights, compile, CUDA graphs...) as a table artifact."""
+    server = VllmServer(folder)
+    asked = time.time()
+    client = server.ensure(spec, timeout_s, log=get_run_logger().info)
+    state = server.state or {}
+    if state.get("phases") and state.get("ready_at", 0) >= asked:
+        create_table_artifact(
+            key="server-start",
+            table=[{"phase": k, "seconds": round(v, 1)} for k, v in state["phases"].items()],
+            description=f"Start-up of the vLLM server in {folder} ({spec.kind}): {phases.summary(state['phases'])}",
+        )
+    return client
 
 
 def stop(folder: Path) -> None:
@@ -26,7 +40,7 @@ def stop(folder: Path) -> None:
 @eyrie_task("start-server", retries=1, retry_delay_seconds=5)
 def start_server_task(spec: ServerSpec, folder: str, startup_timeout_s: float) -> str:
     """Start (or reuse) the extraction server; returns its base URL."""
-    return VllmServer(Path(folder)).ensure(spec, startup_timeout_s, log=get_run_logger().info).base_url
+    return serve(spec, Path(folder), startup_timeout_s).base_url
 
 
 @eyrie_task("stop-server")

@@ -4,6 +4,7 @@ that checks the disk before it needs a server, and task results stored as JSON (
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import os
@@ -396,3 +397,30 @@ def test_a_failed_export_proof_stops_its_server(tmp_path, fake, monkeypatch):  #
         export_flow()
     state = VllmServer(folder).state
     assert not state or not _alive(state["pid"])
+
+
+def test_a_server_a_task_starts_leaves_its_start_up_phases_as_an_artifact(tmp_path, fake):  # noqa: F811
+    from prefect.client.orchestration import get_client
+
+    from tasks.serving import start_server_task
+
+    folder = fake.folder(tmp_path / "extract")
+
+    @flow
+    def start_twice():
+        start_server_task.with_options(retries=0)(fake.spec("--vllm-log"), str(folder), 30)
+        start_server_task.with_options(retries=0)(fake.spec("--vllm-log"), str(folder), 30)  # reused: no new one
+
+    start_twice()
+
+    async def artifacts():
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+        async with get_client() as c:
+            return await c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["server-start"])))
+
+    found = [a for a in asyncio.run(artifacts()) if str(folder) in (a.description or "")]
+    assert len(found) == 1, found  # the reused server made none
+    rows = json.loads(found[0].data) if isinstance(found[0].data, str) else found[0].data
+    phases = {row["phase"] for row in rows}
+    assert {"engine init", "total"} <= phases and "weights" in found[0].description, found[0]

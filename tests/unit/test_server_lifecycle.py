@@ -41,10 +41,16 @@ ap.add_argument("--port", type=int, required=True)
 ap.add_argument("--delay", type=float, default=0.0)
 ap.add_argument("--flaky")
 ap.add_argument("--child", action="store_true")
+ap.add_argument("--vllm-log", action="store_true")  # the lines of vLLM's log that name its start-up's phases
 a, _ = ap.parse_known_args()
 if a.child:
     subprocess.Popen(["sleep", "300"])
 time.sleep(a.delay)
+if a.vllm_log:
+    now = time.strftime("%m-%d %H:%M:%S")
+    for line in ("version 0.32.0", "Starting to load model fake-target...", "Loading weights took 0.01 seconds",
+                 "init engine (profile, create kv cache, warmup model) took 0.50 s"):
+        print(f"(Worker pid={os.getpid()}) INFO {now} [fake.py:1] {line}", flush=True)
 
 
 class Health(http.server.BaseHTTPRequestHandler):
