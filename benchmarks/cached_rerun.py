@@ -18,7 +18,8 @@ functions the flow calls:
 - flows/extract.py: `plan.pending(extraction.verify_checksums)`, then `plan.is_complete(s)` for the shards that ran
   (none); old: `shard_complete` as it was (kept below as `old_shard_complete`), re-hashing every file, then every
   shard's files stat'ed again;
-- tasks/caching.py: the cache policy's `eyrie.run.manifest.done` for each stage (its manifest, a stat per listed file);
+- tasks/caching.py: the cache policy's `eyrie.run.manifest.finished_manifest` for each stage (its manifest, a stat per
+listed file);
 
 and `eyrie status` (`run_status`, which now stats every listed file) and `eyrie verify` (`verify_run`, report only).
 Not timed: Prefect (its temporary server, the task runs of the cached shards) and preflight (the vLLM import): a
@@ -61,7 +62,7 @@ from eyrie.run.folder import (
     sha256_file,
     sha256_json,
 )
-from eyrie.run.manifest import done, list_files
+from eyrie.run.manifest import finished_manifest, list_files
 from eyrie.stages import RUN_FOLDER_STAGES
 from eyrie.stages.extract import ExtractionPlan, file_record, shard_key, write_manifest
 from eyrie.stages.preflight import PreflightReport
@@ -260,7 +261,7 @@ def main() -> None:
     assert missing == []
     rows.append(("extract: final re-check of the manifests", t_old, t_new))
     # tasks/caching.py: each stage's done check (its manifest and a stat of every file it lists).
-    t_new, _ = timed(lambda: [done(run.manifest(st), None) for st in RUN_FOLDER_STAGES], r)
+    t_new, _ = timed(lambda: [finished_manifest(run.manifest(st), None) for st in RUN_FOLDER_STAGES], r)
     rows.append(("stage manifests (done)", t_new, t_new))
     total_old = sum(o for _, o, _ in rows)
     total_new = sum(n for _, _, n in rows)

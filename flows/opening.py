@@ -42,7 +42,7 @@ def open_run(config: PipelineConfig, run: RunFolder, serve: bool = False) -> Ope
     if config.target.revision or config.data.revision:
         log.info(f"hub revisions pinned: target {config.target.revision}, data {config.data.revision}")
     preflight_task(config, str(run.root), serve=serve)  # seconds, before anything expensive
-    pkey = compute_prepare_key(config)
-    prepared = prepare_task(config, str(run.prepare), pkey)
+    prepare_stage_key = compute_prepare_key(config)
+    prepared = prepare_task(config, str(run.prepare), prepare_stage_key)
     report = preflight_task(config, str(run.root), tokens=prepared["stats"]["tokens"], serve=serve)
-    return OpenedRun(config, pkey, prepared, report)
+    return OpenedRun(config, prepare_stage_key, prepared, report)

@@ -15,7 +15,7 @@ from prefect.artifacts import create_markdown_artifact
 from eyrie.config import PipelineConfig
 from eyrie.errors import EyrieError
 from eyrie.run.folder import RunFolder, read_json, sha256_json
-from eyrie.run.manifest import done
+from eyrie.run.manifest import finished_manifest
 from eyrie.stages import UNTIL
 from eyrie.stages.evaluate import draft_tokens_key, evaluate_key, gap_warning
 from eyrie.stages.export import export_key
@@ -48,7 +48,7 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
     with run.lock():
         serve = until == "evaluate"  # export and evaluation serve target + drafter in vLLM
         opened = open_run(config, run, serve=serve)
-        config, pkey, prepared, report = opened.config, opened.prepare_key, opened.prepared, opened.report
+        config, prepare_stage_key, prepared, report = opened.config, opened.prepare_key, opened.prepared, opened.report
         if serve and not prepared["stats"]["rows_eval"]:  # known now, not after extraction and training
             raise EyrieError(
                 f"no held-out conversations to evaluate on ({prepared['stats']['rows_read']} rows read, "
@@ -107,40 +107,50 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         if promo_dir and config.promotion.warm_start:
             # The drafter that was current when this data was first trained on (none for the first drafter), so a
             # re-run trains the same way even after its own drafter was promoted.
-            base = choose_base(run.train / "warm_start.json", sha256_json([pkey, extracted["keys"]]), current)
+            base = choose_base(
+                run.train / "warm_start.json", sha256_json([prepare_stage_key, extracted["keys"]]), current
+            )
             warm = str(base) if base else None
-        vkey = vocab_key(data_manifest, dvs, report["vocab_size"], warm)
+        vocab_stage_key = vocab_key(data_manifest, dvs, report["vocab_size"], warm)
         token_freq = str(data_dir / "dataset" / "token_freq.pt")
-        vocab_task(token_freq, dvs, report["vocab_size"], str(run.vocab), vkey, warm)
+        vocab_task(token_freq, dvs, report["vocab_size"], str(run.vocab), vocab_stage_key, warm)
         d2t, t2d = (str(p) for p in mapping_paths(run.vocab, dvs))
         hidden = extracted["hidden_states"]
         data = TrainingData(str(data_dir / "dataset"), hidden, d2t, t2d, aux, report["target_facts"])
-        tkey = train_key(config, extracted["data_keys"], vkey, aux, warm)
+        train_stage_key = train_key(config, extracted["data_keys"], vocab_stage_key, aux, warm)
         spec = ServerSpec.for_serving(config)  # each drafter set per use
-        ekey = export_key(config, tkey, aux, spec.output_identity())
+        export_stage_key = export_key(config, train_stage_key, aux, spec.output_identity())
         # The drafter to beat: the current one, unless this run's own drafter already is it (a re-run).
-        rival = current if current and current.name != ekey else None
+        rival = current if current and current.name != export_stage_key else None
         # An untrained drafter is served only when asked for (`always`): its acceptance length is known without a
         # target load (the floor, 1.0: no draft accepted, each step yields the target's own token; served on the
         # demo it measured 1.00), and the floor is the comparison the report makes (`auto`, `never`).
         with_untrained = config.evaluate.untrained_baseline == "always"
         server_url = None
-        if not done(run.manifest("train"), tkey):
+        if not finished_manifest(run.manifest("train"), train_stage_key):
             # The GPUs free for the trainer: no server of this run left up (online: but the extraction server).
             stop_unused_servers_task(str(run.root), [str(plan.server_dir)] if online else [], "train")
             if online:  # the server up (reused, or started) for training
                 server_url = start_server_task(plan.spec, str(plan.server_dir), config.extraction.startup_timeout_s)
-        trained = train_task(config, TrainJob(str(run.train), tkey, data, load_seq_lens(data_dir), warm, server_url))
+        trained = train_task(
+            config, TrainJob(str(run.train), train_stage_key, data, load_seq_lens(data_dir), warm, server_url)
+        )
         if online and VllmServer(plan.server_dir).state:  # kept up on failure, for the resume to reuse
             stop_server_task(str(plan.server_dir))
-        ukey = untrained_key(config, vkey, aux)
-        untrained = untrained_drafter_task(config, UntrainedJob(str(run.train), ukey, data)) if with_untrained else None
+        untrained_stage_key = untrained_key(config, vocab_stage_key, aux)
+        untrained = (
+            untrained_drafter_task(config, UntrainedJob(str(run.train), untrained_stage_key, data))
+            if with_untrained
+            else None
+        )
         if until == "train":
             return {"run_dir": str(run.root), "checkpoint": trained["checkpoint"], "untrained": untrained}
 
         prompts = list(islice(iter_eval_prompts(run.prepare), config.evaluate.num_prompts))
         timeout = config.extraction.startup_timeout_s
-        if not done(run.manifest("export"), ekey):  # its proof serves the drafter: no other server of this run up
+        if not finished_manifest(
+            run.manifest("export"), export_stage_key
+        ):  # its proof serves the drafter: no other server of this run up
             stop_unused_servers_task(str(run.root), [str(run.export / "server-trained")], "export")
         exported = export_task(
             ExportJob(
@@ -149,17 +159,17 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
                 config.target.model,
                 aux,
                 report["hidden_size"],
-                ekey,
+                export_stage_key,
                 spec,
                 prompts[0],
                 timeout,
             )
         )
-        drafters = [("trained", exported["drafter"], run.export / "server-trained", ekey)]
+        drafters = [("trained", exported["drafter"], run.export / "server-trained", export_stage_key)]
         if rival:
             drafters.append(("current", str(rival), run.evaluate / "server-current", rival.name))
         if untrained:
-            drafters.append(("untrained", untrained, run.evaluate / "server-untrained", ukey))
+            drafters.append(("untrained", untrained, run.evaluate / "server-untrained", untrained_stage_key))
         results = []
         sweep = config.evaluate.sweep_draft_tokens
         for label, drafter, server_dir, identity in drafters:
@@ -190,10 +200,10 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         )
         if sweep:
             evaluate_max = config.evaluate.max_tokens
-            skey = draft_tokens_key(config, results[0]["key"])
+            sweep_stage_key = draft_tokens_key(config, results[0]["key"])
             evaluation["draft_tokens"] = draft_tokens_task(
                 DraftTokensJob(
-                    exported["drafter"], spec, str(run.evaluate), prompts, evaluate_max, skey, timeout, sweep
+                    exported["drafter"], spec, str(run.evaluate), prompts, evaluate_max, sweep_stage_key, timeout, sweep
                 ),
                 results[0],
             )
@@ -203,10 +213,10 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
             promotion = promote_task(
                 str(promo_dir),
                 exported["drafter"],
-                ekey,
+                export_stage_key,
                 summary["trained"],
                 summary.get("current"),
-                {"run_dir": str(run.root), "config": config.name, "data": pkey},
+                {"run_dir": str(run.root), "config": config.name, "data": prepare_stage_key},
             )
 
     outputs = {

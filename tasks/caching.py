@@ -1,5 +1,6 @@
 """The cache policy of Eyrie's tasks: keyed on what determines a stage's output, and trusted only while the stage's
-manifest on disk says it is done (`eyrie.run.manifest.done`: that key, every listed file there with its size).
+manifest on disk says it is done (`eyrie.run.manifest.finished_manifest`: that key, every listed file there with its
+size).
 
 Every task is made by `eyrie_task` (or `stage_task`, `keyed_task` on top of it), so its results are JSON.
 
@@ -23,7 +24,7 @@ from prefect.cache_policies import NO_CACHE, CachePolicy
 from prefect.results import get_default_result_storage, get_result_store
 from prefect.serializers import JSONSerializer
 
-from eyrie.run.manifest import done
+from eyrie.run.manifest import finished_manifest
 
 
 @dataclass
@@ -88,7 +89,7 @@ class StageDone(KeyedOn):
         cache_key = super().compute_key(task_ctx, inputs, flow_parameters, **kw)
         if cache_key is None or "-untrusted-" in cache_key:
             return cache_key
-        if done(Path(self.manifest.format(**inputs)), key_of(inputs, self.argument)) is not None:
+        if finished_manifest(Path(self.manifest.format(**inputs)), key_of(inputs, self.argument)) is not None:
             return cache_key
         # Not done, yet Prefect holds a result for this key: it outlived its files. A key of this run alone makes
         # the task run without it; done again, the stage's output is what that record describes.

@@ -11,7 +11,7 @@ from prefect.artifacts import create_image_artifact, create_table_artifact
 
 from eyrie.run.faults import fault_point
 from eyrie.run.folder import atomic_write_json
-from eyrie.run.manifest import done
+from eyrie.run.manifest import finished_manifest
 from eyrie.stages.evaluate import (
     baseline_warnings,
     compare_drafters,
@@ -49,7 +49,9 @@ class EvaluateJob:
 
 @stage_task("evaluate", manifest="{job.out_path}", argument="job.key", task_run_name="evaluate-{job.label}", retries=1)
 def evaluate_task(job: EvaluateJob) -> dict:
-    if measured := done(Path(job.out_path), job.key):  # by a run that died before Prefect recorded the result
+    if measured := finished_manifest(
+        Path(job.out_path), job.key
+    ):  # by a run that died before Prefect recorded the result
         return measured
     spec = replace(job.spec, drafter=job.drafter)
     state = VllmServer(Path(job.server_dir)).state
@@ -91,7 +93,7 @@ def draft_tokens_task(job: DraftTokensJob, trained: dict) -> dict:
     and the target alone (throughput without a drafter), each its own server, beside `trained`, the evaluation's
     measurement at the served k. A table, a plot (`draft_tokens.png`, also an image artifact) and a JSON report."""
     out, key, startup_timeout_s = Path(job.out_dir), job.key, job.startup_timeout_s
-    if measured := done(out / "draft_tokens.json", key):
+    if measured := finished_manifest(out / "draft_tokens.json", key):
         return measured
 
     @contextmanager

@@ -76,7 +76,7 @@ def problems(folder: Path, manifest: dict, hashes: bool = False) -> list[str]:
     ]
 
 
-def done(manifest_path: Path, key: str | None, hashes: bool = False) -> dict | None:
+def finished_manifest(manifest_path: Path, key: str | None, hashes: bool = False) -> dict | None:
     """The manifest at `manifest_path` if it records `key` (any key with None) and every file it lists is whole;
     otherwise None: the stage has work to do."""
     manifest = read_json(manifest_path)

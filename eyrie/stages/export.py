@@ -17,7 +17,7 @@ from pathlib import Path
 from eyrie.errors import EyrieError
 from eyrie.run.faults import fault_point
 from eyrie.run.folder import atomic_write_json
-from eyrie.run.manifest import done, files_under, list_files
+from eyrie.run.manifest import files_under, finished_manifest, list_files
 from eyrie.target.metadata import verifier_name
 
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
@@ -108,7 +108,7 @@ def export_and_prove(
 ) -> dict:
     """Export, then prove vLLM serves the drafter (`serve(drafter_dir)` returns a client); the manifest, written
     last, records the proof. A finished export with the same key is returned as it is."""
-    if manifest := done(out_dir / "manifest.json", key):  # written last, with the proof
+    if manifest := finished_manifest(out_dir / "manifest.json", key):  # written last, with the proof
         return manifest
     manifest = export_drafter(checkpoint, out_dir, target_model, aux_ids, target_hidden_size, key)
     fault_point("export.before-proof")

@@ -23,7 +23,7 @@ from eyrie.config import DataConfig, TargetConfig
 from eyrie.errors import DataError
 from eyrie.run.faults import fault_point
 from eyrie.run.folder import atomic_write_json, read_json, replace_dir, sha256_file, sha256_json
-from eyrie.run.manifest import done, files_under, list_files
+from eyrie.run.manifest import files_under, finished_manifest, list_files
 from eyrie.target.hub import hub_commit
 from eyrie.target.metadata import load_tokenizer
 
@@ -325,7 +325,7 @@ def prepare_key(target: TargetConfig, data: DataConfig) -> str:
 def prepare(target: TargetConfig, data: DataConfig, out_dir: Path, key: str | None = None) -> dict:
     """Run the stage into `out_dir` (replaced atomically); returns its manifest. Reuses a finished one with `key`."""
     key = key or prepare_key(target, data)
-    if manifest := done(out_dir / "manifest.json", key):
+    if manifest := finished_manifest(out_dir / "manifest.json", key):
         return manifest
 
     tokenizer = load_tokenizer(target)

@@ -43,7 +43,7 @@ from eyrie.config import PipelineConfig, RegenerateConfig
 from eyrie.errors import RegenerationError, RequestRejected, ServerUnavailable
 from eyrie.run.faults import fault_point
 from eyrie.run.folder import RunFolder, atomic_write_bytes, atomic_write_json, read_json, sha256_json
-from eyrie.run.manifest import done, files_under, list_files
+from eyrie.run.manifest import files_under, finished_manifest, list_files
 from eyrie.stages.prepare import RowError, Shard, load_shards, render_text, tokenizer_fingerprint
 
 STAGE = "regenerate"
@@ -512,7 +512,7 @@ def assemble(stage_dir: Path, prepare_dir: Path, shards: list[Shard], keys: dict
     import pyarrow.parquet as pq
     import torch
 
-    if manifest := done(stage_dir / "manifest.json", key):
+    if manifest := finished_manifest(stage_dir / "manifest.json", key):
         return manifest
     tables, out_shards, start = [], [], 0
     totals: Counter = Counter()

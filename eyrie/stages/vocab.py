@@ -12,7 +12,7 @@ from pathlib import Path
 from eyrie.errors import ConfigError
 from eyrie.run.faults import fault_point
 from eyrie.run.folder import atomic_write_json
-from eyrie.run.manifest import done, list_files
+from eyrie.run.manifest import finished_manifest, list_files
 
 
 def vocab_key(prepare_manifest: dict, draft_vocab_size: int, target_vocab_size: int, base: str | None = None) -> str:
@@ -44,7 +44,7 @@ def build_vocab(
     import torch
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-    if manifest := done(out_dir / "manifest.json", key):
+    if manifest := finished_manifest(out_dir / "manifest.json", key):
         return manifest
     if draft_vocab_size > target_vocab_size:
         raise ConfigError(

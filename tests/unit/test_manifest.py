@@ -12,7 +12,7 @@ import torch
 from prefect import flow
 
 from eyrie.run.folder import atomic_write_json, read_json, sha256_file
-from eyrie.run.manifest import done, list_files, problems
+from eyrie.run.manifest import finished_manifest, list_files, problems
 from tasks import caching
 from tasks.caching import StageDone
 from tasks.vocab import vocab_task
@@ -30,16 +30,16 @@ def stage(tmp_path) -> Path:
 
 
 def test_a_whole_stage_with_its_key_is_done(stage):
-    m = done(stage / "manifest.json", "k")
+    m = finished_manifest(stage / "manifest.json", "k")
     assert m is not None and m["files"]["sub/b.bin"] == {"bytes": 50, "sha256": sha256_file(stage / "sub" / "b.bin")}
-    assert done(stage / "manifest.json", None) == m  # any key
-    assert done(stage / "manifest.json", "other") is None
-    assert done(stage / "missing.json", "k") is None
+    assert finished_manifest(stage / "manifest.json", None) == m  # any key
+    assert finished_manifest(stage / "manifest.json", "other") is None
+    assert finished_manifest(stage / "missing.json", "k") is None
 
 
 def test_a_missing_or_resized_file_undoes_the_stage(stage):
     (stage / "sub" / "b.bin").unlink()
-    assert done(stage / "manifest.json", "k") is None
+    assert finished_manifest(stage / "manifest.json", "k") is None
     assert problems(stage, read_json(stage / "manifest.json")) == ["sub/b.bin missing"]
     (stage / "sub" / "b.bin").write_bytes(b"b" * 49)
     assert problems(stage, read_json(stage / "manifest.json")) == ["sub/b.bin 49 bytes, its manifest records 50"]
@@ -47,8 +47,8 @@ def test_a_missing_or_resized_file_undoes_the_stage(stage):
 
 def test_changed_content_of_the_same_size_is_found_only_with_hashes(stage):
     (stage / "a.bin").write_bytes(b"x" * 100)
-    assert done(stage / "manifest.json", "k") is not None  # a stat-only check cannot see it
-    assert done(stage / "manifest.json", "k", hashes=True) is None
+    assert finished_manifest(stage / "manifest.json", "k") is not None  # a stat-only check cannot see it
+    assert finished_manifest(stage / "manifest.json", "k", hashes=True) is None
     assert problems(stage, read_json(stage / "manifest.json"), hashes=True) == [
         "a.bin content differs from its manifest (sha256)"
     ]
@@ -57,7 +57,7 @@ def test_changed_content_of_the_same_size_is_found_only_with_hashes(stage):
 def test_a_manifest_of_an_older_format_never_counts_as_done(stage):
     """Records without sizes (`{name: sha256}`, format 1) are refused, not trusted by presence."""
     atomic_write_json(stage / "manifest.json", {"key": "k", "files": {"a.bin": sha256_file(stage / "a.bin")}})
-    assert done(stage / "manifest.json", "k") is None
+    assert finished_manifest(stage / "manifest.json", "k") is None
 
 
 def test_the_cache_policy_never_uses_a_record_that_outlived_its_files(stage, monkeypatch):
@@ -91,5 +91,5 @@ def test_a_stage_task_whose_files_vanished_runs_again(tmp_path):
     kept = np.load(d2t)
     d2t.unlink()
     assert vocab_flow() == "Completed"  # not "Cached": its manifest is no longer done
-    assert np.array_equal(np.load(d2t), kept) and done(out / "manifest.json", "key-1") is not None
+    assert np.array_equal(np.load(d2t), kept) and finished_manifest(out / "manifest.json", "key-1") is not None
     assert vocab_flow() == "Cached"

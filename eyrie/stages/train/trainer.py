@@ -23,7 +23,7 @@ from eyrie.errors import EyrieError
 from eyrie.hidden_states.staging import clean, leftover_bytes, on_tmpfs
 from eyrie.run.environment import child_environment
 from eyrie.run.folder import atomic_write_json, read_json
-from eyrie.run.manifest import done, files_under, list_files
+from eyrie.run.manifest import files_under, finished_manifest, list_files
 from eyrie.stages.train.checkpoints import is_whole, newest_whole_checkpoint, recover
 from eyrie.stages.train.online import online_args
 from eyrie.stages.train.validation import PLATEAU, epoch_validation, history, like_for_like_metrics, still_improving
@@ -307,7 +307,7 @@ def run_training(
 
     With `train.hidden_states: online`, `server_url` is the extraction server's (up, serving the captured layers)
     and `hidden_dir` its tmpfs storage path: the trainer asks it for every sample (eyrie.stages.train.online)."""
-    if manifest := done(out_dir / "manifest.json", key):
+    if manifest := finished_manifest(out_dir / "manifest.json", key):
         return manifest
     online = config.train.hidden_states == "online"
     if online and not server_url:  # before anything is written under out_dir
