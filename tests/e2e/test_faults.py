@@ -195,8 +195,9 @@ def small_disk(tmp_path):
     """A real 48 MiB filesystem (tmpfs) at <run>/extract; needs root, as CI has."""
     if os.geteuid() != 0:
         pytest.skip("mounting a small filesystem needs root (CI runs as root)")
+    RunFolder(tmp_path / "run").ensure()  # stamped first: Eyrie adopts only an empty or stamped folder
     extract = tmp_path / "run" / "extract"
-    extract.mkdir(parents=True)
+    extract.mkdir(parents=True, exist_ok=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(extract)], check=True)
     try:
         yield extract
