@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -285,8 +286,10 @@ def _against_baseline(folder: Path, shard_name: str, ctx, medians: dict, figures
     identity = sha256_json({"ctx": ctx, "layers": sorted(medians)})[:16]
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / BASELINE
-    with open(folder / ".baseline.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    # The folder itself is the lock (flock on its descriptor): no lock file is left behind.
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         base = read_json(path)
         if not base or base.get("identity") != identity:
             if not set_it:
@@ -294,6 +297,8 @@ def _against_baseline(folder: Path, shard_name: str, ctx, medians: dict, figures
             atomic_write_json(path, {"identity": identity, "shard": shard_name, "median_row_norm": medians})
             figures["baseline"] = shard_name
             return []
+    finally:
+        os.close(fd)
     figures["baseline"] = base["shard"]
     problems = []
     for lid, m in medians.items():
