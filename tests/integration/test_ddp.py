@@ -15,53 +15,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))  # torchrun runs this file as a script: tests/ for tiny_drafter
+from tiny_drafter import tiny_eagle3  # noqa: E402
+
 STEPS = 2
 LR = 1e-3
 MODES = ("fp32", "bf16")
-
-
-def _tiny_eagle3():
-    """A one-layer EAGLE-3 drafter at toy width (seeded: every rank and the reference build the same one)."""
-    import torch
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig, core
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-    from transformers import LlamaConfig
-
-    layer = LlamaConfig(
-        hidden_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=64,
-        vocab_size=256,
-        num_hidden_layers=1,
-    )
-    layer._attn_implementation = "sdpa"
-    config = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer,
-        draft_vocab_size=64,
-        norm_before_residual=True,
-        norm_before_fc=True,
-        norm_output=True,
-        eagle_aux_hidden_state_layer_ids=[1, 2, 3],
-        speculators_config=SpeculatorsConfig(
-            algorithm="eagle3",
-            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
-            default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path="x", architectures=["X"]),
-        ),
-    )
-    torch.manual_seed(0)
-    model = core.Eagle3DraftModel(config).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(std=0.05)
-    t2d = torch.zeros(256, dtype=torch.bool)
-    ids = torch.randperm(256)[:64].sort().values
-    t2d[ids] = True
-    model.load_vocab_mappings(t2d, ids - torch.arange(64))
-    return model
 
 
 def _batch(step: int, rank: int, dtype) -> dict:
@@ -145,7 +104,7 @@ def _rank_main(out: Path) -> None:
         from speculators.train.trainer import Trainer
 
         trainer = Trainer(
-            _tiny_eagle3(),
+            tiny_eagle3(),
             _trainer_config(out / mode / "checkpoints", dtype),
             _Loader([_batch(s, rank, dtype) for s in range(STEPS)]),
         )
@@ -166,7 +125,7 @@ def _one_process(dtype, ranks: tuple[int, ...] = (0, 1), working: bool = False) 
 
     from eyrie.stages.train import entry
 
-    model = _tiny_eagle3()
+    model = tiny_eagle3()
     weights = entry._WorkingWeights(model, dtype) if working else None
     (opt,) = build_optimizers(model, _trainer_config(Path("unused"), dtype))
     for step in range(STEPS):
@@ -234,7 +193,7 @@ def test_ddp_on_two_gloo_ranks_makes_the_one_process_update_of_the_global_batch(
     got = rank0["state"]
     assert got.keys() == want.keys()
     assert _max_diff(got, want) < 1e-6
-    initial = _tiny_eagle3().state_dict()
+    initial = tiny_eagle3().state_dict()
     assert _max_diff(got, initial) > 100 * _max_diff(got, want)  # the weights moved
     alone = _one_process(torch.float32, ranks=(0,))
     assert _max_diff(got, alone) > 100 * _max_diff(got, want)  # and not as rank 0's half alone moves them
