@@ -3,8 +3,8 @@ deployments.setup`, real process workers on the GPU nodes' queues, and flow runs
 vLLM's CPU build).
 
 - A pipeline run (until extract) fails on one shard by injected fault. After the operator's fix, the same flow run
-  is retried as the UI's Retry button does it: only the failed shard runs again, the others come back Cached, nothing
-  finished is rewritten, and neither the database password nor the Prefect credential is in any log, artifact or
+  is retried as the UI's Retry button does it: only the failed shard runs again (the others are not submitted),
+  nothing finished is rewritten, and neither the database password nor the Prefect credential is in any log, artifact or
   file of the run.
 - The operator hears of the failure: setup's "Eyrie GPU run failed" automation sends the notification block given
   with `--notify-block` (here a custom webhook block pointed at a receiver in this process) a message naming the run.
@@ -355,11 +355,12 @@ def test_a_failed_shard_is_retried_alone_by_retrying_the_flow_run(prod, webhook,
     assert retried.state.type == StateType.COMPLETED, f"{retried.state}\n{prod.logs()}"
     assert retried.id == created.id and retried.run_count == 2
 
-    # Through the API: in the retried run's extraction, only the failed shard ran; the others came back Cached.
+    # Through the API: in the retried run's extraction, only the failed shard ran; the finished ones were not even
+    # submitted (flows/sharded.py submits the pending shards only; their manifests on disk say they are done).
     sub1_again, sub2 = children(prod, created.id)
     assert sub1_again.id == sub1.id and sub2.state.type == StateType.COMPLETED
-    states2 = extract_task_states(prod, sub2.id, set(shard_names))
-    assert states2 == {s: ("Completed" if s == FAULTY else "Cached") for s in shard_names}, states2
+    states2 = extract_task_states(prod, sub2.id, {FAULTY})
+    assert states2 == {FAULTY: "Completed"}, states2
 
     # On disk: the other shards' manifests were not rewritten; every sample is there and valid; the kept server
     # was reused (one vLLM start in all) and stopped at the end.
