@@ -19,23 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
-# Before vLLM or transformers are imported: the Makefile's cache locations, offline, a small CPU KV cache.
-for _var, _value in {
-    "HF_HOME": ".cache/hf",
-    "VLLM_CACHE_ROOT": ".cache/vllm",
-    "TORCHINDUCTOR_CACHE_DIR": ".cache/inductor",
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-}.items():
-    os.environ.setdefault(_var, str(Path(_value).resolve()) if _value.startswith(".") else _value)
-
+import _cache_env  # noqa: E402, F401  (before vLLM or transformers are imported)
 import pyarrow.parquet as pq  # noqa: E402
 
 from eyrie.config import load_config  # noqa: E402

@@ -16,19 +16,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
 
-for _var, _value in {
-    "HF_HOME": ".cache/hf",
-    "VLLM_CACHE_ROOT": ".cache/vllm",
-    "TORCHINDUCTOR_CACHE_DIR": ".cache/inductor",
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-}.items():
-    os.environ.setdefault(_var, str(Path(_value).resolve()) if _value.startswith(".") else _value)
+import _cache_env  # noqa: E402, F401  (before vLLM or transformers are imported)
 
 from eyrie.config import load_config  # noqa: E402
 from eyrie.run.folder import RunFolder  # noqa: E402
