@@ -5,7 +5,7 @@ from __future__ import annotations
 from conftest import config_dict
 
 from eyrie.config import parse_config
-from eyrie.stages.preflight import bytes_still_to_write
+from eyrie.stages.preflight.node import bytes_still_to_write
 
 
 def test_the_disk_check_counts_only_the_hidden_states_still_to_write(tmp_path):

@@ -12,12 +12,12 @@ from conftest import config_dict, write_config
 
 from eyrie.config import parse_config
 from eyrie.errors import ConfigError, PreflightError
-from eyrie.stages.preflight import (
+from eyrie.stages.preflight.check import run_preflight
+from eyrie.stages.preflight.target import (
     captured_layer_ids,
     default_aux_layer_ids,
     probe_eagle3,
     resolve_vllm_class,
-    run_preflight,
     validate_aux_layer_ids,
 )
 from eyrie.target.tiny.tokenizer import build_tokenizer

@@ -10,14 +10,9 @@ from pathlib import Path
 import pytest
 
 from eyrie.config import parse_config
-from eyrie.stages.preflight import (
-    check_lock_filesystem,
-    check_online_tmpfs,
-    check_train_devices,
-    mount_of,
-    probe_eagle3,
-    run_preflight,
-)
+from eyrie.stages.preflight.check import run_preflight
+from eyrie.stages.preflight.node import check_lock_filesystem, check_online_tmpfs, check_train_devices, mount_of
+from eyrie.stages.preflight.target import probe_eagle3
 
 BASE = {"target": {"model": "m"}, "data": {"source": "d"}}
 
@@ -41,7 +36,7 @@ def test_train_devices_beyond_the_gpus_present_are_refused():
 
 def test_train_devices_are_counted_on_this_machine(tiny_llama, tmp_path, monkeypatch):
     """run_preflight counts the GPUs itself: one more than are here is refused (on a CPU host, as if it had one)."""
-    import eyrie.stages.preflight as preflight
+    import eyrie.stages.preflight.node as preflight
 
     n = preflight.gpu_count()
     if n == 0:

@@ -1,0 +1,155 @@
+"""Every check that needs no weights, run in seconds before the expensive steps.
+
+The original failure this project exists for: a 27-minute load of the target ended in "Model does not support
+EAGLE3 interface". Here the target's vLLM class is resolved from its config.json and probed with attribute checks
+(never `issubclass` on the protocol, which raises TypeError), the layer ids are checked against the layer count, the
+installed vLLM is checked for the `extract_hidden_states` method and against what the config asks of it (version,
+server arguments, server variables), the disk is checked against the estimated hidden states, and the chat template
+is checked. Each failure says what is wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from eyrie.config import PipelineConfig
+from eyrie.errors import PreflightError
+from eyrie.hidden_states.encoding import check_config as check_hidden_states_dtype
+from eyrie.run.folder import RunFolder
+from eyrie.stages.preflight.installed_vllm import check_server_arguments, check_server_env, check_vllm_version
+from eyrie.stages.preflight.node import (
+    bytes_still_to_write,
+    check_lock_filesystem,
+    check_online_tmpfs,
+    check_train_devices,
+    hidden_state_bytes,
+)
+from eyrie.stages.preflight.report import PreflightReport
+from eyrie.stages.preflight.target import (
+    _first,
+    captured_layer_ids,
+    check_context,
+    check_drafter_inputs,
+    check_parallelism,
+    check_serving,
+    probe_eagle3,
+    validate_aux_layer_ids,
+    vllm_has_extract_hidden_states,
+)
+from eyrie.stages.promote import check_base, current_version
+from eyrie.target.metadata import load_tokenizer, mask_token_id, read_target_config, text_config, verifier_name
+from eyrie.vllm.loading import load_warnings, weights_folder
+
+
+def run_preflight(
+    config: PipelineConfig, run_dir: Path, tokens: int | None = None, raise_on_failure: bool = True, serve: bool = True
+) -> PreflightReport:
+    """Every check that needs no weights; the report lists every failure found, not only the first. `serve`: the
+    run goes on to export and evaluation (vLLM serves target + drafter), so check that too."""
+    import vllm
+
+    cfg = read_target_config(config.target)
+    failures = []
+    if cfg.get("auto_map") and not config.target.trust_remote_code:
+        failures.append(
+            f"{config.target.model} ships its own code (config.json `auto_map`): set "
+            "target.trust_remote_code: true if you trust it"
+        )
+    text = text_config(cfg)
+    # GPT-2 and OPT-era configs spell these n_layer/n_embd (and word_embed_proj_dim for OPT is not the width).
+    num_layers = int(_first(text, "num_hidden_layers", "n_layer", "num_layers"))
+    hidden = int(_first(text, "hidden_size", "n_embd", "d_model"))
+    vocab = int(text.get("vocab_size", cfg.get("vocab_size", 0)))
+    if not num_layers or not hidden:
+        failures.append(f"{config.target.model}/config.json has no num_hidden_layers/hidden_size for the decoder")
+    aux_ids, problems = validate_aux_layer_ids(config.extraction.layer_ids, num_layers)
+    failures += problems
+
+    probe = probe_eagle3(cfg)
+    if probe.path == "unsupported":
+        failures.append(f"{probe.reason}. Fix: {probe.fix}" if probe.fix else probe.reason)
+    if probe.path == "compat" and not config.extraction.enforce_eager:
+        failures.append(
+            f"{probe.architecture} takes Eyrie's compatibility layer, whose hooks need eager execution: "
+            "set extraction.enforce_eager: true"
+        )
+    if not vllm_has_extract_hidden_states():
+        failures.append(
+            f"the installed vLLM {vllm.__version__} lacks the `extract_hidden_states` speculative "
+            "method: install vLLM >= 0.17 (pyproject extras `cpu` or `gpu`)"
+        )
+    failures += check_vllm_version(config.target.vllm_version, vllm.__version__)
+    failures += check_server_env(config.extraction.server_env)
+    failures += check_hidden_states_dtype(config.extraction.hidden_states_dtype)
+    arg_failures, arg_warnings = check_server_arguments(config, captured_layer_ids(aux_ids, num_layers), serve)
+    failures += arg_failures
+    if config.vocab.draft_vocab_size > vocab > 0:
+        failures.append(
+            f"vocab.draft_vocab_size {config.vocab.draft_vocab_size} is larger than the target's "
+            f"vocabulary ({vocab}): set it to at most {vocab}"
+        )
+    failures += check_context(config, cfg) + check_parallelism(config, text) + (check_serving(cfg) if serve else [])
+    failures += check_train_devices(config)
+    failures += check_lock_filesystem(run_dir)
+    failures += check_online_tmpfs(config, run_dir, len(captured_layer_ids(aux_ids, num_layers)), hidden)
+    tok = None
+    try:
+        tok = load_tokenizer(config.target)
+        probe_msgs = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
+        if "pong" not in tok.apply_chat_template(probe_msgs, tokenize=False):
+            failures.append("the chat template drops the assistant's content: the loss mask would be empty")
+        if len(tok) > vocab > 0:
+            failures.append(
+                f"the tokenizer has {len(tok)} tokens but the model's vocabulary has {vocab} rows: token "
+                "ids beyond it would fail in vLLM; use the tokenizer that belongs to this checkpoint"
+            )
+    except Exception as err:  # DataError and template errors both end here with their own message
+        failures.append(str(err))
+
+    if config.promotion.dir and config.promotion.warm_start:
+        current = current_version(Path(config.promotion.dir))
+        if current is not None:
+            failures += check_base(current, verifier_name(config.target.model), config.vocab.draft_vocab_size, aux_ids)
+
+    report = PreflightReport(
+        probe.architecture,
+        probe.vllm_class,
+        probe.path,
+        probe.reason,
+        probe.language_model,
+        num_layers,
+        hidden,
+        vocab,
+        aux_ids,
+        captured_layer_ids(aux_ids, num_layers),
+        vllm.__version__,
+        config.max_model_len,
+    )
+    report.revisions = {"target": config.target.revision, "data": config.data.revision}
+    report.hidden_states = config.train.hidden_states
+    report.warnings += arg_warnings
+    x = config.extraction
+    report.warnings += load_warnings(weights_folder(config.target), x.server_args, x.enforce_eager, x.server_env)
+    mask = config.train.mask_token_id
+    report.target_facts["mask_token_id"] = mask if mask is not None or tok is None else mask_token_id(tok, vocab)
+    if probe.path != "unsupported":  # a refused class is the one problem worth reading; its metadata may be odd
+        failures += check_drafter_inputs(config, cfg, report)
+    if tokens is not None and hidden:
+        fp8 = config.extraction.hidden_states_dtype == "float8_e4m3fn"
+        report.estimated_bytes = hidden_state_bytes(tokens, len(report.captured_layer_ids), hidden, 1 if fp8 else 2)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        report.free_bytes = shutil.disk_usage(run_dir).free
+        todo = bytes_still_to_write(config, report.estimated_bytes, RunFolder(run_dir).hidden_states)
+        need = todo + int(config.extraction.min_free_disk_gib * 2**30)
+        if need > report.free_bytes:
+            failures.append(
+                f"hidden states need about {todo / 2**30:.1f} GiB more (of "
+                f"{report.estimated_bytes / 2**30:.1f} GiB in all; + {config.extraction.min_free_disk_gib} GiB "
+                f"head-room) but {run_dir} has {report.free_bytes / 2**30:.1f} GiB free: free space, use a larger "
+                "volume for --run-dir, or lower data.max_samples / data.max_length"
+            )
+    report.failures = failures
+    if failures and raise_on_failure:
+        raise PreflightError(failures)
+    return report

@@ -1,0 +1,226 @@
+"""Preflight's checks of the installed vLLM against what the config asks of it: its version, its server's
+arguments (parsed by its own `vllm serve` parser), its environment variables."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import functools
+import importlib
+import io
+import os
+import re
+from dataclasses import replace
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from eyrie.config import PipelineConfig
+
+# Where `vllm serve`'s parser factory lives, newest first (0.32 moved it from openai/ to launchers/).
+SERVE_PARSER_MODULES = ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args")
+PLACEHOLDER_PORT = 8000  # parsing needs a port; the server gets a free one
+
+
+class ServerArgumentError(Exception):
+    """vLLM's server parser refused an argument (argparse would print its usage and exit)."""
+
+
+@functools.lru_cache(maxsize=1)
+def serve_parser():
+    """The installed vLLM's own `vllm serve` parser, built in-process (no engine, no model; 0.3 s after preflight's
+    other imports), raising instead of exiting; None when this vLLM keeps its factory in none of
+    SERVE_PARSER_MODULES."""
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:  # vLLM before the utils package split
+        from vllm.utils import FlexibleArgumentParser  # type: ignore[attr-defined,no-redef]
+    for name in SERVE_PARSER_MODULES:
+        try:
+            make_arg_parser = importlib.import_module(name).make_arg_parser
+        except (ImportError, AttributeError):
+            continue
+
+        class Parser(FlexibleArgumentParser):
+            def error(self, message):
+                raise ServerArgumentError(message)
+
+        return make_arg_parser(Parser())
+    return None
+
+
+def parse_server_arguments(args: list[str]) -> argparse.Namespace:
+    """`args` as the installed vLLM's server parses them; ServerArgumentError names what it refuses."""
+    parser = serve_parser()
+    assert parser is not None, "check serve_parser() first"
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return parser.parse_args(list(args))
+    except SystemExit:  # --help or --version print and exit
+        raise ServerArgumentError("the parser exits (is --help or --version among the arguments?)") from None
+    except (ValueError, TypeError) as err:  # vLLM's own checks while it rewrites the arguments
+        raise ServerArgumentError(str(err)) from None
+
+
+# What a server argument Eyrie passes itself is set from (by vLLM's name for it); anything else: Eyrie's own wiring.
+EYRIE_SETS = {
+    "model": "target.model",
+    "revision": "target.revision",
+    "trust_remote_code": "target.trust_remote_code",
+    "tensor_parallel_size": "target.tensor_parallel_size",
+    "dtype": "target.dtype",
+    "max_model_len": "target.max_model_len",
+    "host": "extraction.host",
+    "port": "extraction.port",
+    "enforce_eager": "extraction.enforce_eager",
+    "gpu_memory_utilization": "extraction.gpu_memory_utilization",
+    "speculative_config": "extraction.layer_ids and evaluate.num_speculative_tokens",
+}
+
+
+def _dests(args: list[str]) -> dict[str, str]:
+    """vLLM's name (argparse dest) for each flag in `args` -> the flag as written (`--a.b` is part of `--a`)."""
+    actions = serve_parser()._option_string_actions
+    out = {}
+    for arg in args:
+        if arg.startswith("--"):
+            flag = arg.split("=", 1)[0]
+            action = actions.get(flag.split(".", 1)[0].replace("_", "-"))
+            if action is not None:
+                out[action.dest] = flag
+    return out
+
+
+def _blame(message: str, server_args: list[str]) -> list[str]:
+    """The flags of `server_args` that vLLM's message names (vLLM spells names with dashes)."""
+    flags = [a.split("=", 1)[0] for a in server_args if a.startswith("--")]
+    return [f for f in flags if re.search(re.escape(f.replace("_", "-")) + r"(?![\w-])", message)]
+
+
+def check_server_arguments(config: PipelineConfig, captured: list[int], serve: bool) -> tuple[list[str], list[str]]:
+    """Every argument Eyrie would start vLLM with (its own and extraction.server_args), parsed by the installed
+    vLLM's own parser: for the extraction server and, when `serve`, the target-plus-drafter one. Failures, warnings."""
+    import vllm
+
+    from eyrie.vllm.spec import ServerSpec
+
+    if serve_parser() is None:  # a vLLM that moved its parser again: say so rather than guess
+        modules = " or ".join(SERVE_PARSER_MODULES)
+        return [], [
+            f"the server arguments were not checked: vLLM {vllm.__version__} has no make_arg_parser in {modules}"
+        ]
+    specs: dict[str, ServerSpec] = {"extraction": ServerSpec.for_extraction(config, captured, "<staging>")}
+    if serve:
+        specs["export/evaluation"] = ServerSpec.for_serving(config, "<drafter>")
+    failures = []
+    # vLLM takes the later of two values, and Eyrie's checks and clients assume its own: one owner per setting.
+    own = set(EYRIE_SETS).union(
+        *(_dests(replace(s, server_args=[]).arguments(PLACEHOLDER_PORT)) for s in specs.values())
+    )
+    for dest, flag in _dests(config.extraction.server_args).items():
+        if dest in EYRIE_SETS:
+            failures.append(
+                f"extraction.server_args sets {flag}, which Eyrie passes to vLLM from {EYRIE_SETS[dest]}: set "
+                f"{EYRIE_SETS[dest]} instead and remove {flag} from server_args"
+            )
+        elif dest in own:
+            failures.append(
+                f"extraction.server_args sets {flag}, which Eyrie passes to vLLM itself for its own wiring (its "
+                f"hidden-states connector, its client): remove {flag} from server_args"
+            )
+    refused: dict[str, list[str]] = {}  # vLLM's message -> the servers it refuses
+    parsed = {}
+    for label, spec in specs.items():
+        try:
+            parsed[label] = parse_server_arguments(spec.arguments(spec.port or PLACEHOLDER_PORT))
+        except ServerArgumentError as err:
+            refused.setdefault(str(err)[:400], []).append(label)
+    for message, labels in refused.items():
+        servers = " and ".join(labels) + (" servers" if len(labels) > 1 else " server")
+        where = f"vLLM {vllm.__version__} refuses the arguments of the {servers}: {message}"
+        flags = _blame(message, config.extraction.server_args)
+        if flags:
+            failures.append(
+                f"{where}. {', '.join(flags)} in extraction.server_args: check the spelling against this vLLM "
+                "(`python -m vllm.entrypoints.openai.api_server --help=<word>`), or install a vLLM that has it "
+                "(flags are renamed between versions; target.vllm_version states the versions a preset needs)"
+            )
+        else:
+            failures.append(
+                f"{where}. Eyrie builds this argument from the config: check the setting behind it, and the "
+                "installed vLLM against the versions pyproject's `cpu`/`gpu` extras pin (a flag may be missing)"
+            )
+    warnings = []
+    seqs = getattr(parsed.get("extraction"), "max_num_seqs", None)
+    if seqs and config.extraction.concurrency > seqs:
+        warnings.append(
+            f"extraction.concurrency {config.extraction.concurrency} is above the server's --max-num-seqs {seqs}: "
+            f"the requests beyond it wait in vLLM's queue, their wait counted against request_timeout_s; set "
+            f"extraction.concurrency to {seqs}"
+        )
+    # Regeneration sends its requests to the same server (the extraction server generates too).
+    if seqs and config.regenerate.enabled and config.regenerate.concurrency > seqs:
+        warnings.append(
+            f"regenerate.concurrency {config.regenerate.concurrency} is above the extraction server's "
+            f"--max-num-seqs {seqs}, which regeneration generates on: the requests beyond it wait in vLLM's queue, "
+            f"their wait counted against regenerate.request_timeout_s; set regenerate.concurrency to {seqs}"
+        )
+    return failures, warnings
+
+
+def check_server_env(env: dict[str, str]) -> list[str]:
+    """Every VLLM_* variable in extraction.server_env must be one the installed vLLM reads (its `vllm.envs`
+    registry; vLLM itself only warns, 'Unknown vLLM environment variable', and ignores it), with a value it can
+    read. Other names (NCCL_*, HF_*, ...) are other libraries' and pass."""
+    import vllm
+    from vllm import envs
+
+    known = envs.environment_variables
+    failures = []
+    for name, value in env.items():
+        if not name.startswith("VLLM_"):
+            continue
+        if name not in known:
+            close = difflib.get_close_matches(name, list(known), n=1)
+            failures.append(
+                f"extraction.server_env sets {name}, which vLLM {vllm.__version__} does not know (not in "
+                "vllm.envs): vLLM would ignore it. "
+                + (f"Did you mean {close[0]}? " if close else "")
+                + "Fix the name, or install a vLLM that has it"
+            )
+            continue
+        saved = os.environ.get(name)
+        os.environ[name] = value  # the registry's readers read os.environ: int(...), a choice check, ...
+        try:
+            known[name]()
+        except Exception as err:
+            failures.append(
+                f"extraction.server_env {name}={value!r}: vLLM {vllm.__version__} cannot read this value "
+                f"({type(err).__name__}: {err}): see its definition in vllm/envs.py"
+            )
+        finally:
+            if saved is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = saved
+    return failures
+
+
+def check_vllm_version(required: str | None, installed: str) -> list[str]:
+    """target.vllm_version (a PEP 440 specifier) against the installed vLLM."""
+    if not required:
+        return []
+    try:
+        ok = SpecifierSet(required).contains(Version(installed), prereleases=True)
+    except InvalidVersion:
+        return [
+            f"target.vllm_version asks for vLLM {required}, and the installed vLLM's version {installed!r} cannot "
+            "be compared with it: install a released vLLM"
+        ]
+    if ok:
+        return []
+    return [
+        f"target.vllm_version asks for vLLM {required}, and vLLM {installed} is installed: install a vLLM that "
+        "meets it (pyproject's `gpu` and `cpu` extras pin the tested ones)"
+    ]

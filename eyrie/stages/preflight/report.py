@@ -1,0 +1,68 @@
+"""Preflight's report: what was found, every failure and warning, as `preflight.json` and as markdown."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class PreflightReport:
+    architecture: str
+    vllm_class: str | None
+    eagle3_path: str
+    eagle3_reason: str
+    language_model: str | None
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    aux_layer_ids: list[int]
+    captured_layer_ids: list[int]
+    vllm_version: str
+    max_model_len: int
+    # What the train stage needs from the target, decided here (see `eyrie.stages.train.trainer.training_command`):
+    # `verifier_weights`, speculators' names for the tensors the drafter borrows -> the checkpoint's, and
+    # `mask_token_id`.
+    target_facts: dict = field(default_factory=dict)
+    final_norm: str | None = None  # the target's final norm class (speculators applies it as an RMSNorm)
+    revisions: dict = field(default_factory=dict)  # hub revisions as this run pinned them (commits)
+    estimated_bytes: int | None = None
+    free_bytes: int | None = None
+    hidden_states: str = "offline"  # train.hidden_states: online runs have no extract stage (`eyrie status` reads it)
+    warnings: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def report_markdown(report: PreflightReport) -> str:
+    """The report as a user reads it in Prefect's UI: the verdict first, then every problem and what was found."""
+    verdict = (
+        f"**FAILED**: {len(report.failures)} problem(s), no weights were loaded"
+        if report.failures
+        else f"passed: `{report.architecture}` via the {report.eagle3_path} EAGLE-3 path"
+    )
+    weights = report.target_facts.get("verifier_weights", {})
+    rows = [
+        ("architecture", f"`{report.architecture}` (vLLM `{report.vllm_class}`)"),
+        ("EAGLE-3 path", f"{report.eagle3_path}: {report.eagle3_reason}"),
+        ("layers / hidden / vocab", f"{report.num_layers} / {report.hidden_size} / {report.vocab_size}"),
+        ("captured layer ids", str(report.captured_layer_ids)),
+        ("max_model_len", str(report.max_model_len)),
+        ("borrowed tensors", ", ".join(f"`{v}`" for v in weights.values()) or "-"),
+        ("hidden states (estimate)", f"{report.estimated_bytes / 2**30:.1f} GiB" if report.estimated_bytes else "-"),
+        ("vLLM", report.vllm_version),
+    ]
+    return "\n".join(
+        [
+            f"# Preflight {verdict}",
+            "",
+            *(f"- {f}" for f in report.failures),
+            "",
+            *(f"- warning: {w}" for w in report.warnings),
+            "",
+            "| check | found |",
+            "|---|---|",
+            *(f"| {k} | {v} |" for k, v in rows),
+        ]
+    )
