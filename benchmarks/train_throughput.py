@@ -359,10 +359,10 @@ def cmd_step(args) -> dict:
     from eyrie.target.drafter import draft_layer_config
 
     if args.eyrie_patches:  # eyrie.stages.train.entry's changes to the model's step: no data-dependent syncs
-        import eyrie.stages.train.entry as entry
+        from eyrie.stages.train.patches import metrics
 
-        entry._accuracy_without_sync()
-        entry._loss_scalars_without_sync()
+        metrics._accuracy_without_sync()
+        metrics._loss_scalars_without_sync()
     d = dims(args)
     config, _ = load(Path(args.root))
     V, VD, T, TTT = d["vocab"], d["draft_vocab"], config.train.max_seq_len, config.train.ttt_steps
@@ -425,9 +425,9 @@ def cmd_step(args) -> dict:
     amp = args.master == "fp32" and dev == "cuda"
     working = None
     if args.bf16_weights and amp:  # eyrie.stages.train.entry's bfloat16 working copies of the float32 weights
-        import eyrie.stages.train.entry as entry
+        from eyrie.stages.train.patches import working_weights
 
-        working = entry._WorkingWeights(model, torch.bfloat16)
+        working = working_weights._WorkingWeights(model, torch.bfloat16)
     timing = {"fwd": 0.0, "bwd": 0.0, "opt": 0.0}
 
     def borrow(variant: str) -> None:
@@ -777,7 +777,7 @@ def _memory_loaders(
     from datasets import load_from_disk
     from speculators.train.data import CollateFn
 
-    import eyrie.stages.train.entry as entry
+    from eyrie.stages.train.patches import feed, switches
 
     class MemoryLoader:
         batch_sampler = None
@@ -790,8 +790,10 @@ def _memory_loaders(
 
         def __iter__(self):
             batches = (dict(self.batch) for _ in range(self.n))
-            if entry.GPU_FEED and torch.cuda.is_available():  # as eyrie.stages.train.entry feeds speculators' loaders
-                return entry._copied_ahead(batches, torch.device("cuda", 0))
+            if (
+                switches.GPU_FEED and torch.cuda.is_available()
+            ):  # as eyrie.stages.train.entry feeds speculators' loaders
+                return feed._copied_ahead(batches, torch.device("cuda", 0))
             return batches
 
     ds = load_from_disk(data_path).with_format(None)
@@ -837,12 +839,13 @@ def _bench_entry(argv: list[str]) -> None:
     opts = json.loads(os.environ.pop("EYRIE_BENCH", "{}"))
     _mark("entry")
     import eyrie.stages.train.entry as entry  # light: its imports come inside main()
+    from eyrie.stages.train.patches import switches, workers
 
     for name in opts.get("off", []):
-        assert isinstance(getattr(entry, name), bool), name
-        setattr(entry, name, False)
-    if entry.FORKSERVER_WORKERS and os.environ.get("EYRIE_TRAIN_DEVICE") != "cpu":
-        entry._start_worker_server()  # where main() starts it, before the heavy imports (again there: a no-op)
+        assert isinstance(getattr(switches, name), bool), name
+        setattr(switches, name, False)
+    if switches.FORKSERVER_WORKERS and os.environ.get("EYRIE_TRAIN_DEVICE") != "cpu":
+        workers._start_worker_server()  # where main() starts it, before the heavy imports (again there: a no-op)
     if os.environ.get("EYRIE_TRAIN_DEVICE") != "cpu":
         # as main() does before its imports: importing speculators sets TORCHINDUCTOR_CACHE_DIR to /tmp's default
         # when it is unset, and main()'s own call after the imports below would then leave it there
@@ -1263,7 +1266,7 @@ def cmd_loader(args) -> dict:
     from speculators.train import dataloader
     from speculators.train.config import TrainConfig
 
-    import eyrie.stages.train.entry as entry
+    from eyrie.stages.train.patches import gpu, switches
 
     d = dims(args)
     cmd, _, _ = eyrie_command(args, Path(args.root), args.optimizer)
@@ -1271,10 +1274,10 @@ def cmd_loader(args) -> dict:
     i = argv.index("--eyrie-verifier-weights")
     a = argparse.Namespace(**TrainConfig.resolve(argv[:i] + argv[i + 2 :]).flatten())
     for name in args.off:
-        setattr(entry, name, False)
+        setattr(switches, name, False)
     cuda = torch.cuda.is_available()
     if cuda:
-        entry._gpu_speedups()
+        gpu._gpu_speedups()
     transfer = HiddenStatesBackend.registry[a.hidden_states_backend].from_train_args(a, a.data_path)
     t0 = time.perf_counter()
     train, _ = dataloader.create_train_val_loaders(

@@ -85,11 +85,11 @@ def _rank_main(out: Path) -> None:
     torch, sync-free metrics, the BF16_WEIGHTS hooks) and bfloat16 autocast, which is how DDP trains on GPUs."""
     import torch
 
-    from eyrie.stages.train import entry
+    from eyrie.stages.train.patches import cpu, gpu, switches, working_weights
 
     os.environ["EYRIE_TRAIN_DEVICE"] = "cpu"
     torch.set_num_threads(1)
-    entry._run_on_cpu()
+    cpu._run_on_cpu()
     from speculators.train import distributed
 
     distributed.maybe_setup_distributed()
@@ -99,8 +99,8 @@ def _rank_main(out: Path) -> None:
     for mode in MODES:
         dtype = torch.bfloat16 if mode == "bf16" else torch.float32
         if mode == "bf16":  # less what concerns the loader and the model's build, which this program makes itself
-            entry.GPU_FEED = entry.BUILD_ON_GPU = entry.FORKSERVER_WORKERS = False
-            entry._gpu_speedups()
+            switches.GPU_FEED = switches.BUILD_ON_GPU = switches.FORKSERVER_WORKERS = False
+            gpu._gpu_speedups()
         from speculators.train.trainer import Trainer
 
         trainer = Trainer(
@@ -110,9 +110,9 @@ def _rank_main(out: Path) -> None:
         )
         assert isinstance(trainer.model, torch.nn.parallel.DistributedDataParallel)
         trainer.train_epoch(0)
-        entry._to_master_weights()
+        working_weights._to_master_weights()
         state = {k: v.detach().clone() for k, v in trainer.model.module.state_dict().items()}
-        torch.save({"state": state, "working": len(entry._WORKING)}, out / f"{mode}-rank{rank}.pt")
+        torch.save({"state": state, "working": len(working_weights._WORKING)}, out / f"{mode}-rank{rank}.pt")
     distributed.maybe_destroy_distributed()
 
 
@@ -123,10 +123,10 @@ def _one_process(dtype, ranks: tuple[int, ...] = (0, 1), working: bool = False) 
     import torch
     from speculators.train.optimizers import build_optimizers
 
-    from eyrie.stages.train import entry
+    from eyrie.stages.train.patches import working_weights
 
     model = tiny_eagle3()
-    weights = entry._WorkingWeights(model, dtype) if working else None
+    weights = working_weights._WorkingWeights(model, dtype) if working else None
     (opt,) = build_optimizers(model, _trainer_config(Path("unused"), dtype))
     for step in range(STEPS):
         opt.zero_grad()

@@ -129,14 +129,14 @@ def test_a_warm_start_trains_at_a_scaled_rate_and_keys_it(tmp_path):
 def test_worker_init_is_picklable_by_name_and_touches_no_accelerator(monkeypatch):
     import torch
 
-    from eyrie.stages.train import entry as train_entry
+    from eyrie.stages.train.patches import workers
 
     # a spawned DataLoader worker unpickles it by module and name
-    assert pickle.loads(pickle.dumps(train_entry._worker_init)) is train_entry._worker_init
+    assert pickle.loads(pickle.dumps(workers._worker_init)) is workers._worker_init
     called = []
     monkeypatch.setattr(torch.accelerator, "set_device_index", lambda *a: called.append(a))
     monkeypatch.setattr(torch, "set_num_threads", lambda n: called.append(("threads", n)))
-    train_entry._worker_init(3)
+    workers._worker_init(3)
     assert called == [("threads", 1)]
 
 
@@ -164,11 +164,11 @@ def test_gpu_speedups_leave_cpu_tensors_and_optimizers_alone(monkeypatch):
     import torch
     from speculators.train import dataloader, trainer
 
-    from eyrie.stages.train import entry as train_entry
+    from eyrie.stages.train.patches import gpu, workers
 
     _keep_what_gpu_speedups_replaces(monkeypatch)
-    train_entry._gpu_speedups()
-    assert dataloader._worker_init_fn is train_entry._worker_init
+    gpu._gpu_speedups()
+    assert dataloader._worker_init_fn is workers._worker_init
     view = trainer.torch
     assert view.autocast is torch.autocast and view.nn.Linear is torch.nn.Linear and view.float32 is torch.float32
     assert view.nn.utils.get_total_norm is torch.nn.utils.get_total_norm
@@ -198,10 +198,10 @@ def test_accuracy_counts_without_sync_are_speculators_counts(monkeypatch):
     from speculators.models import metrics as shared
     from speculators.models.eagle3 import metrics
 
-    from eyrie.stages.train import entry as train_entry
+    from eyrie.stages.train.patches import metrics as patches
 
     monkeypatch.setattr(metrics, "compute_accuracy_single_step", metrics.compute_accuracy_single_step)
-    train_entry._accuracy_without_sync()
+    patches._accuracy_without_sync()
     g = torch.Generator().manual_seed(0)
     for case in range(60):
         n = int(torch.randint(1, 200, (1,), generator=g))
@@ -224,10 +224,10 @@ def test_clip_handed_to_fused_adamw_makes_the_same_update(monkeypatch):
     import torch
     from speculators.train import trainer
 
-    from eyrie.stages.train import entry as train_entry
+    from eyrie.stages.train.patches import gpu
 
     _keep_what_gpu_speedups_replaces(monkeypatch)
-    train_entry._gpu_speedups()  # the trainer's view of torch, then the clip handed to the optimizer
+    gpu._gpu_speedups()  # the trainer's view of torch, then the clip handed to the optimizer
     for grad_scale, fused in ((100.0, True), (1e-3, True), (100.0, False)):  # clipped, not clipped, not fused
         torch.manual_seed(0)
         plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
@@ -252,7 +252,7 @@ def test_forward_with_scalars_made_on_the_device_is_speculators_forward(monkeypa
     import torch
     from speculators.models.eagle3 import core
 
-    from eyrie.stages.train import entry as train_entry
+    from eyrie.stages.train.patches import metrics as patches
 
     monkeypatch.setattr(core.Eagle3DraftModel, "forward", core.Eagle3DraftModel.forward)
     model, batch = _tiny_eagle3()
@@ -268,7 +268,7 @@ def test_forward_with_scalars_made_on_the_device_is_speculators_forward(monkeypa
 
     want = run()
     stock = core.Eagle3DraftModel.forward
-    train_entry._loss_scalars_without_sync()
+    patches._loss_scalars_without_sync()
     assert core.Eagle3DraftModel.forward is not stock
     got = run()
     assert all(torch.equal(a, b) for a, b in zip(want[0], got[0])) and torch.equal(want[1], got[1])
@@ -310,12 +310,12 @@ def test_bf16_working_weights_train_like_float32_weights_under_autocast(monkeypa
 
     import torch
 
-    from eyrie.stages.train import entry as train_entry
+    from eyrie.stages.train.patches import working_weights
 
-    monkeypatch.setattr(train_entry, "_WORKING", [])
+    monkeypatch.setattr(working_weights, "_WORKING", [])
     plain, batch = _tiny_eagle3()
     working = copy.deepcopy(plain)
-    weights = train_entry._WorkingWeights(working, torch.bfloat16)
+    weights = working_weights._WorkingWeights(working, torch.bfloat16)
     seen = []
     working.register_forward_pre_hook(lambda m, a: seen.append({p.dtype for p in m.parameters()}))
     opts = [torch.optim.AdamW(m.named_parameters(), lr=1e-3) for m in (plain, working)]
@@ -360,14 +360,14 @@ def test_bf16_working_weights_are_put_back_before_clip_step_and_save(monkeypatch
     import torch
     from speculators.train import trainer
 
-    from eyrie.stages.train import entry as train_entry
+    from eyrie.stages.train.patches import gpu, working_weights
 
     _keep_what_gpu_speedups_replaces(monkeypatch)
-    monkeypatch.setattr(train_entry, "_WORKING", [])
+    monkeypatch.setattr(working_weights, "_WORKING", [])
     calls = []
     monkeypatch.setattr(trainer.Trainer, "setup_model", lambda self: calls.append("setup"))
     monkeypatch.setattr(trainer.Trainer, "maybe_save_checkpoint", lambda self, *a, **k: calls.append("save"))
-    train_entry._gpu_speedups()
+    gpu._gpu_speedups()
 
     def trainer_with(distributed: bool):
         model = torch.nn.Linear(4, 4)
@@ -375,10 +375,10 @@ def test_bf16_working_weights_are_put_back_before_clip_step_and_save(monkeypatch
         return types.SimpleNamespace(model=model, is_distributed=distributed, config=config, optimizers=[])
 
     trainer.Trainer.setup_model(trainer_with(True))  # DDP and FSDP are left as they are
-    assert calls == ["setup"] and train_entry._WORKING == []
+    assert calls == ["setup"] and working_weights._WORKING == []
     one = trainer_with(False)
     trainer.Trainer.setup_model(one)
-    (weights,) = train_entry._WORKING
+    (weights,) = working_weights._WORKING
     one.model(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()
     assert one.model.weight.dtype == torch.bfloat16 and weights.working
     trainer.torch.nn.utils.clip_grad_norm_(one.model.parameters(), 1.0)

@@ -1,0 +1,93 @@
+"""Batches copied to the GPU ahead of the step that takes them, on a stream of their own."""
+
+from __future__ import annotations
+
+import os
+
+from eyrie.stages.train.patches import switches
+
+
+def _copied_ahead(batches, device):
+    """Iterate `batches` (a data loader's iterator) with every tensor already on `device`. A thread takes each batch
+    from the loader and copies it on a CUDA stream of its own, up to FEED_AHEAD batches ahead; the step's stream
+    waits for that copy alone (an event), and each tensor is marked as used by the step's stream so its memory is
+    not reused before the step is done with it."""
+    import queue
+    import threading
+
+    import torch
+
+    from eyrie.hidden_states.gpu_decode import decode_batch
+
+    copy_stream = torch.cuda.Stream(device)
+    ready = queue.Queue(maxsize=switches.FEED_AHEAD)  # type: ignore[var-annotated]
+    stop = threading.Event()
+    done = object()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def feed() -> None:
+        try:
+            torch.cuda.set_device(device)
+            for batch in batches:
+                with torch.cuda.stream(copy_stream):
+                    moved = {
+                        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                        for k, v in batch.items()
+                    }
+                    if switches.FP8_ON_GPU:
+                        moved = decode_batch(moved)
+                    copied = torch.cuda.Event()
+                    copied.record(copy_stream)
+                if not put((moved, copied)):
+                    return
+            put((done, None))
+        except BaseException as err:  # noqa: BLE001  (raised again in the training thread)
+            put((err, None))
+
+    thread = threading.Thread(target=feed, name="eyrie-gpu-feed", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, copied = ready.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            step_stream = torch.cuda.current_stream(device)
+            step_stream.wait_event(copied)
+            for v in item.values():
+                if isinstance(v, torch.Tensor):
+                    v.record_stream(step_stream)
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=60)  # the thread ends once the batch it is waiting for arrives
+
+
+def _feed_the_gpu_ahead() -> None:
+    """speculators copies each batch to the GPU inside the step (`.to(non_blocking=True)` from pinned memory, on
+    the step's own stream), so the ~235 MB of hidden states a packed Kimi-K2.5 batch holds crosses PCIe while the
+    GPU computes nothing (4.3 ms a step on an H200), and a batch late from the loader stalls the step. Its
+    loaders here hand over batches already on the GPU, copied on a stream of their own while earlier steps run
+    (`_copied_ahead`); the trainer's own `.to()` then finds them there and does nothing."""
+    import torch
+    from speculators.train import dataloader
+
+    class GpuFedLoader(dataloader.DataLoader):  # type: ignore[name-defined,misc]
+        def __init__(self, *args, **kwargs):
+            if not switches.PINNED_LOADER:
+                kwargs["pin_memory"] = False
+            super().__init__(*args, **kwargs)
+
+        def __iter__(self):
+            return _copied_ahead(super().__iter__(), torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+
+    dataloader.DataLoader = GpuFedLoader

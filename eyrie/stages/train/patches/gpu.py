@@ -1,0 +1,82 @@
+"""speculators on GPUs: only what costs time changes, each change behind a switch (switches.py)."""
+
+from __future__ import annotations
+
+from eyrie.stages.train.patches import switches
+
+
+def _gpu_speedups() -> None:
+    import torch
+    from speculators.train import dataloader, trainer
+
+    from eyrie.stages.train.patches.build import _build_on_gpu
+    from eyrie.stages.train.patches.clip import _clip_inside_fused_adamw
+    from eyrie.stages.train.patches.feed import _feed_the_gpu_ahead
+    from eyrie.stages.train.patches.metrics import _accuracy_without_sync, _loss_scalars_without_sync
+    from eyrie.stages.train.patches.workers import _fork_workers_from_a_server, _worker_init
+    from eyrie.stages.train.patches.working_weights import _bf16_working_weights
+
+    dataloader._worker_init_fn = _worker_init  # looked up when the loaders are built
+
+    build = trainer.build_optimizers
+
+    def build_optimizers(model, config):
+        """speculators builds AdamW with torch's default (foreach) implementation; the fused one does the same
+        update in one kernel per group. Only for parameters that all live on a GPU (the fused kernel's need)."""
+        out = []
+        for opt in build(model, config):
+            params = [p for g in opt.param_groups for p in g["params"]]
+            if type(opt) is torch.optim.AdamW and params and all(p.is_cuda for p in params):
+                groups = [{k: v for k, v in g.items() if k not in ("foreach", "fused")} for g in opt.param_groups]
+                opt = torch.optim.AdamW(groups, fused=True)
+            out.append(opt)
+        return out
+
+    trainer.build_optimizers = build_optimizers
+
+    class _Torch(type(torch)):
+        """The trainer's view of `torch`: `torch.tensor(<python number>, device=<gpu>)` is a host-to-device copy
+        from pageable memory, which waits for the GPU; the trainer makes two per step (its error-record counters),
+        so every step synchronised whatever --log-freq said. `torch.full` writes the same scalar on the device
+        without waiting. Everything else is torch itself."""
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def tensor(data, *args, dtype=None, device=None, **kwargs):
+            if (
+                not args
+                and not kwargs
+                and isinstance(data, (int, float))
+                and not isinstance(data, bool)
+                and device is not None
+                and torch.device(device).type == "cuda"
+            ):
+                return torch.full((), data, dtype=dtype or torch.get_default_dtype(), device=device)
+            return torch.tensor(data, *args, dtype=dtype, device=device, **kwargs)
+
+    trainer.torch = _Torch("torch")
+
+    if switches.CLIP_IN_ADAMW:
+        _clip_inside_fused_adamw()
+    if switches.GPU_FEED:
+        _feed_the_gpu_ahead()
+        if switches.FP8_ON_GPU:
+            from eyrie.hidden_states import gpu_decode
+
+            gpu_decode.install()
+    if switches.QUIET_PROGRESS:
+        # speculators draws a rich progress bar (tqdm.rich) over every loader on rank 0: a refresh thread competing
+        # for the GIL with the thread that launches the step's kernels, for a bar that lands in a log file as noise.
+        # Loss, tokens/s and the step phases are logged every --log-freq steps anyway.
+        trainer.tqdm = lambda iterable, *args, **kwargs: iterable
+    if switches.BUILD_ON_GPU:
+        _build_on_gpu()
+    if switches.FORKSERVER_WORKERS:
+        _fork_workers_from_a_server()
+    if switches.SYNC_FREE_METRICS:
+        _accuracy_without_sync()
+        _loss_scalars_without_sync()
+    if switches.BF16_WEIGHTS:
+        _bf16_working_weights()

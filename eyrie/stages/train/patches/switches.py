@@ -1,0 +1,15 @@
+"""The GPU changes' switches: each is on for GPU training; benchmarks/train_throughput.py turns them off
+(`--off NAME`) to measure what each buys."""
+
+from __future__ import annotations
+
+GPU_FEED = True
+QUIET_PROGRESS = True
+BUILD_ON_GPU = True
+FORKSERVER_WORKERS = True
+PINNED_LOADER = True  # with GPU_FEED: the loader pins batches (its pin-memory thread) before they are copied
+SYNC_FREE_METRICS = True
+CLIP_IN_ADAMW = True
+BF16_WEIGHTS = True  # forward and backward on bfloat16 copies of the float32 weights, made once a step
+FP8_ON_GPU = True  # with GPU_FEED: fp8 hidden-state files reach the GPU as fp8 and are decoded there (gpu_decode.py)
+FEED_AHEAD = 2  # batches on the GPU, or being copied there, ahead of the step that takes them
