@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import base64
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -10,7 +11,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_image_artifact, create_table_artifact
 
 from eyrie.run.faults import fault_point
-from eyrie.run.folder import atomic_write_json
+from eyrie.run.folder import atomic_write_json, read_json
 from eyrie.run.manifest import finished_manifest
 from eyrie.stages.evaluate import (
     baseline_warnings,
@@ -25,8 +26,9 @@ from eyrie.stages.evaluate import (
 )
 from eyrie.vllm.client import ServerClient
 from eyrie.vllm.process import VllmServer
+from eyrie.vllm.provenance import differences, served_under
 from eyrie.vllm.spec import ServerSpec
-from tasks.caching import eyrie_task, stage_task
+from tasks.caching import StageDone, eyrie_task, stage_task
 from tasks.serving import serve, stop
 
 
@@ -45,13 +47,58 @@ class EvaluateJob:
     key: str
     startup_timeout_s: float
     throughput_concurrency: list[int] | None = None  # also tokens/s at these concurrencies, on the same server
+    # The measurement this one is compared with (its JSON file): by default the trained drafter's, beside this one
+    # in the evaluation folder (the flow measures it first). None for the trained drafter itself.
+    reference: str | None = None
+
+    def reference_path(self) -> Path | None:
+        if self.reference:
+            return Path(self.reference)
+        return None if self.label == "trained" else Path(self.out_path).with_name("trained.json")
 
 
-@stage_task("evaluate", manifest="{job.out_path}", argument="job.key", task_run_name="evaluate-{job.label}", retries=1)
+def stale_against_reference(job: EvaluateJob) -> list[str]:
+    """Why this drafter's finished measurement cannot be compared with the reference's (the trained drafter's,
+    measured in this run): the server they were measured under differs (`eyrie.vllm.provenance.differences`:
+    vLLM version, model runner, attention backend, serving arguments). Empty when it can, or when either is not
+    there yet."""
+    ref_path = job.reference_path()
+    ref = read_json(ref_path) if ref_path else None
+    mine = read_json(Path(job.out_path))
+    if not ref or not mine:
+        return []
+    return differences(mine.get("served_under"), ref.get("served_under"))
+
+
+class MeasuredAlike(StageDone):
+    """`StageDone`, and while the finished measurement was made under the same server as the measurement it is
+    compared with (issue 25 item 6): when the vLLM version, model runner, attention backend or serving arguments
+    changed since, the drafter is measured again before anything is compared with it."""
+
+    def compute_key(self, task_ctx, inputs, flow_parameters, **kw):
+        cache_key = super().compute_key(task_ctx, inputs, flow_parameters, **kw)
+        job = inputs.get("job")
+        if cache_key is None or not isinstance(job, EvaluateJob) or not stale_against_reference(job):
+            return cache_key
+        return f"{cache_key}-remeasure-{uuid.uuid4().hex}"
+
+
+@eyrie_task(
+    "evaluate",
+    cache_policy=MeasuredAlike(argument="job.key", manifest="{job.out_path}"),
+    task_run_name="evaluate-{job.label}",
+    retries=1,
+)
 def evaluate_task(job: EvaluateJob) -> dict:
-    if measured := finished_manifest(
-        Path(job.out_path), job.key
-    ):  # by a run that died before Prefect recorded the result
+    log = get_run_logger()
+    measured = finished_manifest(Path(job.out_path), job.key)  # by a run that died before Prefect recorded it
+    if measured and (changed := stale_against_reference(job)):
+        log.warning(
+            f"the {job.label} drafter's measurement in {job.out_path} was made under another server than the "
+            f"measurement it is compared with ({'; '.join(changed)}): measuring it again"
+        )
+        measured = None
+    if measured:
         return measured
     spec = replace(job.spec, drafter=job.drafter)
     state = VllmServer(Path(job.server_dir)).state
@@ -63,6 +110,8 @@ def evaluate_task(job: EvaluateJob) -> dict:
     try:
         client = serve(spec, Path(job.server_dir), job.startup_timeout_s)
         result = measure(client, job.prompts, job.max_tokens)
+        # What it was measured under: compared before this measurement is compared with any other.
+        result["served_under"] = served_under(_log_text(Path(job.server_dir)), spec)
         if job.throughput_concurrency:  # on the same server: the drafter at the served k, for the draft-token report
             result["throughput"] = [
                 measure_throughput(client, job.prompts, job.max_tokens, c) for c in job.throughput_concurrency
@@ -73,6 +122,13 @@ def evaluate_task(job: EvaluateJob) -> dict:
     atomic_write_json(Path(job.out_path), result)
     fault_point(f"evaluate.{job.label}.written")
     return result
+
+
+def _log_text(server_dir: Path) -> str:
+    try:
+        return VllmServer(server_dir).log_path.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 @dataclass

@@ -271,13 +271,23 @@ def floor_comparison(result: dict) -> dict | None:
     }
 
 
+def served_apart(a: dict, b: dict) -> list[str]:
+    """How the servers two measurements were made under differ (`eyrie.vllm.provenance.differences`: vLLM version,
+    model runner, attention backend, serving arguments); empty when they compare."""
+    from eyrie.vllm.provenance import differences
+
+    return differences(a.get("served_under"), b.get("served_under"))
+
+
 def compare_drafters(results: dict[str, dict]) -> dict[str, dict]:
     """The trained drafter against each other one measured on the same prompts (`untrained`, `current`), paired;
     with no untrained drafter served, against the floor (`floor`)."""
     trained = results["trained"]
     out = {}
     for label, other in results.items():
-        if label != "trained" and (cmp := paired_difference(trained, other)) is not None:
+        if label == "trained" or served_apart(trained, other):
+            continue  # measured under another server: not compared (`baseline_warnings` says so)
+        if (cmp := paired_difference(trained, other)) is not None:
             out[label] = cmp
     if "untrained" not in results and (floor := floor_comparison(trained)) is not None:
         out["floor"] = floor
@@ -297,6 +307,13 @@ def baseline_warnings(results: dict[str, dict], comparisons: dict[str, dict]) ->
     warnings = []
     for label, what in BASELINES:
         cmp = comparisons.get(label)
+        if label in results and (apart := served_apart(results["trained"], results[label])):
+            warnings.append(
+                f"the trained drafter and {what} were measured under different servers ({'; '.join(apart)}): "
+                "they are not compared and the trained drafter is not promoted. Run again: the drafter measured "
+                "under the older server is measured again"
+            )
+            continue
         if cmp is None:
             if label not in results:
                 continue

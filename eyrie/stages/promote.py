@@ -76,6 +76,7 @@ def decide(candidate: dict, current: dict | None) -> tuple[bool, str]:
     was one) and than the current drafter, each by a paired comparison on the same prompts (`candidate["versus"]`,
     attached by the evaluation's report, or computed here from both measurements' per-request counts)."""
     from eyrie.stages.evaluate import paired_difference
+    from eyrie.vllm.provenance import differences
 
     new = candidate.get("acceptance_length")
     if new is None:
@@ -86,6 +87,11 @@ def decide(candidate: dict, current: dict | None) -> tuple[bool, str]:
             return False, f"it is not clearly better than {what} ({_paired(base)}): a useless drafter is never promoted"
     if current is None:
         return True, "there is no current drafter yet"
+    if changed := differences(candidate.get("served_under"), current.get("served_under")):
+        return False, (
+            f"the current drafter was measured under another server than the new one ({'; '.join(changed)}): "
+            "nothing is compared across servers; run again, which measures the current drafter again"
+        )
     old = current.get("acceptance_length")
     if old is None:
         return True, f"acceptance length {new}; the current drafter's could not be measured"
@@ -180,6 +186,10 @@ def decide_and_promote(
             "current_before": str(now) if now else None,
             "current_acceptance_length": current.get("acceptance_length") if current else None,
             "comparisons": candidate.get("versus") or {},
+            # What each was measured under (vLLM version, model runner, attention backend, serving arguments): a
+            # later run's comparison with this drafter measures it again when its server differs.
+            "served_under": candidate.get("served_under"),
+            "current_served_under": current.get("served_under") if current else None,
             **context,
         }
         if promoted:
