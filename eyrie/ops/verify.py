@@ -11,7 +11,10 @@ What it does with a damaged file, so that the next `eyrie run` redoes exactly th
   listed file is missing) and the next run extracts only the missing samples (a damaged pack, `extraction.storage:
   packed`: its whole shard);
 - a file listed by a stage manifest (regenerate, vocab, export): that `<stage>/manifest.json` is removed, and the
-  next run redoes the stage.
+  next run redoes the stage;
+- a file of a training checkpoint (the train manifest lists the shipped one): the manifest is removed and the
+  checkpoint stops counting (`eyrie.stages.train.checkpoints.quarantine`: renamed `<N>.damaged`), so the next run
+  resumes from the newest whole checkpoint before it, or trains from scratch, and never vouches for the rotted file.
 
 It changes nothing with `report_only`, or while a run holds the folder's lock (that run may be reading the files):
 then it says so, and a later `eyrie verify` does it. Missing files need nothing removed: the next run sees them.
@@ -33,6 +36,7 @@ from eyrie.run.manifest import file_problem, listed
 from eyrie.stages import RUN_FOLDER_STAGES
 from eyrie.stages.prepare import load_shards
 from eyrie.stages.regenerate import extraction_source
+from eyrie.stages.train.checkpoints import checkpoint_holding, quarantine
 
 CHUNK = 64  # files per task handed to a worker: 200,000 files make 3,125 tasks, not 200,000 futures
 SHOWN = 50  # damaged files named in the summary; the count covers all of them
@@ -262,12 +266,17 @@ def _check_run_folder(run: RunFolder) -> None:
 def _remove_damaged(run: RunFolder, report: VerifyReport) -> None:
     """Holding the run lock: remove what is still damaged and still listed (a run may have redone it meanwhile)."""
     listed_now = set(listed_files(run).files)
-    removed, missing, stages = 0, 0, set()
+    removed, missing, stages, checkpoints = 0, 0, set(), set()
     for item, _ in report.bad:
         if item not in listed_now or check_file(item)[1] is None:
             continue
         if item.manifest == run.manifest(item.owner):  # a stage's file: the stage is redone
             stages.add(item.owner)
+            # A file the redo would resume from (a training checkpoint) must stop counting, or the redo finds the
+            # work done and vouches for it again.
+            held = checkpoint_holding(item.path)
+            if held is not None and within(held, run.stage(item.owner)) and held.is_dir():
+                checkpoints.add(held)
         elif item.path.exists() and within(item.path, run.hidden_states):  # listed_files keeps only these
             item.path.unlink()
             removed += 1
@@ -280,6 +289,12 @@ def _remove_damaged(run: RunFolder, report: VerifyReport) -> None:
         )
     if missing:
         report.changed.append(f"{missing} hidden-state file(s) are missing: the next `eyrie run` extracts them again")
+    for folder in sorted(checkpoints):
+        aside = quarantine(folder)
+        report.changed.append(
+            f"moved the damaged checkpoint {_rel(folder, run.root)} aside to {aside.name}: the next `eyrie run` "
+            "resumes from the newest whole checkpoint before it (or trains from scratch)"
+        )
     for stage in sorted(stages):
         run.manifest(stage).unlink(missing_ok=True)
         report.changed.append(f"removed {stage}/manifest.json: the next `eyrie run` redoes the {stage} stage")

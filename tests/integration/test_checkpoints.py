@@ -129,3 +129,37 @@ def test_a_kill_between_weights_and_state_resumes_to_the_uninterrupted_step_coun
     assert any("restored checkpoint" in n for n in notes), notes  # the whole save the cut one was replacing
     assert resumed["global_step"] == steps
     assert [h["epoch"] for h in resumed["history"]] == [h["epoch"] for h in whole_run["history"]]
+
+
+def test_a_save_is_on_disk_before_the_previous_copy_is_deleted(tmp_path, monkeypatch):
+    """settle_save deletes the whole copy a save replaced: every file of the new save, its folder and the folder
+    holding its link are fsynced before that (a power loss after the delete would otherwise leave only a new save
+    whose bytes may never have reached the disk)."""
+    import shutil
+
+    import eyrie.stages.train.checkpoints as checkpoints
+
+    ckpts = tmp_path / "checkpoints"
+    mid = save(ckpts, 1, 4, 14)
+    age(mid, 5)
+    set_aside_previous(mid)
+    new = save(ckpts, 1, 8, 18)
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rmtree = os.fsync, shutil.rmtree
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rmtree(path, *a, **kw):
+        events.append(("rmtree", str(path)))
+        real_rmtree(path, *a, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(checkpoints.shutil, "rmtree", rmtree)
+    checkpoints.settle_save(new)
+
+    assert not (ckpts / "1.previous").exists()
+    deleted = events.index(("rmtree", str(ckpts / "1.previous")))
+    synced = {path for what, path in events[:deleted] if what == "fsync"}
+    assert {str(p) for p in new.iterdir()} | {str(new), str(ckpts)} <= synced, events

@@ -185,3 +185,52 @@ def test_status_of_an_online_run_does_not_call_its_shards_pending(tmp_path):
     assert status["stages"]["extract"].startswith("not used (train.hidden_states: online")
     assert status["shards"] == {}
     assert "shard-00000" not in format_status(status)
+
+
+def _checkpoint(save_path: Path, epoch: int, global_step: int) -> Path:
+    """A whole end-of-epoch checkpoint as speculators 0.9.0 lays it out (tests/integration/test_checkpoints.py)."""
+    import json
+
+    from eyrie.stages.train.checkpoints import completion_link
+
+    folder = save_path / str(epoch)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"weights %d" % global_step * 100)
+    (folder / "optimizer_state_dict.pt").write_bytes(b"optimizer %d" % global_step)
+    (folder / "training_state.json").write_text(
+        json.dumps({"epoch": epoch, "local_step": 0, "global_step": global_step})
+    )
+    completion_link(save_path, epoch, 0).symlink_to(str(epoch))
+    return folder
+
+
+def test_verify_takes_a_rotted_checkpoint_out_of_the_next_runs_resume(run, capsys):
+    """Bit rot in the shipped checkpoint: removing the train manifest alone let the next run resume from that same
+    checkpoint, find no epoch left and vouch for the rotted file again. The checkpoint stops counting instead."""
+    from speculators.train.checkpointer import SingleGPUCheckpointer
+
+    from eyrie.run.manifest import files_under
+    from eyrie.stages.train.checkpoints import newest_whole_checkpoint, recover
+
+    ckpts = run.train / "k" / "checkpoints"
+    first, final = _checkpoint(ckpts, 0, 10), _checkpoint(ckpts, 1, 20)
+    (ckpts / "checkpoint_best").symlink_to("1")  # speculators' link to the best epoch
+    files = list_files(run.train, files_under(final))
+    atomic_write_json(run.manifest("train"), {"stage": "train", "key": "k", "checkpoint": str(final), "files": files})
+    _rot(final / "model.safetensors")
+    assert newest_whole_checkpoint(ckpts) == final  # a stat cannot see it
+
+    assert main(["verify", "--run-dir", str(run.root)]) == 1
+    out = capsys.readouterr().out
+    assert "train/k/checkpoints/1/model.safetensors (train): content differs" in out
+    assert "moved the damaged checkpoint train/k/checkpoints/1 aside to 1.damaged" in out
+    assert "removed train/manifest.json" in out and not run.manifest("train").exists()
+    assert (ckpts / "1.damaged" / "model.safetensors").exists()  # kept for a look, under a name nothing resumes
+    assert not (ckpts / "epoch1_end").is_symlink() and not (ckpts / "checkpoint_best").is_symlink()
+
+    # The next run: recover, then resume from the newest whole checkpoint, which is now the one before.
+    assert recover(ckpts) == []
+    assert newest_whole_checkpoint(ckpts) == first
+    assert SingleGPUCheckpointer(ckpts).previous_epoch == 0  # speculators' own choice agrees
+    assert main(["verify", "--run-dir", str(run.root)]) == 0  # nothing vouches for the rotted file any more

@@ -10,7 +10,13 @@ So a checkpoint counts only when it is whole: its training state is no older tha
 own epoch, and the completion link for that state exists. Before a resume, Eyrie moves a folder that is not whole
 aside (`N.incomplete`) and puts back the whole one the interrupted save replaced: during training
 (eyrie/stages/train/entry.py) each save first renames the whole `N/` it would overwrite to `N.previous` and deletes that
-only once the new `N/` is whole. A folder name that is not a number is invisible to speculators' resume.
+only once the new `N/` is whole, and durable: every file of the new save, its folder and the link beside it are
+fsynced first, so a power loss after the delete cannot leave a new save whose bytes never reached the disk as the only
+copy. A folder name that is not a number is invisible to speculators' resume.
+
+A checkpoint `eyrie verify` finds damaged (a listed file whose bytes no longer match its sha256: bit rot) stops
+counting: `quarantine` renames it `N.damaged` and removes the links that name it, so the next run resumes from the
+newest whole checkpoint before it (or trains from scratch), never from the rotted one.
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ import os
 import shutil
 from pathlib import Path
 
-from eyrie.run.folder import read_json
+from eyrie.run.folder import fsync_path, read_json
+from eyrie.stages.train.validation import PLATEAU
 
 STATE = "training_state.json"
 VOUCHED = ("config.json", "model.safetensors", "optimizer_state_dict.pt", "scheduler_state_dict.pt")
 PREVIOUS = ".previous"
 INCOMPLETE = ".incomplete"
+DAMAGED = ".damaged"
 
 
 def completion_link(save_path: Path, epoch: int, local_step: int) -> Path:
@@ -72,11 +80,28 @@ def set_aside_previous(folder: Path) -> None:
         os.replace(folder, previous)
 
 
+def make_durable(folder: Path) -> None:
+    """fsync every file below `folder` (links not followed), every folder below it, and its parent (the folder's own
+    name and the completion link live there)."""
+    for root, dirs, files in os.walk(folder):
+        for name in files:
+            path = Path(root) / name
+            if not path.is_symlink():
+                fsync_path(path)
+        for name in dirs:
+            if not (Path(root) / name).is_symlink():
+                fsync_path(Path(root) / name)
+    fsync_path(folder)
+    fsync_path(folder.parent)
+
+
 def settle_save(folder: Path) -> None:
-    """After a save into `folder`: drop the previous copy once the new one is whole (a save that chose not to
-    write leaves the previous copy to be put back)."""
+    """After a save into `folder`: drop the previous copy once the new one is whole and on disk (a save that chose
+    not to write leaves the previous copy to be put back)."""
     previous = folder.with_name(folder.name + PREVIOUS)
     if is_whole(folder):
+        if previous.exists():
+            make_durable(folder)  # the new save's bytes on disk before the only other copy goes
         shutil.rmtree(previous, ignore_errors=True)
     elif previous.is_dir() and not folder.exists():
         os.replace(previous, folder)
@@ -110,3 +135,30 @@ def recover(save_path: Path) -> list[str]:
             f"restored checkpoint {folder} (global step {state.get('global_step')}) that the cut save replaced"
         )
     return notes
+
+
+def checkpoint_holding(path: Path) -> Path | None:
+    """The numbered checkpoint folder (speculators' `<save_path>/<N>/`) that `path` lies in, or None."""
+    for folder in Path(path).parents:
+        if folder.name.isdigit() and any((folder / n).is_file() for n in (STATE, *VOUCHED)):
+            return folder
+    return None
+
+
+def quarantine(folder: Path) -> Path:
+    """Take the damaged checkpoint `folder` out of the count: renamed `<N>.damaged` (kept, for a look; an older
+    quarantine of the same epoch is replaced), its links removed (the completion link, speculators'
+    `checkpoint_best`), and a plateau decided with it as the best epoch dropped (training resumes and decides again).
+    Returns the new path."""
+    save_path = folder.parent
+    aside = folder.with_name(folder.name + DAMAGED)
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(folder, aside)
+    for link in save_path.iterdir():
+        if link.is_symlink() and Path(os.readlink(link)).name == folder.name:
+            link.unlink()
+    plateau = read_json(save_path / PLATEAU)
+    if isinstance(plateau, dict) and str(plateau.get("best_epoch")) == folder.name:
+        (save_path / PLATEAU).unlink()
+    fsync_path(save_path)
+    return aside
