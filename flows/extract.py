@@ -21,6 +21,7 @@ from eyrie.stages.preflight import PreflightReport
 from eyrie.stages.prepare import load_shards
 from eyrie.stages.regenerate import extraction_source, record_extraction_source
 from flows.sharded import ShardedStage, ShardServer, run_sharded_stage
+from flows.shares import node_share
 from tasks.extract import ExtractShardJob, extract_shard_task
 from tasks.preflight import preflight_task
 
@@ -31,12 +32,23 @@ def extract_flow(
 ) -> dict:
     """Extract the shards of a prepared run folder: all of them, or only those named in `shards` (one node's share);
     `report` is preflight's (run here when not given)."""
-    log = get_run_logger()
     run = RunFolder(run_dir)
+    if shards is None:  # the whole folder: under the lock of the run that called it (the pipeline, extract_run_flow)
+        return _extract(config, run, report, None, node_name())
+    # A node given a share may have neighbours on the same run folder: then its server needs a folder of its own.
+    # Its shards and that folder are locked by this flow run itself (flows/shares.py), not by its parent alone.
+    node = node_name(default=socket.gethostname())
+    with node_share(run, "extract", shards, node):
+        return _extract(config, run, report, shards, node)
+
+
+def _extract(
+    config: PipelineConfig, run: RunFolder, report: dict | None, shards: list[str] | None, node: str | None
+) -> dict:
+    log = get_run_logger()
+    run_dir = str(run.root)
     if report is None:
         report = preflight_task(config, run_dir)
-    # A node given a share may have neighbours on the same run folder: then its server needs a folder of its own.
-    node = node_name(default=socket.gethostname() if shards is not None else None)
     # The regenerated data when regeneration is on, else the prepared data: recorded for status and verify.
     source = extraction_source(run, config)
     record_extraction_source(run, source)
@@ -107,7 +119,7 @@ def extract_flow(
 def extract_run_flow(config: PipelineConfig, run_dir: str, report: dict | None = None) -> dict:
     """Extraction alone (the eyrie-extract/production deployment): every shard of a prepared run folder, holding
     the run folder's lock as the pipeline does, so it never writes beside a pipeline run or another extraction on
-    the same folder. (The pipeline runs `extract_flow` under its own lock; a fan-out node's share runs under its
-    parent's.)"""
+    the same folder. (The pipeline runs `extract_flow` under its own lock; a fan-out node's share holds locks of
+    its own: flows/shares.py.)"""
     with RunFolder(run_dir).lock():
         return extract_flow(config, run_dir, report)

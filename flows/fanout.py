@@ -6,9 +6,12 @@ vLLM server once for its whole share, in `<run>/extract/nodes/<node>/`. All node
 shared storage, and share Prefect's result storage.
 
 The parent opens the run as the pipeline does (flows/opening.py: revisions pinned, staging cleaned, preflight,
-prepare), once, then holds the run folder's lock until every node is done, so no pipeline
-run writes beside the nodes. It runs from a queue of its own (`control`): on a GPU node's queue it would hold that
-node's only slot while waiting for the node's share.
+prepare), once, under the run folder's lock, which it holds until every node is done. Each node's share locks what
+it writes itself (flows/shares.py): a share that outlives a dead parent still keeps every pipeline run, extraction
+and retried fan-out off the folder until it ends, and a share whose parent is no longer running does not start.
+
+The parent runs from a queue of its own (`control`): on a GPU node's queue it would hold that node's only slot while
+waiting for the node's share.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def extract_fanout_flow(
         raise ExtractionError(f"queues {queues}: name each node's work queue once")
     run = RunFolder(run_dir)
     run.ensure()
-    with run.lock():
+    with run.lock() as held:
         # The pipeline's own opening: the nodes get the config with its hub revisions pinned, so they key their
         # shards as the pipeline does.
         opened = open_run(config, run)
@@ -63,6 +66,9 @@ def extract_fanout_flow(
             + (", ".join(f"{len(names)} on {q}" for q, names in shares.items()) or "none")
         )
         _check_queues(deployment, list(shares), log)
+        # The nodes lock what they write themselves (flows/shares.py): a node outlives this process if it dies, and
+        # then keeps every other run off the folder until it ends. Opened: let them in.
+        held.admit_shares()
         params = {"config": config.model_dump(mode="json"), "run_dir": str(run.root), "report": report}
         children = {
             q: run_deployment(
