@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,10 @@ REPO = Path(__file__).resolve().parents[2]
 def bench():
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        import train_throughput
+        import train_bench.profile
+        import train_bench.step
 
-        yield train_throughput
+        yield types.SimpleNamespace(**{**vars(train_bench.profile), **vars(train_bench.step)})
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
 

@@ -1,0 +1,243 @@
+"""_bench_entry: Eyrie's train entry with measuring hooks that change nothing it does (start-up marks, batch waits,
+host time per step, a profiler window)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from train_bench.profile import ClockProbe, analyse_trace, compile_summary, write_profile_tables
+
+BENCH_MARK = "eyrie-bench"  # "<BENCH_MARK> <name> <unix time>" and "<BENCH_MARK>-json {...}" lines in the trainer log
+
+
+def _mark(name: str) -> None:
+    print(f"{BENCH_MARK} {name} {time.time():.3f}", flush=True)
+
+
+def _memory_loaders(
+    *,
+    data_path,
+    total_seq_len,
+    hidden_states_dtype,
+    hidden_size,
+    num_target_layers,
+    preprocess,
+    train_data_ratio=0.9,
+    **_,
+):
+    """speculators' loaders replaced by one collated, pinned batch served from memory (same model, optimizer,
+    trainer loop and host-to-device copy): the trainer without its loader."""
+    import math
+
+    import torch
+    from datasets import load_from_disk
+    from speculators.train.data import CollateFn
+
+    from eyrie.stages.train.patches import feed, switches
+
+    class MemoryLoader:
+        batch_sampler = None
+
+        def __init__(self, batch: dict, n: int):
+            self.batch, self.n = batch, n
+
+        def __len__(self) -> int:
+            return self.n
+
+        def __iter__(self):
+            batches = (dict(self.batch) for _ in range(self.n))
+            if (
+                switches.GPU_FEED and torch.cuda.is_available()
+            ):  # as eyrie.stages.train.entry feeds speculators' loaders
+                return feed._copied_ahead(batches, torch.device("cuda", 0))
+            return batches
+
+    ds = load_from_disk(data_path).with_format(None)
+    lens = list(ds["seq_len"])
+    g = torch.Generator().manual_seed(0)
+    samples, used, i = [], 0, 0
+    while used < total_seq_len:
+        t = lens[i % len(lens)]
+        hs = torch.randn(t, num_target_layers + 1, hidden_size, generator=g).to(hidden_states_dtype)
+        samples.append(
+            {
+                "hidden_states": hs[:, :-1].flatten(1),
+                "input_ids": torch.tensor(ds[i]["input_ids"]),
+                "verifier_last_hidden_states": hs[:, -1],
+                "loss_mask": torch.tensor(ds[i]["loss_mask"]),
+                "lengths": torch.tensor([t]),
+                "position_ids": torch.arange(t),
+            }
+        )
+        used += t
+        i += 1
+    batch = CollateFn(
+        total_seq_len,
+        hidden_size,
+        num_target_layers=num_target_layers,
+        dtype=hidden_states_dtype,
+        preprocess=preprocess,
+    )(samples)
+    if torch.cuda.is_available():
+        batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    n_train = int(len(lens) * train_data_ratio)
+    steps = max(1, math.ceil(sum(min(x, total_seq_len) for x in lens[:n_train]) / total_seq_len))
+    return MemoryLoader(batch, steps), MemoryLoader(batch, 2)
+
+
+def _bench_entry(argv: list[str]) -> None:
+    """Eyrie's train entry (`eyrie.stages.train.entry.main`, the same argv) with measuring hooks that change nothing it
+    does: marks of where start-up time goes, the time the training thread waits for each batch, host time per step
+    and, with `profile`, a torch.profiler window over a few steps, analysed (`analyse_trace`) and written beside
+    the log. Options come as JSON in EYRIE_BENCH: inmem (the loaders replaced by `_memory_loaders`), profile
+    ([first step, steps]), off (eyrie.stages.train.entry switches turned off), out (folder for the trace and
+    summary)."""
+    opts = json.loads(os.environ.pop("EYRIE_BENCH", "{}"))
+    _mark("entry")
+    import eyrie.stages.train.entry as entry  # light: its imports come inside main()
+    from eyrie.stages.train.patches import switches, workers
+
+    for name in opts.get("off", []):
+        assert isinstance(getattr(switches, name), bool), name
+        setattr(switches, name, False)
+    if switches.FORKSERVER_WORKERS and os.environ.get("EYRIE_TRAIN_DEVICE") != "cpu":
+        workers._start_worker_server()  # where main() starts it, before the heavy imports (again there: a no-op)
+    if os.environ.get("EYRIE_TRAIN_DEVICE") != "cpu":
+        # as main() does before its imports: importing speculators sets TORCHINDUCTOR_CACHE_DIR to /tmp's default
+        # when it is unset, and main()'s own call after the imports below would then leave it there
+        entry._compile_cache_beside(entry._option(argv, "--save-path"))
+    import torch
+
+    _mark("torch imported")
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.train import cli, trainer
+
+    _mark("speculators imported")
+    if opts.get("inmem"):
+        cli.create_train_val_loaders = _memory_loaders
+
+    def timed(owner, attr: str, name: str) -> None:
+        fn = getattr(owner, attr)
+
+        def wrapper(*a, **k):
+            _mark(name + " start")
+            try:
+                return fn(*a, **k)
+            finally:
+                _mark(name + " end")
+
+        setattr(owner, attr, wrapper)
+
+    timed(cli, "parse_vocab_mappings", "vocab")
+    timed(cli, "build_draft_model", "build")  # inside eyrie's wrappers (GPU device, float32), which main() adds
+    timed(Eagle3DraftModel, "load_verifier_weights", "verifier weights")
+    timed(cli, "create_train_val_loaders", "loaders")
+    timed(trainer.Trainer, "__init__", "trainer init")
+    cuda = torch.cuda.is_available()
+    profile = opts.get("profile")
+    out = Path(opts.get("out") or ".")
+    stats = {"wait_s": 0.0, "batches": 0}
+
+    class TimedLoader:
+        """The train loader as the loop sees it, timing each wait for the next batch."""
+
+        def __init__(self, loader):
+            self._loader = loader
+
+        def __getattr__(self, name):
+            return getattr(self._loader, name)
+
+        def __len__(self) -> int:
+            return len(self._loader)
+
+        def __iter__(self):
+            it = iter(self._loader)
+            while True:
+                t = time.perf_counter()
+                with torch.profiler.record_function("eyrie-bench.next_batch"):
+                    try:
+                        batch = next(it)
+                    except StopIteration:
+                        return
+                stats["wait_s"] += time.perf_counter() - t
+                stats["batches"] += 1
+                if stats["batches"] == 1:
+                    _mark("first batch")
+                yield batch
+
+    train_epoch = trainer.Trainer.train_epoch
+    probe: list = []
+
+    gc_pause = {"n": [0, 0, 0], "s": [0.0, 0.0, 0.0], "t": 0.0}
+
+    def on_gc(phase: str, info: dict) -> None:  # the collector's pauses, by generation
+        if phase == "start":
+            gc_pause["t"] = time.perf_counter()
+        else:
+            gc_pause["n"][info["generation"]] += 1
+            gc_pause["s"][info["generation"]] += time.perf_counter() - gc_pause["t"]
+
+    import gc
+
+    gc.callbacks.append(on_gc)
+
+    def train_epoch_measured(self, epoch, *args, step_callback=None, **kwargs):
+        prof = None
+        last = {"t": time.perf_counter(), "step": self.global_step, "wait": 0.0, "gc": [0, 0.0]}
+
+        def after_step() -> None:
+            nonlocal prof
+            if step_callback is not None:  # eyrie.stages.train.entry's own, outside this one
+                step_callback()
+            n = self.global_step
+            if n == 1:
+                if cuda:
+                    torch.cuda.synchronize()
+                _mark("first step done")
+                print(f"{BENCH_MARK}-json " + json.dumps({"compile": compile_summary()}), flush=True)
+            if profile and n == profile[0] and cuda:
+                prof = torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                )
+                prof.start()
+                probe[:] = [ClockProbe()]
+                probe[0].start()
+            if prof is not None and n == profile[0] + profile[1]:
+                prof.stop()
+                clocks = probe[0].summary()
+                trace = out / f"trace_{os.getpid()}.json"
+                prof.export_chrome_trace(str(trace))
+                summary = {"steps": profile[1], "first_step": profile[0], **analyse_trace(trace)}
+                name = opts.get("name") or f"trainer_{os.getpid()}"
+                summary.update(write_profile_tables(prof, trace, profile[1], out, name, clocks))
+                prof = None
+                print(f"{BENCH_MARK}-json " + json.dumps({"profile": summary}), flush=True)
+                last.update(
+                    t=time.perf_counter(), step=n, wait=stats["wait_s"], gc=[gc_pause["n"][2], sum(gc_pause["s"])]
+                )
+            if n % 25 == 0 and n > last["step"]:
+                dt = time.perf_counter() - last["t"]
+                feed = {
+                    "step": n,
+                    "host_ms_per_step": round(dt * 1000 / (n - last["step"]), 1),
+                    "loader_wait_ms_per_step": round((stats["wait_s"] - last["wait"]) * 1000 / (n - last["step"]), 1),
+                    "gc_gen2_passes": gc_pause["n"][2] - last["gc"][0],
+                    "gc_pause_ms": round((sum(gc_pause["s"]) - last["gc"][1]) * 1000, 1),
+                }
+                print(f"{BENCH_MARK}-json " + json.dumps({"feed": feed}), flush=True)
+                last.update(
+                    t=time.perf_counter(), step=n, wait=stats["wait_s"], gc=[gc_pause["n"][2], sum(gc_pause["s"])]
+                )
+
+        loader = self.train_loader
+        self.train_loader = TimedLoader(loader)
+        try:
+            return train_epoch(self, epoch, *args, step_callback=after_step, **kwargs)
+        finally:
+            self.train_loader = loader
+
+    trainer.Trainer.train_epoch = train_epoch_measured
+    entry.main(argv)
