@@ -300,6 +300,19 @@ class TrainConfig(_Section):
     )
 
 
+class PromptSetConfig(_Section):
+    name: str = Field(
+        min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="The set's name in the report."
+    )
+    path: str = Field(
+        description="A prompt file: JSON lines (or a JSON list) whose rows hold MT-Bench-style `turns` (the first "
+        "turn is sent) or `messages` (cut before the first assistant turn). A relative path is from the working "
+        "folder."
+    )
+    category_field: str = Field("category", description="The row field that names a prompt's category, if any.")
+    limit: PositiveInt | None = Field(None, description="At most this many prompts. Unset: evaluate.num_prompts.")
+
+
 class EvaluateConfig(_Section):
     num_speculative_tokens: int = Field(3, ge=1, description="Draft tokens per step when serving the drafter.")
     num_prompts: int = Field(32, ge=1, description="Held-out prompts to measure acceptance on.")
@@ -328,6 +341,11 @@ class EvaluateConfig(_Section):
         "auto",
         description="always: also serve and measure an untrained drafter of the same shape (one more target "
         "load). auto, never: not served; the report compares with the floor it measures, 1.0 (no draft accepted).",
+    )
+    prompt_sets: list[PromptSetConfig] = Field(
+        [],
+        description="Named evaluation sets measured beside the held-out prompts, on the same servers, each "
+        "reported apart (and per prompt category where its rows name one).",
     )
 
 

@@ -15,8 +15,10 @@ from eyrie.run.folder import atomic_write_json, read_json
 from eyrie.run.manifest import finished_manifest
 from eyrie.stages.evaluate import (
     baseline_warnings,
+    by_category,
     compare_drafters,
     draft_token_report,
+    evaluation_markdown,
     gap_warning,
     measure,
     measure_throughput,
@@ -50,6 +52,9 @@ class EvaluateJob:
     # The measurement this one is compared with (its JSON file): by default the trained drafter's, beside this one
     # in the evaluation folder (the flow measures it first). None for the trained drafter itself.
     reference: str | None = None
+    # Named evaluation sets (`eyrie.stages.evaluate.evaluation_sets`): each measured on the same server after the
+    # held-out prompts, reported apart (`sets` in the result), per prompt category where its rows name one.
+    prompt_sets: dict[str, list[dict]] | None = None
 
     def reference_path(self) -> Path | None:
         if self.reference:
@@ -112,6 +117,8 @@ def evaluate_task(job: EvaluateJob) -> dict:
         result = measure(client, job.prompts, job.max_tokens)
         # What it was measured under: compared before this measurement is compared with any other.
         result["served_under"] = served_under(_log_text(Path(job.server_dir)), spec)
+        if job.prompt_sets:
+            result["sets"] = {name: measure_set(client, rows, job.max_tokens) for name, rows in job.prompt_sets.items()}
         if job.throughput_concurrency:  # on the same server: the drafter at the served k, for the draft-token report
             result["throughput"] = [
                 measure_throughput(client, job.prompts, job.max_tokens, c) for c in job.throughput_concurrency
@@ -122,6 +129,13 @@ def evaluate_task(job: EvaluateJob) -> dict:
     atomic_write_json(Path(job.out_path), result)
     fault_point(f"evaluate.{job.label}.written")
     return result
+
+
+def measure_set(client, rows: list[dict], max_tokens: int) -> dict:
+    """One named evaluation set on a server already up: `measure`'s figures, and per prompt category."""
+    out = measure(client, [r["messages"] for r in rows], max_tokens)
+    out["categories"] = by_category(out["requests"], [r.get("category") for r in rows])
+    return out
 
 
 def _log_text(server_dir: Path) -> str:
@@ -212,7 +226,18 @@ def report_task(results: list[dict], out_dir: str, val_metrics: dict | None, max
         }
         for r in results
     ]
-    create_table_artifact(rows, key="evaluation", description="acceptance length on held-out prompts")
+    for r in results:  # each named evaluation set apart
+        for name, m in (r.get("sets") or {}).items():
+            rows.append(
+                {
+                    "drafter": f"{r['label']} ({name})",
+                    "acceptance_length": m["acceptance_length"],
+                    **{f"accept@{i + 1}": v for i, v in enumerate(m["per_position_acceptance"])},
+                    "drafts": m["drafts"],
+                    "prompts": m["prompts"],
+                }
+            )
+    create_table_artifact(rows, key="evaluation", description="acceptance length per drafter and evaluation set")
     if stats := statistics_rows(results):
         create_table_artifact(
             stats,
@@ -241,6 +266,9 @@ def report_task(results: list[dict], out_dir: str, val_metrics: dict | None, max
         "comparisons": comparisons,
         "train_serve_gap": gap,
         "warnings": warnings,
+        # The run summary's acceptance section (flows/pipeline.py puts it in the run-summary artifact): pooled and
+        # mean-of-per-request acceptance with intervals, per position, per evaluation set and prompt category.
+        "markdown": evaluation_markdown(summary),
     }
     atomic_write_json(Path(out_dir) / "manifest.json", manifest)
     return manifest

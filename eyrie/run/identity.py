@@ -247,6 +247,8 @@ NOT_SHAPING: dict[str, str] = {
     "train.hidden_states": "where the same hidden states are read from (files, or the server online)",
     "evaluate.max_train_serve_gap": "the report's flag threshold",
     "evaluate.untrained_baseline": "which drafters are measured, not what one measurement is",
+    "evaluate.prompt_sets": "its prompts enter the evaluate key by content, as `prompts` "
+    "(eyrie.stages.evaluate.evaluate_key's `sets`)",
     "promotion.dir": "where drafters are promoted: the current drafter enters by its content (`drafter`)",
     "promotion.warm_start": "whether a base is used: enters through the base's content (`drafter`)",
 }

@@ -21,6 +21,7 @@ decides on and what tells a trained drafter from a useless one (`baseline_warnin
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import re
 import time
@@ -34,14 +35,18 @@ from eyrie.stages.train.validation import position_accuracies
 _SAMPLE = re.compile(r"^(vllm:spec_decode_[a-z_]+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$")
 
 
-def evaluate_key(config, label: str, drafter_identity: str, prompts: list[list[dict]], server: str) -> str:
+def evaluate_key(
+    config, label: str, drafter_identity: str, prompts: list[list[dict]], server: str, sets: dict | None = None
+) -> str:
     """What one drafter's measurement depends on (`eyrie.run.identity.STAGES["evaluate"]`): which drafter, the
     prompts and how much is generated, and what its server computes (`server`: the serving spec's
     `output_identity`, with this drafter: target identity, drafter content, draft tokens, output-shaping arguments,
-    vLLM version). The target moving, or vLLM, measures again."""
+    vLLM version). The target moving, or vLLM, measures again. `sets`: the named evaluation sets
+    (`evaluation_sets`), by content, with the held-out prompts."""
     from eyrie.target.metadata import stage_key
 
-    return stage_key("evaluate", config, label=label, drafter_id=drafter_identity, prompts=prompts, server=server)
+    measured = {HELD_OUT: prompts, **sets} if sets else prompts
+    return stage_key("evaluate", config, label=label, drafter_id=drafter_identity, prompts=measured, server=server)
 
 
 def draft_tokens_key(config, trained_key: str) -> str:
@@ -480,3 +485,132 @@ def plot_draft_tokens(table: list[dict], throughput: list[dict], path: Path) -> 
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Named evaluation sets (issue 25 item 3): the held-out prompts, plus each prompt file the config lists, each
+# reported apart, per prompt category where the file has one.
+
+HELD_OUT = "held-out"
+
+
+def prompt_rows(path: Path, name: str, category_field: str = "category", limit: int | None = None) -> list[dict]:
+    """A prompt file's rows as `{"messages": [...], "category": str | None}`, in file order: JSON lines (or one
+    JSON list) whose rows hold MT-Bench-style `turns` (a list of user turns: the first is sent, later turns need the
+    target's own answer to the one before), or `messages` (a conversation, cut before its first assistant turn,
+    as the held-out prompts are). A row of neither shape is an error that names the row and the shapes taken."""
+    from eyrie.errors import ConfigError
+
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"evaluation set {name!r}: cannot read its prompt file {path}: {e}") from e
+    stripped = text.lstrip()
+    rows_raw: list = json.loads(stripped) if stripped.startswith("[") else []
+    if not rows_raw:
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows_raw.append(json.loads(line))
+                except ValueError as e:
+                    raise ConfigError(f"evaluation set {name!r}: line {n} of {path} is not JSON ({e})") from e
+    rows = []
+    for n, row in enumerate(rows_raw, 1):
+        messages = None
+        if isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
+            first = row["turns"][0]
+            messages = [{"role": "user", "content": first if isinstance(first, str) else json.dumps(first)}]
+        elif isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:
+            cut = next((i for i, m in enumerate(row["messages"]) if m.get("role") == "assistant"), None)
+            messages = row["messages"][:cut]
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ConfigError(
+                f"evaluation set {name!r}: row {n} of {path} has no prompt: give each row `turns` (a list of user "
+                "turns, MT-Bench style) or `messages` (a list of {role, content} with at least one turn before the "
+                "first assistant turn)"
+            )
+        category = row.get(category_field)
+        rows.append({"messages": messages, "category": None if category is None else str(category)})
+        if limit is not None and len(rows) >= limit:
+            break
+    if not rows:
+        raise ConfigError(f"evaluation set {name!r}: {path} holds no prompts")
+    return rows
+
+
+def evaluation_sets(config, root: Path | None = None) -> dict[str, list[dict]]:
+    """The prompt files `evaluate.prompt_sets` lists, by name, each its rows (`prompt_rows`); relative paths from
+    `root` (the config's folder), each set capped at `evaluate.num_prompts` unless it says otherwise."""
+    from eyrie.errors import ConfigError
+
+    out: dict[str, list[dict]] = {}
+    for s in getattr(config.evaluate, "prompt_sets", None) or []:
+        if s.name == HELD_OUT or s.name in out:
+            raise ConfigError(f"evaluate.prompt_sets: the name {s.name!r} is taken; give each set a name of its own")
+        path = Path(s.path)
+        if not path.is_absolute() and root is not None:
+            path = root / path
+        out[s.name] = prompt_rows(path, s.name, s.category_field, s.limit or config.evaluate.num_prompts)
+    return out
+
+
+def by_category(requests: list[dict], categories: list[str | None]) -> dict[str, dict]:
+    """`request_statistics` for each prompt category (requests in prompt order, one category each); empty when no
+    prompt has one."""
+    if not any(c is not None for c in categories):
+        return {}
+    groups: dict[str, list[dict]] = {}
+    for r, c in zip(requests, categories, strict=True):
+        groups.setdefault(c if c is not None else "(none)", []).append(r)
+    return {c: request_statistics(rs) for c, rs in sorted(groups.items())}
+
+
+def _ci_text(figure: dict) -> str:
+    if not figure or figure.get("value") is None:
+        return "-"
+    ci = figure.get("ci95")
+    return f"{figure['value']} [{ci[0]}, {ci[1]}]" if ci else f"{figure['value']}"
+
+
+def _statistics_lines(first: str, stats: dict) -> list[str]:
+    rows = []
+    for kind, label in (("pooled", "pooled"), ("per_request_mean", "mean of per-request")):
+        s = stats[kind]
+        cells = [_ci_text(s["acceptance_length"]), *(_ci_text(f) for f in s["per_position"])]
+        rows.append(f"| {first} | {label} | " + " | ".join(cells) + f" | {stats['requests_with_drafts']} |")
+    return rows
+
+
+def _header(first: str, k: int) -> list[str]:
+    heads = [first, "figure", "acceptance length", *(f"accept@{i + 1}" for i in range(k)), "requests"]
+    return ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+
+
+def evaluation_markdown(results: dict[str, dict]) -> list[str]:
+    """The run summary's acceptance section: for each evaluation set (the held-out prompts first, then the named
+    prompt files), the pooled acceptance length and the mean of the per-request ones side by side, each with its
+    95% interval, overall and per position, per drafter; then per prompt category where the set has one."""
+    sets: dict[str, dict[str, dict]] = {}
+    for label, r in results.items():
+        if r.get("statistics"):
+            sets.setdefault(HELD_OUT, {})[label] = r
+        for name, s in (r.get("sets") or {}).items():
+            sets.setdefault(name, {})[label] = s
+    lines: list[str] = []
+    for name, by_label in sets.items():
+        k = max(len(r["statistics"]["pooled"]["per_position"]) for r in by_label.values())
+        lines += [
+            f"Acceptance on `{name}` with 95% intervals: pooled (every request's drafts together, as vLLM's "
+            "counters and benchmarks report it) beside the mean of per-request acceptance (what one request sees):",
+            "",
+            *_header("drafter", k),
+        ]
+        for label, r in by_label.items():
+            lines += _statistics_lines(label, r["statistics"])
+        for label, r in by_label.items():
+            if r.get("categories"):
+                lines += ["", f"`{name}` per prompt category, {label} drafter:", "", *_header("category", k)]
+                for cat, stats in r["categories"].items():
+                    lines += _statistics_lines(cat, stats)
+        lines.append("")
+    return lines
