@@ -176,7 +176,16 @@ def draft_tokens_task(job: DraftTokensJob, trained: dict) -> dict:
     report = draft_token_report(serving, job.spec, job.drafter, job.prompts, job.max_tokens, job.sweep, trained)
     table, throughput = report["draft_tokens"], report["throughput"]
     plot = plot_draft_tokens(table, throughput, out / "draft_tokens.png")
-    report.update(key=key, plot=str(plot))
+    # The schedule vLLM takes, beside the table and the plot: the speculative config to serve with.
+    schedule = report["schedule"]
+    atomic_write_json(out / "speculative_config.json", schedule["speculative_config"])
+    report.update(key=key, plot=str(plot), speculative_config=str(out / "speculative_config.json"))
+    create_table_artifact(
+        schedule["best_k"],
+        key="draft-tokens-schedule",
+        description=f"the best draft-token count per concurrency; serve with {out / 'speculative_config.json'}"
+        + (f" ({schedule['note']})" if schedule.get("note") else ""),
+    )
     atomic_write_json(out / "draft_tokens.json", report)
     create_table_artifact(table, key="draft-tokens", description="acceptance length for k draft tokens")
     create_table_artifact(throughput, key="throughput", description="output tokens/s with and without the drafter")
