@@ -121,6 +121,8 @@ def test_the_sweep_takes_its_acceptance_from_its_throughput_traffic():
     assert report["swept"]["per_position_acceptance"] == [1.0, 0.5, 0.0, 0.0, 0.0]
     assert [r["k"] for r in report["draft_tokens"]] == [1, 2, 3, 4, 5]
     assert clients["server-target"].chats == 2 * (1 + len(prompts))
+    # Beside the table: the best k per measured concurrency, as the schedule the installed vLLM takes.
+    assert [b["concurrency"] for b in report["schedule"]["best_k"]] == [1, 4]
 
 
 def test_validation_is_counted_over_the_draft_starts_vllm_makes():
@@ -141,5 +143,3 @@ def test_validation_is_counted_over_the_draft_starts_vllm_makes():
     metrics.update({"full_acc_1_epoch_speculators": 0.75, "full_acc_1_epoch": 1.0})
     row = train_serve_gap(metrics, [1.0, 1.0, 1.0], 0.15, 100)["rows"][1]
     assert row["validation"] == 1.0 and row["validation_speculators"] == 0.75 and row["gap"] == 0.0
-    # Beside the table: the best k per measured concurrency, as the schedule the installed vLLM takes.
-    assert [b["concurrency"] for b in report["schedule"]["best_k"]] == [1, 4]
