@@ -43,7 +43,9 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	@# The slow tests run Prefect's server on PostgreSQL, as production does: installed here when missing.
 	bash .ci/ensure-postgres
-	$(PY) -m pytest -x -v --durations=20 tests
+	@# Two workers (pytest-xdist), a file's tests on one of them: server start-ups are mostly single-threaded imports,
+	@# so two at a time take little longer than one. The costliest files go first (tests/conftest.py orders them).
+	$(PY) -m pytest -x -v --durations=20 -n 2 --dist loadfile --no-loadscope-reorder tests
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -30,13 +30,15 @@ DEMO_DATA = REPO / "eyrie" / "data" / "demo_chat.jsonl"
 # Task results (and so Prefect's cache records) live for one test session only: a cache hit in these tests must
 # come from an earlier run in the same session, never from yesterday's.
 _RESULTS_DIR = tempfile.mkdtemp(prefix="eyrie-test-results-")
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1"... under pytest-xdist; "" in one process
 
 TEST_ENV = {
     "HF_HOME": str(CACHE / "hf"),
     "VLLM_CACHE_ROOT": str(CACHE / "vllm"),
     "TORCHINDUCTOR_CACHE_DIR": str(CACHE / "inductor"),
-    # Its own Prefect database, so tests never contend with a demo run's SQLite file.
-    "PREFECT_HOME": str(CACHE / "prefect-tests"),
+    # Its own Prefect database, so tests never contend with a demo run's SQLite file, nor (under pytest-xdist, which
+    # names each worker in PYTEST_XDIST_WORKER before this file is imported) with the other worker's.
+    "PREFECT_HOME": str(CACHE / f"prefect-tests{'-' + _WORKER if _WORKER else ''}"),
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_RESULTS_LOCAL_STORAGE_PATH": _RESULTS_DIR,
     "HF_HUB_OFFLINE": "1",
@@ -86,17 +88,20 @@ def build_tiny_target(kind: str) -> Path:
     """The tiny target `kind`, built on first use; the build goes to a temporary folder renamed into place."""
     from eyrie.target.tiny import build_target
 
+    from filelock import FileLock
+
     final = TARGETS_DIR / kind
     if (final / ".complete").exists():
         return final
-    shutil.rmtree(final, ignore_errors=True)  # a half-built folder from an interrupted session
-    tmp = TARGETS_DIR / f".{kind}.build-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    build_target(kind, tmp)
-    try:
-        os.replace(tmp, final)
-    except OSError:  # another session finished the same build first
+    TARGETS_DIR.mkdir(parents=True, exist_ok=True)
+    with FileLock(TARGETS_DIR / f".{kind}.lock"):  # pytest-xdist's workers (or two sessions) build it once
+        if (final / ".complete").exists():
+            return final
+        shutil.rmtree(final, ignore_errors=True)  # a half-built folder from an interrupted session
+        tmp = TARGETS_DIR / f".{kind}.build-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
+        build_target(kind, tmp)
+        os.replace(tmp, final)
     assert (final / ".complete").exists()
     return final
 
@@ -274,10 +279,17 @@ def _tier(item) -> int:
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Fast tests first (so `-x` fails in seconds, not after vLLM starts), then the slow ones tier by tier (unit,
-    integration, e2e), each in file order (a module's tests stay together, so its module-scoped server starts
-    once)."""
-    items.sort(key=lambda item: (item.get_closest_marker("slow") is not None, _tier(item)))  # stable
+    """In one process: fast tests first (so `-x` fails in seconds, not after vLLM starts), then the slow ones tier
+    by tier (unit, integration, e2e), each in file order (a module's tests stay together, so its module-scoped
+    server starts once).
+
+    Under pytest-xdist (`make test` runs two workers, `--dist loadfile`: a file's tests stay on one worker, in the
+    order given here): the costliest first, e2e then integration then unit, so that the longest files start at
+    once and the unit files fill the gaps at the end instead of a long file running alone last."""
+    if config.getoption("numprocesses", default=None):
+        items.sort(key=lambda item: (item.get_closest_marker("slow") is None, -_tier(item)))  # stable
+    else:
+        items.sort(key=lambda item: (item.get_closest_marker("slow") is not None, _tier(item)))  # stable
 
 
 def pytest_sessionfinish(session, exitstatus):
