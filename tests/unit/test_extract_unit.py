@@ -251,7 +251,7 @@ def reads(monkeypatch):
     import eyrie.stages.extract
 
     seen: list[str] = []
-    real_open, real_load = builtins.open, eyrie.stages.extract.load_file
+    real_open, real_load = builtins.open, eyrie.stages.extract.checks.load_file
 
     def spy_open(file, *args, **kw):
         if str(file).endswith(".safetensors"):
@@ -264,7 +264,7 @@ def reads(monkeypatch):
 
     monkeypatch.setattr(builtins, "open", spy_open)
     monkeypatch.setattr(io, "open", spy_open)
-    monkeypatch.setattr(eyrie.stages.extract, "load_file", spy_load)
+    monkeypatch.setattr(eyrie.stages.extract.checks, "load_file", spy_load)
     return seen
 
 
@@ -357,8 +357,9 @@ def test_pending_shard_hashes_only_changed_and_new_files(prepared, tmp_path, mon
     # Whole, finite and right-shaped, wrong values: only its checksum tells.
     save_file({"hidden_states": torch.zeros_like(fake_hidden(ids)), "token_ids": torch.tensor(ids)}, str(victim))
     hashed: list[str] = []
-    real = eyrie.stages.extract.sha256_file
-    monkeypatch.setattr(eyrie.stages.extract, "sha256_file", lambda p: hashed.append(Path(p).name) or real(p))
+    real = eyrie.stages.extract.shard.sha256_file
+    for module in (eyrie.stages.extract.shard, eyrie.stages.extract.manifest):
+        monkeypatch.setattr(module, "sha256_file", lambda p: hashed.append(Path(p).name) or real(p))
     sent = len(client.sent)
     _, _, _, again = _run(prepared, tmp_path, client)
     assert len(client.sent) == sent + 2 and again["extracted_samples"] == 2 and again["reused_samples"] == 4
@@ -442,9 +443,9 @@ def test_every_file_and_its_folder_reach_the_disk_before_the_manifest(prepared, 
     events: list[tuple[str, str]] = []
     lock = threading.Lock()
     real_fsync, real_record, real_manifest = (
-        eyrie.stages.extract.fsync_path,
-        eyrie.stages.extract.checked_record,
-        eyrie.stages.extract.write_manifest,
+        eyrie.stages.extract.shard.fsync_path,
+        eyrie.stages.extract.shard.checked_record,
+        eyrie.stages.extract.shard.write_manifest,
     )
 
     def fsync(p):
@@ -466,9 +467,9 @@ def test_every_file_and_its_folder_reach_the_disk_before_the_manifest(prepared, 
         events.append(("manifest", Path(p).name))
         real_manifest(p, m, *a, **k)
 
-    monkeypatch.setattr(eyrie.stages.extract, "fsync_path", fsync)
-    monkeypatch.setattr(eyrie.stages.extract, "checked_record", record)
-    monkeypatch.setattr(eyrie.stages.extract, "write_manifest", manifest)
+    monkeypatch.setattr(eyrie.stages.extract.shard, "fsync_path", fsync)
+    monkeypatch.setattr(eyrie.stages.extract.shard, "checked_record", record)
+    monkeypatch.setattr(eyrie.stages.extract.shard, "write_manifest", manifest)
     shard, hidden, manifest_path, m = _run(prepared, tmp_path, FakeClient(tmp_path / "staging"))
     names = [sample_path(hidden, i).name for i in range(shard.start, shard.stop)]
     assert [e for e in events if e[0] == "manifest"] == [("manifest", manifest_path.name)]
@@ -478,9 +479,9 @@ def test_every_file_and_its_folder_reach_the_disk_before_the_manifest(prepared, 
         assert at[("hash", name)] < at[("fsync", name)]
         idx = int(name[3:].split(".")[0])
         rec, p = m["files"][str(idx)], sample_path(hidden, idx)
-        assert rec["sha256"] == eyrie.stages.extract.sha256_file(p) and rec["stat"] == eyrie.stages.extract.stat_record(
-            p.stat()
-        )
+        assert rec["sha256"] == eyrie.stages.extract.shard.sha256_file(p) and rec[
+            "stat"
+        ] == eyrie.stages.extract.stat_record(p.stat())
 
 
 class CountingClient(FakeClient):
@@ -512,9 +513,9 @@ def test_overlapping_shards_share_one_window_and_each_manifest_comes_last(prepar
     events: list[tuple[str, str, str]] = []  # (shard thread, event, file)
     lock = threading.Lock()
     real_fsync, real_record, real_manifest = (
-        eyrie.stages.extract.fsync_path,
-        eyrie.stages.extract.checked_record,
-        eyrie.stages.extract.write_manifest,
+        eyrie.stages.extract.shard.fsync_path,
+        eyrie.stages.extract.shard.checked_record,
+        eyrie.stages.extract.shard.write_manifest,
     )
     shards = load_shards(prepared)[:2]
     index = {tuple(ids): i for i, ids in enumerate(load_dataset_rows(prepared, 0, shards[-1].stop))}
@@ -536,9 +537,9 @@ def test_overlapping_shards_share_one_window_and_each_manifest_comes_last(prepar
         note("manifest", Path(p).name)
         real_manifest(p, m, *a, **k)
 
-    monkeypatch.setattr(eyrie.stages.extract, "fsync_path", fsync)
-    monkeypatch.setattr(eyrie.stages.extract, "checked_record", record)
-    monkeypatch.setattr(eyrie.stages.extract, "write_manifest", manifest)
+    monkeypatch.setattr(eyrie.stages.extract.shard, "fsync_path", fsync)
+    monkeypatch.setattr(eyrie.stages.extract.shard, "checked_record", record)
+    monkeypatch.setattr(eyrie.stages.extract.shard, "write_manifest", manifest)
     client = CountingClient(tmp_path / "staging")
     hidden = tmp_path / "hidden_states"
     results: dict[str, dict] = {}
@@ -564,7 +565,7 @@ def test_overlapping_shards_share_one_window_and_each_manifest_comes_last(prepar
         t.join(60)
     assert sorted(results) == [s.name for s in shards]
     assert client.most_in_flight <= 2  # one window of 2 for both shards, not 2 each
-    assert not eyrie.stages.extract._windows  # closed with its last shard
+    assert not eyrie.stages.extract.window._windows  # closed with its last shard
     at = {e: n for n, e in enumerate(events)}
     for shard in shards:
         names = [sample_path(hidden, i).name for i in range(shard.start, shard.stop)]
@@ -666,7 +667,7 @@ def test_a_disk_full_when_the_manifest_is_written_is_a_disk_full_error(prepared,
     def full(*_a, **_k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(eyrie.stages.extract, "write_manifest", full)
+    monkeypatch.setattr(eyrie.stages.extract.shard, "write_manifest", full)
     with pytest.raises(DiskFullError, match="free space and run again"):
         _run(prepared, tmp_path, FakeClient(tmp_path / "staging"))
     with pytest.raises(ValueError, match="unreadable"):

@@ -252,7 +252,7 @@ def test_shard_rows_and_stats(tmp_path, prepared, tok):
 
 
 def test_failed_rows_are_counted_by_reason(tmp_path, prepared, tok, monkeypatch):
-    import eyrie.stages.regenerate as regen
+    import eyrie.stages.regenerate.shard as regen
 
     prepare_dir, config = prepared
     shard = load_shards(prepare_dir)[0]

@@ -1,0 +1,96 @@
+"""The stage's keys and plan: everything the flow needs to know before deciding whether vLLM must start at all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eyrie.errors import ExtractionError
+from eyrie.hidden_states.check import record_context
+from eyrie.hidden_states.packs import PACKED
+from eyrie.hidden_states.staging import staging_dir
+from eyrie.stages.extract.manifest import drop_unpacked, shard_complete
+from eyrie.stages.preflight import PreflightReport
+from eyrie.stages.prepare import Shard, load_shards
+
+
+def content_key(config, captured_ids: list[int], shard: Shard) -> str:
+    """A shard's hidden states by content (`eyrie.run.identity.STAGES["extract"]`): what the target computes
+    (weights, dtype, output-shaping server arguments), what is captured, which rows, how values are encoded. What
+    training keys on: the same hidden states laid out another way train the same drafter."""
+    from eyrie.target.metadata import stage_key as keyed
+
+    return keyed(
+        "extract",
+        config,
+        captured=list(captured_ids),
+        shard={"fingerprint": shard.fingerprint, "rows": [shard.start, shard.stop]},
+    )
+
+
+def shard_key(content: str, config) -> str:
+    """The shard's manifest key: its content key and the storage layout (`STAGES["extract.layout"]`)."""
+    from eyrie.target.metadata import stage_key as keyed
+
+    return keyed("extract.layout", config, content=content)
+
+
+class ExtractionPlan:
+    """`node`: this node's name when several nodes share the run folder (its server lives in `extract/nodes/<node>/`);
+    None on a single node (`extract/`)."""
+
+    def __init__(self, config, run, report, shards: list[Shard], node: str | None = None):
+        from eyrie.run.folder import server_folder
+        from eyrie.vllm.spec import ServerSpec
+
+        self.run = run
+        self.shards = shards
+        self.server_dir = server_folder(run.extract, node)
+        self.captured_ids = report.captured_layer_ids
+        self.hidden_size = report.hidden_size
+        self.hidden_states_dtype = config.extraction.hidden_states_dtype
+        self.storage = config.extraction.storage
+        self.node = node
+        self.online = config.train.hidden_states == "online"
+        # What training keys on (content), and what a shard's manifest records (content and layout).
+        self.data_keys = {s.name: content_key(config, self.captured_ids, s) for s in shards}
+        self.keys = {name: shard_key(k, config) for name, k in self.data_keys.items()}
+        self.spec = ServerSpec.for_extraction(config, self.captured_ids, str(self.staging))
+        record_context(run.extract, config, report)  # what the capture proof reads (eyrie.hidden_states.check)
+
+    @property
+    def staging(self) -> Path:
+        if (
+            self.online
+        ):  # train.hidden_states: online: the trainer reads each file once and deletes it (eyrie.stages.train.online)
+            return staging_dir(self.run.root, self.node)
+        # Inside the run folder: files are renamed from here into hidden_states, which needs one filesystem.
+        return self.server_dir / "staging"
+
+    def select(self, names: list[str]) -> None:
+        """Narrow the plan to these shards (a node's share of a fanned-out extraction)."""
+        wanted = set(names)
+        unknown = sorted(wanted - set(self.keys))
+        if unknown:
+            raise ExtractionError(f"shards {unknown} are not in {self.run.prepare / 'shards.json'}")
+        self.shards = [s for s in self.shards if s.name in wanted]
+
+    def manifest_path(self, shard: Shard) -> Path:
+        return self.run.shard_manifests / f"{shard.name}.json"
+
+    def is_complete(self, shard: Shard, rehash_changed: bool = False) -> bool:
+        """`shard_complete`; a complete packed shard also loses the per-sample files a kill left after its manifest
+        (`drop_unpacked`: one stat when there are none)."""
+        done = shard_complete(self.manifest_path(shard), self.keys[shard.name], self.run.hidden_states, rehash_changed)
+        if done and self.storage == PACKED:
+            drop_unpacked(self.run.hidden_states, shard)
+        return done
+
+    def pending(self, rehash_changed: bool = False) -> list[Shard]:
+        return [s for s in self.shards if not self.is_complete(s, rehash_changed)]
+
+
+def online_plan(config, run, report: dict, data_dir: Path):
+    """What online training needs from extraction, with nothing extracted: the shard keys extraction would give
+    (target identity, captured layers, shard fingerprint: the train key's data keys), the extraction server's spec
+    (its storage path on tmpfs, see `ExtractionPlan.staging`) and its folder."""
+    return ExtractionPlan(config, run, PreflightReport(**report), load_shards(data_dir))

@@ -1,0 +1,116 @@
+"""The requests to one extraction server, shared by the shards extracting from it at the same time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+# Threads that check, hash and move the files answered (extract_shard), beside the requests in flight. Two keep
+# up with the server (0.3-0.5 ms of CPU a file); eight measured 5-9% slower (benchmarks/extract_throughput.py),
+# holding the GIL away from the request loop and the cores away from the server.
+FILE_THREADS = 2
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+@contextlib.asynccontextmanager
+async def _extractor(client, concurrency: int) -> AsyncIterator[Callable[[list[int], float], Awaitable[str]]]:
+    """`client.extract` as a coroutine: ServerClient's own (one aiohttp session), else the client's blocking call
+    in a thread per request in flight (test doubles)."""
+    if hasattr(client, "async_extractor"):
+        async with client.async_extractor(concurrency) as extract:
+            yield extract
+        return
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="eyrie-request") as pool:
+
+        async def extract(ids: list[int], timeout_s: float) -> str:
+            return await loop.run_in_executor(pool, client.extract, ids, timeout_s)
+
+        yield extract
+
+
+class _Window:
+    """The requests of every shard this process extracts from one server: one asyncio loop (in a thread of its own),
+    one session, at most `concurrency` requests in flight over all those shards, and the file threads.
+
+    Shards extracting at the same time (the flow runs two shard tasks at once) share it, so a shard's last requests
+    and its finalisation (fsyncs, manifest) overlap the next shard's requests instead of draining the server's queue
+    at every shard boundary, and the server sees `concurrency` requests in flight, not `concurrency` per shard.
+    Slots are taken in the order requests were queued: the shard that started first finishes first."""
+
+    def __init__(self, client, concurrency: int):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="eyrie-requests", daemon=True)
+        self.thread.start()
+        self.files = ThreadPoolExecutor(
+            max_workers=min(concurrency, FILE_THREADS), thread_name_prefix="eyrie-files", initializer=_one_thread
+        )
+        self.users = 0
+        self._session = contextlib.AsyncExitStack()
+
+        async def start() -> None:
+            self.slots = asyncio.Semaphore(concurrency)
+            self.extract = await self._session.enter_async_context(_extractor(client, concurrency))
+
+        try:
+            self.run(start())
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Run `coro` on the window's loop and wait for it (cancelled if this thread stops waiting)."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()
+            raise
+
+    def close(self) -> None:
+        try:
+            self.run(self._session.aclose())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join()
+            self.loop.close()
+            self.files.shutdown()
+
+
+_windows: dict[tuple, _Window] = {}
+_windows_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _shared_window(client, concurrency: int):
+    """The window for `client`'s server, opened by its first user and closed by its last. Each shard task builds a
+    ServerClient of its own: clients of one URL and API key share a window; any other client (a test double) has
+    one of its own."""
+    if hasattr(client, "async_extractor"):
+        key: tuple = (client.base_url, client.session.headers.get("Authorization"), concurrency)
+    else:
+        key = (id(client), concurrency)
+    with _windows_lock:
+        window = _windows.get(key)
+        if window is None:
+            window = _windows[key] = _Window(client, concurrency)
+        window.users += 1
+    try:
+        yield window
+    finally:
+        with _windows_lock:
+            window.users -= 1
+            last = window.users == 0
+            if last:
+                del _windows[key]
+        if last:
+            window.close()

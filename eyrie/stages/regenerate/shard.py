@@ -1,0 +1,264 @@
+"""One shard regenerated: its conversations sent, its rows and manifest written."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eyrie.config import RegenerateConfig
+from eyrie.errors import RegenerationError, RequestRejected, ServerUnavailable
+from eyrie.run.faults import fault_point
+from eyrie.run.folder import atomic_write_bytes, atomic_write_json, read_json, sha256_json
+from eyrie.stages.prepare import RowError, Shard
+from eyrie.stages.regenerate.conversation import (
+    Generation,
+    Regenerated,
+    TurnPlan,
+    conversation_fingerprint,
+    conversation_temperature,
+    plan_turns,
+    regenerate_conversation,
+    request_seed,
+)
+
+STAGE = "regenerate"
+# Requests past which a shard with this share of its rows failed by server errors fails itself: a systemic problem
+# (a wrong server, a broken engine) must not pass as a shard of mostly dropped rows.
+MAX_SERVER_ERROR_SHARE = 0.5
+
+
+def shard_paths(stage_dir: Path, shard: Shard) -> tuple[Path, Path]:
+    """The shard's rows (parquet) and its manifest, written last."""
+    return stage_dir / "shards" / f"{shard.name}.parquet", stage_dir / "shards" / f"{shard.name}.json"
+
+
+def shard_complete(stage_dir: Path, shard: Shard, key: str) -> bool:
+    """The manifest records `key` and its rows file is there, of the recorded size (assembly checks its sha256 as it
+    reads it)."""
+    rows_path, manifest_path = shard_paths(stage_dir, shard)
+    m = read_json(manifest_path)
+    if not m or m.get("key") != key:
+        return False
+    try:
+        return rows_path.stat().st_size == m["bytes"]
+    except OSError:
+        return False
+
+
+def load_conversations(prepare_dir: Path, shard: Shard) -> list[list[dict]]:
+    """The shard's conversations from prepare's `conversations.jsonl` (row-aligned with its dataset)."""
+    path = prepare_dir / "conversations.jsonl"
+    if shard.conversations_offset is None or not path.is_file():
+        raise RegenerationError(
+            f"{prepare_dir} holds no conversations.jsonl with per-shard offsets (prepared by an older Eyrie): "
+            "delete its manifest.json and run again, so prepare writes them"
+        )
+    rows = []
+    with open(path, "rb") as f:
+        f.seek(shard.conversations_offset)
+        for _ in range(shard.stop - shard.start):
+            rows.append(json.loads(f.readline())["messages"])
+    if conversations_digest(rows) != shard.conversations:
+        raise RegenerationError(
+            f"{path}: the rows of {shard.name} differ from what prepare recorded in shards.json: the file was "
+            "changed; delete prepare/manifest.json and run again"
+        )
+    return rows
+
+
+def conversations_digest(rows: list[list[dict]]) -> str:
+    return sha256_json(rows)[:16]
+
+
+@dataclass
+class ShardStats:
+    rows_in: int = 0
+    rows_out: int = 0
+    turns: int = 0
+    generated_tokens: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    length_capped: int = 0
+    truncated: int = 0
+    dropped_history_text: int = 0
+    requests: int = 0
+    failed: Counter = field(default_factory=Counter)
+    examples: dict = field(default_factory=dict)
+    temperatures: Counter = field(default_factory=Counter)
+
+    def fail(self, reason: str, row: int, detail: str) -> None:
+        self.failed[reason] += 1
+        self.examples.setdefault(reason, f"row {row}: {detail}"[:300])
+
+    def as_dict(self) -> dict:
+        return {
+            "rows_in": self.rows_in,
+            "rows_out": self.rows_out,
+            "turns": self.turns,
+            "generated_tokens": self.generated_tokens,
+            "tokens": self.tokens,
+            "loss_tokens": self.loss_tokens,
+            "length_capped": self.length_capped,
+            "truncated": self.truncated,
+            "dropped_history_text": self.dropped_history_text,
+            "requests": self.requests,
+            "failed": dict(sorted(self.failed.items())),
+            "examples": dict(sorted(self.examples.items())),
+            "temperatures": {str(k): v for k, v in sorted(self.temperatures.items())},
+        }
+
+
+def rejection_reason(err: RequestRejected) -> str:
+    text = err.text.lower()
+    if err.status == 400 and ("maximum context length" in text or "max_model_len" in text or "too long" in text):
+        return "prompt_too_long"
+    return "server_error" if err.status >= 500 else "request_rejected"
+
+
+def regenerate_shard(
+    client,
+    tokenizer,
+    prepare_dir: Path,
+    stage_dir: Path,
+    shard: Shard,
+    key: str,
+    cfg: RegenerateConfig,
+    max_length: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Regenerate every conversation of `shard` and write its rows and manifest; returns the manifest. A row that
+    cannot be regenerated is counted by reason; a server that stops answering fails the shard (nothing written)."""
+    rows_path, manifest_path = shard_paths(stage_dir, shard)
+    if shard_complete(stage_dir, shard, key):
+        return read_json(manifest_path) or {}
+    fault_point(f"regenerate.{shard.name}")
+    manifest_path.unlink(missing_ok=True)  # a stale manifest must not vouch for the rows about to be replaced
+    conversations = load_conversations(prepare_dir, shard)
+    stats = ShardStats(rows_in=len(conversations))
+    t0 = time.perf_counter()
+    done = [0]
+    lock = threading.Lock()
+    gone = threading.Event()
+
+    # The template's pieces first, in this thread: a fast tokenizer used from several threads at once can fail
+    # ("Already borrowed"), and rendering costs little beside generation.
+    plans: list[TurnPlan | RowError] = []
+    for messages in conversations:
+        try:
+            plans.append(plan_turns(tokenizer, messages))
+        except RowError as err:
+            plans.append(err)
+
+    def one(offset: int) -> tuple[int, Regenerated | RowError, float, int]:
+        """A conversation's row, or the RowError that names why it has none; its temperature; requests sent."""
+        fp = conversation_fingerprint(conversations[offset])
+        temperature = conversation_temperature(cfg, fp)
+        plan = plans[offset]
+        sent = [0]
+
+        def generate(prompt: list[int], max_tokens: int, turn: int) -> Generation:
+            if gone.is_set():  # the shard fails anyway: do not wait out every other conversation's retries
+                raise ServerUnavailable(f"{shard.name}: abandoned, the server stopped answering")
+            seed = request_seed(cfg, fp, turn) if temperature > 0 else None
+            sent[0] += 1
+            try:
+                out = client.generate(
+                    prompt, max_tokens, temperature, cfg.top_p, seed, cfg.request_timeout_s, retries=cfg.retries
+                )
+            except ServerUnavailable:
+                gone.set()
+                raise
+            return Generation(out["token_ids"], out["finish_reason"])
+
+        result: Regenerated | RowError
+        if isinstance(plan, RowError):
+            result = plan
+        else:
+            try:
+                result = regenerate_conversation(plan, generate, max_length, cfg.max_tokens)
+                result.dropped_history_text = plan.dropped_history_text
+            except RowError as err:
+                result = err
+            except RequestRejected as err:
+                result = RowError(rejection_reason(err), str(err))
+        with lock:
+            done[0] += 1
+            if progress:
+                progress(done[0], len(conversations))
+        return shard.start + offset, result, temperature, sent[0]
+
+    with ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix=f"eyrie-regen-{shard.name}") as pool:
+        results = list(pool.map(one, range(len(conversations))))
+    kept = []
+    for row, result, temperature, sent in results:
+        stats.requests += sent
+        if isinstance(result, RowError):
+            stats.fail(result.reason, row, str(result))
+            continue
+        kept.append((row, result, temperature))
+        stats.rows_out += 1
+        stats.turns += result.turns
+        stats.generated_tokens += result.generated_tokens
+        stats.tokens += len(result.input_ids)
+        stats.loss_tokens += sum(result.loss_mask)
+        stats.length_capped += result.length_capped
+        stats.truncated += result.truncated
+        stats.dropped_history_text += result.dropped_history_text
+        stats.temperatures[temperature] += 1
+    if stats.failed["server_error"] > MAX_SERVER_ERROR_SHARE * max(1, len(conversations)):
+        raise RegenerationError(
+            f"{shard.name}: {stats.failed['server_error']} of {len(conversations)} conversations failed with server "
+            f"errors ({stats.examples.get('server_error')}): see the server log; the shard is not marked done"
+        )
+    data = _rows_parquet(kept)
+    rows_path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(rows_path, data)
+    # Rows on disk, manifest not yet: a kill here leaves a whole rows file that nothing vouches for (the drill
+    # that proves a rerun redoes the shard rather than trusting it).
+    fault_point(f"regenerate.{shard.name}.rows-written")
+    seconds = time.perf_counter() - t0
+    manifest = {
+        "stage": STAGE,
+        "shard": shard.name,
+        "key": key,
+        "rows": [shard.start, shard.stop],
+        "file": rows_path.name,
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "stats": stats.as_dict(),
+        "seconds": round(seconds, 3),
+        "generated_tokens_per_s": round(stats.generated_tokens / seconds, 1) if seconds > 0 else None,
+    }
+    atomic_write_json(manifest_path, manifest)
+    return manifest
+
+
+ROW_COLUMNS = ("row", "input_ids", "loss_mask", "length_capped", "truncated", "temperature")
+
+
+def _rows_parquet(kept: list[tuple[int, Regenerated, float]]) -> bytes:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {
+            "row": pa.array([row for row, _, _ in kept], pa.int64()),
+            "input_ids": pa.array([r.input_ids for _, r, _ in kept], pa.list_(pa.int64())),
+            "loss_mask": pa.array([r.loss_mask for _, r, _ in kept], pa.list_(pa.int64())),
+            "length_capped": pa.array([r.length_capped for _, r, _ in kept], pa.bool_()),
+            "truncated": pa.array([r.truncated for _, r, _ in kept], pa.bool_()),
+            "temperature": pa.array([t for _, _, t in kept], pa.float64()),
+        }
+    )
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    return buf.getvalue()

@@ -1,0 +1,49 @@
+"""Which folder extraction reads (regenerate's or prepare's), and the stage's status line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eyrie.config import PipelineConfig
+from eyrie.errors import RegenerationError
+from eyrie.run.folder import RunFolder, atomic_write_json, read_json
+from eyrie.stages.prepare import load_shards
+from eyrie.stages.regenerate.shard import STAGE, shard_paths
+
+SOURCE_MARKER = "source.json"  # in the extraction stage's folder: which stage's data it extracted
+
+
+def extraction_source(run: RunFolder, config: PipelineConfig | None = None) -> Path:
+    """The folder whose dataset and shards.json extraction, vocab and training read: `regenerate/` when the config
+    enables regeneration, else `prepare/`. Without a config (status, verify), the one extraction last recorded."""
+    if config is None:
+        recorded = (read_json(run.extract / SOURCE_MARKER) or {}).get("stage")
+        return run.stage(recorded) if recorded in (STAGE, "prepare") else run.prepare
+    if not config.regenerate.enabled:
+        return run.prepare
+    stage_dir = run.stage(STAGE)
+    m = read_json(stage_dir / "manifest.json")
+    prepared = read_json(run.manifest("prepare")) or {}
+    if not m or m.get("prepare_key") != prepared.get("key"):
+        raise RegenerationError(
+            f"regenerate.enabled is set but {stage_dir} holds no regeneration of the current prepared data: run "
+            f"`eyrie run --until regenerate` on {run.root} first (or set regenerate.enabled: false)"
+        )
+    return stage_dir
+
+
+def record_extraction_source(run: RunFolder, source: Path) -> None:
+    """Written by the extraction flow before it extracts, for the readers that have no config."""
+    want = {"stage": Path(source).name}
+    if read_json(run.extract / SOURCE_MARKER) != want:
+        atomic_write_json(run.extract / SOURCE_MARKER, want)
+
+
+def stage_status(run: RunFolder) -> str:
+    """`eyrie status`'s line for the stage: done, or how many shards are."""
+    stage_dir = run.stage(STAGE)
+    if read_json(stage_dir / "manifest.json"):
+        return "done"
+    shards = load_shards(run.prepare)
+    done = sum(1 for s in shards if read_json(shard_paths(stage_dir, s)[1]))
+    return f"{done}/{len(shards)} shards" if done else "not started"
