@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefect import get_run_logger
+from prefect import get_run_logger, runtime
 
 from eyrie.config import PipelineConfig
 from eyrie.run.folder import RunFolder, remove_staging
 from eyrie.stages.prepare import is_hub_source
-from eyrie.target.hub import pin_revisions
 from eyrie.target.metadata import is_local_target
+from eyrie.target.pins import pin_for_flow_run
 from tasks.preflight import preflight_task
 from tasks.prepare import compute_prepare_key, ensure_target, prepare_task
 
@@ -37,10 +37,15 @@ def open_run(config: PipelineConfig, run: RunFolder, serve: bool = False) -> Ope
         log.info(f"removed {removed} temporary files left by an interrupted run")
     ensure_target(config)
     # Hub revisions pinned to the commits they point at now: every stage keys on those, and a weekly run against a
-    # moved `main` retrains (the pinned config is in the run's parameters and preflight.json).
-    config = pin_revisions(config, not is_local_target(config.target), is_hub_source(config.data))
+    # moved `main` retrains (the pinned config is in the run's parameters and preflight.json). A retry of this flow
+    # run reuses the commits its first attempt pinned (eyrie/target/pins.py): a `main` moved meanwhile changes no key.
+    flow_run_id = str(runtime.flow_run.id) if runtime.flow_run.id else None
+    config, reused = pin_for_flow_run(
+        config, run.root, flow_run_id, not is_local_target(config.target), is_hub_source(config.data)
+    )
     if config.target.revision or config.data.revision:
-        log.info(f"hub revisions pinned: target {config.target.revision}, data {config.data.revision}")
+        how = "as this flow run's first attempt pinned them" if reused else "pinned"
+        log.info(f"hub revisions {how}: target {config.target.revision}, data {config.data.revision}")
     preflight_task(config, str(run.root), serve=serve)  # seconds, before anything expensive
     prepare_stage_key = compute_prepare_key(config)
     prepared = prepare_task(config, str(run.prepare), prepare_stage_key)
