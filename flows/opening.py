@@ -49,5 +49,7 @@ def open_run(config: PipelineConfig, run: RunFolder, serve: bool = False) -> Ope
     preflight_task(config, str(run.root), serve=serve)  # seconds, before anything expensive
     prepare_stage_key = compute_prepare_key(config)
     prepared = prepare_task(config, str(run.prepare), prepare_stage_key)
-    report = preflight_task(config, str(run.root), tokens=prepared["stats"]["tokens"], serve=serve)
+    report = preflight_task(
+        config, str(run.root), tokens=prepared["stats"]["tokens"], serve=serve, prepare_key=prepare_stage_key
+    )
     return OpenedRun(config, prepare_stage_key, prepared, report)

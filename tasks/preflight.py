@@ -11,9 +11,13 @@ from tasks.caching import eyrie_task
 
 
 @eyrie_task("preflight", retries=0)
-def preflight_task(config: PipelineConfig, run_dir: str, tokens: int | None = None, serve: bool = False) -> dict:
+def preflight_task(
+    config: PipelineConfig, run_dir: str, tokens: int | None = None, serve: bool = False, prepare_key: str | None = None
+) -> dict:
     """Seconds of checks before any weights load; raises PreflightError listing every problem."""
-    report = run_preflight(config, Path(run_dir), tokens=tokens, raise_on_failure=False, serve=serve)
+    report = run_preflight(
+        config, Path(run_dir), tokens=tokens, raise_on_failure=False, serve=serve, prepare_key=prepare_key
+    )
     atomic_write_json(Path(run_dir) / "preflight.json", report.as_dict())
     # The report where a user of the UI looks first: on the flow run, failed or not.
     create_markdown_artifact(

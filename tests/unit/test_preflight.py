@@ -250,3 +250,36 @@ def test_cli_preflight_exit_codes(opt_target, tiny_llama, tmp_path, capsys, monk
     broken.write_text(good.read_text().replace("shard_size", "shard_sise"))
     assert eyrie_main(["preflight", "--config", str(broken)]) == 2
     assert "unknown key `data.shard_sise`" in capsys.readouterr().err
+
+
+def test_a_recorded_warm_start_base_since_deleted_is_refused_before_anything_loads(tiny_llama, tmp_path):
+    """An earlier run of this data chose a base (train/warm_start.json) that was deleted since: refused at
+    preflight with what to do, not at the train stage after extraction. A record for other data refuses nothing."""
+    from eyrie.run.folder import RunFolder, atomic_write_json, sha256_json
+    from eyrie.stages.preflight.warm_start import check_recorded_base
+
+    promo = tmp_path / "drafters"
+    config = parse_config(config_dict(tiny_llama, promotion={"dir": str(promo), "warm_start": True}))
+    run = RunFolder(tmp_path / "run")
+    run.ensure()
+    run.prepare.mkdir()
+    atomic_write_json(run.prepare / "shards.json", [{"index": i, "start": 0, "stop": 8} for i in range(2)])
+    run.shard_manifests.mkdir(parents=True)
+    for i in range(2):
+        atomic_write_json(run.shard_manifests / f"shard-{i:05d}.json", {"key": f"extract-key-{i}"})
+    base = promo / "v1-deleted"
+    data_id = sha256_json(["prepare-key", ["extract-key-0", "extract-key-1"]])
+    atomic_write_json(run.train / "warm_start.json", {"data": data_id, "base": str(base)})
+
+    report = run_preflight(config, run.root, raise_on_failure=False, serve=False, prepare_key="prepare-key")
+    [failure] = [f for f in report.failures if "warm-start base" in f]
+    assert str(base) in failure and "no longer exists" in failure
+    assert "delete" in failure and "warm_start.json" in failure and "promotion.warm_start: false" in failure
+    with pytest.raises(PreflightError, match="no longer exists"):
+        run_preflight(config, run.root, serve=False, prepare_key="prepare-key")
+
+    assert check_recorded_base(config, run.root, "other-data") == []  # the run records its own base
+    assert check_recorded_base(config, run.root, None) == []  # before prepare: the data is not known yet
+    (base).mkdir(parents=True)
+    (base / "config.json").write_text("{}")
+    assert check_recorded_base(config, run.root, "prepare-key") == []  # restored

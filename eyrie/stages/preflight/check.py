@@ -37,16 +37,23 @@ from eyrie.stages.preflight.target import (
     validate_aux_layer_ids,
     vllm_has_extract_hidden_states,
 )
+from eyrie.stages.preflight.warm_start import check_recorded_base
 from eyrie.stages.promote import check_base, current_version
 from eyrie.target.metadata import load_tokenizer, mask_token_id, read_target_config, text_config, verifier_name
 from eyrie.vllm.loading import load_warnings, weights_folder
 
 
 def run_preflight(
-    config: PipelineConfig, run_dir: Path, tokens: int | None = None, raise_on_failure: bool = True, serve: bool = True
+    config: PipelineConfig,
+    run_dir: Path,
+    tokens: int | None = None,
+    raise_on_failure: bool = True,
+    serve: bool = True,
+    prepare_key: str | None = None,
 ) -> PreflightReport:
     """Every check that needs no weights; the report lists every failure found, not only the first. `serve`: the
-    run goes on to export and evaluation (vLLM serves target + drafter), so check that too."""
+    run goes on to export and evaluation (vLLM serves target + drafter), so check that too. `prepare_key` (after
+    prepare): the warm-start base recorded for this data is checked too."""
     import vllm
 
     cfg = read_target_config(config.target)
@@ -111,6 +118,7 @@ def run_preflight(
         current = current_version(Path(config.promotion.dir))
         if current is not None:
             failures += check_base(current, verifier_name(config.target.model), config.vocab.draft_vocab_size, aux_ids)
+    failures += check_recorded_base(config, run_dir, prepare_key)
 
     report = PreflightReport(
         probe.architecture,
