@@ -468,7 +468,7 @@ def batch_size_schedule(throughput: list[dict], drafter: str, has_field: bool | 
     config is the fixed k best at the lowest concurrency."""
     best = best_k_per_concurrency(throughput)
     has_field = vllm_has_batch_size_schedule() if has_field is None else has_field
-    ranges = []
+    ranges: list[list[int]] = []
     for i, b in enumerate(best):
         start = 1 if i == 0 else b["concurrency"]
         end = best[i + 1]["concurrency"] - 1 if i + 1 < len(best) else max(b["concurrency"], start)

@@ -1,0 +1,236 @@
+"""Where the drafter's training labels approximate the target (issue 25 item 8).
+
+speculators' EAGLE-3 trainer makes its label distribution from the target's last hidden state as
+`verifier_lm_head(verifier_norm(h))`: an RMSNorm that multiplies by the target's final-norm weight, then a linear
+head without bias, over the draft vocabulary. vLLM serves the target's own transform. Where the two differ, the
+drafter learns a distribution the target does not sample from, and its acceptance is lower than its validation
+says. `label_approximations` names each difference, read from the target's class and config, for any architecture:
+
+- the head has a bias (`get_output_embeddings().bias`): speculators' head has none;
+- the final norm is not an RMSNorm that multiplies by its weight: a numeric probe of the target's own norm module
+  (materialized on the CPU from the meta model, weights set, a vector with a mean fed through) tells a LayerNorm
+  (subtracts the mean, has a bias) and an offset RMSNorm (scales by 1 + weight, as Gemma's) from what speculators
+  applies;
+- the logits are soft-capped or scaled (any config attribute of the text config whose name says logit soft-capping,
+  scaling or an output multiplier, set to other than the neutral value; attention's own soft-capping excluded:
+  it is inside the target, captured in the hidden states);
+- the input embeddings are scaled (a config attribute of an embedding multiplier or scale, or a scale the embedding
+  module or the decoder holds, as Gemma's `embed_scale`): the drafter embeds tokens with the unscaled table. This
+  does not change the labels, but the drafter's input is not what the target sees.
+
+Preflight reports them (`label_warnings`) before anything loads.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from torch import nn
+
+SOFTCAP = re.compile(r"(logit|output).*soft_?cap|soft_?cap.*(logit|output)", re.IGNORECASE)
+LOGIT_SCALE = re.compile(
+    r"^(logit|logits|output|lm_head|final_logit)_?(scale|scaling|multiplier|mult)s?$"
+    r"|^(mup_)?output_(multiplier|mult|scale)"
+    r"|^logit_(temperature|divisor)$",
+    re.IGNORECASE,
+)
+EMBED_SCALE = re.compile(
+    r"^(embedding|embeddings|embed|emb|input_embedding)_?(multiplier|mult|scale|scaling)$|^scale_emb(edding)?$",
+    re.IGNORECASE,
+)
+NOT_OUTPUT = re.compile(r"attn|attention|router|rope|residual", re.IGNORECASE)
+
+
+@dataclass
+class Approximation:
+    what: str  # short name: head bias, final norm, logit soft-capping, logit scaling, embedding scale
+    source: str  # where it was read: `config.final_logit_softcapping`, `GPTNeoXForCausalLM.embed_out.bias`...
+    detail: str  # what the target does that the labels do not
+
+    def message(self) -> str:
+        return f"{self.what} ({self.source}): {self.detail}"
+
+
+def _neutral(value) -> bool:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return True  # unset, a switch, or not a number: nothing to scale by
+    return value in (0, 1) or math.isnan(value)
+
+
+def _config_attributes(config) -> dict:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return {k: v for k, v in vars(text).items() if not k.startswith("_")}
+
+
+def _config_approximations(model) -> list[Approximation]:
+    out = []
+    for name, value in sorted(_config_attributes(model.config).items()):
+        if NOT_OUTPUT.search(name):
+            continue
+        if SOFTCAP.search(name) and not _neutral(value):
+            out.append(
+                Approximation(
+                    "logit soft-capping",
+                    f"config.{name} = {value}",
+                    f"the target's logits are {value} * tanh(logits / {value}); the labels are the head's raw logits",
+                )
+            )
+        elif LOGIT_SCALE.search(name) and not _neutral(value):
+            out.append(
+                Approximation(
+                    "logit scaling",
+                    f"config.{name} = {value}",
+                    "the target scales its logits by this (the sampling temperature it implies changes the label "
+                    "distribution); the labels are the head's raw logits",
+                )
+            )
+        elif EMBED_SCALE.search(name) and not _neutral(value):
+            out.append(
+                Approximation(
+                    "embedding scale",
+                    f"config.{name} = {value}",
+                    "the target scales its input embeddings by this; the drafter embeds tokens with the unscaled table",
+                )
+            )
+    return out
+
+
+def _head_bias(model) -> list[Approximation]:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or getattr(head, "bias", None) is None:
+        return []
+    name = next((n for n, m in model.named_modules() if m is head), "lm_head")
+    return [
+        Approximation(
+            "head bias",
+            f"{type(model).__name__}.{name}.bias",
+            "the target's output head adds a bias; speculators' verifier head has none, so every label misses it",
+        )
+    ]
+
+
+def probe_norm(norm, hidden: int | None = None) -> str:
+    """What the norm module computes, probed on the CPU: "rms" (x / rms(x) * weight: what speculators applies),
+    "rms+1" (x / rms(x) * (1 + weight)), "layer" (subtracts the mean, then weight and bias), or "unknown"."""
+    import torch
+
+    try:
+        probe = copy.deepcopy(norm).to_empty(device="cpu").float()
+    except Exception:  # noqa: BLE001 - a module that cannot be copied is reported as not probed
+        return "unknown"
+    params = dict(probe.named_parameters(recurse=False))
+    weight = params.get("weight")
+    size = weight.shape[-1] if weight is not None else hidden
+    if not size:
+        return "unknown"
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, size, generator=gen) + 3.0  # a clear mean: a LayerNorm removes it, an RMSNorm does not
+    rms = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
+    centered = x - x.mean(-1, keepdim=True)
+    layer = centered / torch.sqrt((centered * centered).mean(-1, keepdim=True) + 1e-6)
+
+    def run(w: float) -> torch.Tensor | None:
+        with torch.no_grad():
+            for pname, p in params.items():
+                p.fill_(w if pname == "weight" else 0.0)
+            try:
+                y = probe(x)
+            except Exception:  # noqa: BLE001
+                return None
+        return (y[0] if isinstance(y, tuple) else y).float()
+
+    zero, one = run(0.0), run(1.0)
+    if zero is None or one is None:
+        return "unknown"
+    if torch.allclose(zero, rms, atol=1e-2) and torch.allclose(one, 2 * rms, atol=2e-2):
+        return "rms+1"
+    if torch.allclose(one, rms, atol=1e-2):
+        return "rms"
+    if torch.allclose(one, layer, atol=1e-2) or torch.allclose(zero, layer, atol=1e-2):
+        return "layer"
+    return "unknown"
+
+
+def _final_norm_approximation(model) -> list[Approximation]:
+    from eyrie.target.metadata import _final_norm
+
+    found = _final_norm(model)
+    if found is None:
+        return []  # metadata refuses such a target itself (no final norm to borrow)
+    name, norm = found[0], cast("nn.Module", found[1])
+    kind = probe_norm(norm, getattr(model.config.get_text_config(), "hidden_size", None))
+    source = f"{type(model).__name__}.{name} ({type(norm).__name__})"
+    has_bias = any(n == "bias" for n, _ in norm.named_parameters(recurse=False))
+    if kind == "rms" and not has_bias:
+        return []
+    detail = {
+        "rms+1": "the target's final norm scales by (1 + weight); speculators' RMSNorm scales by the weight alone",
+        "layer": "the target's final norm is a LayerNorm (subtracts the mean"
+        + (", adds a bias" if has_bias else "")
+        + "); speculators applies an RMSNorm with its weight",
+        "rms": "the target's final norm adds a bias; speculators' RMSNorm has none",
+        "unknown": "the target's final norm is not an RMSNorm that multiplies by its weight (or could not be "
+        "probed); speculators applies one",
+    }[kind]
+    return [Approximation("final norm", source, detail)]
+
+
+EMBED_SCALE_ATTR = re.compile(r"^(embed_scale|embedding_scale|embed_multiplier|normalizer|scale_emb)$")
+
+
+def _embedding_scale_in_code(model, found: list[Approximation]) -> list[Approximation]:
+    """An embedding scale the class holds rather than the config names: a scale attribute on the embedding module
+    or the decoder (Gemma's scaled word embedding, `embed_scale` = sqrt(hidden_size))."""
+    if any(a.what == "embedding scale" for a in found):
+        return []
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    for module in (embed, decoder):
+        if module is None:
+            continue
+        for name in [*vars(module), *getattr(module, "_buffers", {})]:  # plain attributes and buffers
+            value = getattr(module, name, None)
+            if not EMBED_SCALE_ATTR.match(name) or value is None:
+                continue
+            if hasattr(value, "numel") and value.numel() == 1 and value.device.type != "meta":
+                value = float(value)
+            if isinstance(value, (int, float)) and _neutral(value):
+                continue
+            shown = f" = {round(value, 4)}" if isinstance(value, float) else ""
+            return [
+                Approximation(
+                    "embedding scale",
+                    f"{type(module).__name__}.{name}{shown}",
+                    "the target scales its input embeddings; the drafter embeds tokens with the unscaled table",
+                )
+            ]
+    return []
+
+
+def label_approximations(model) -> list[Approximation]:
+    """Each way speculators' labels (and the drafter's input embedding) approximate `model`, a transformers
+    causal LM (built on the meta device is enough: the final norm is probed on a CPU copy)."""
+    found = [*_head_bias(model), *_final_norm_approximation(model), *_config_approximations(model)]
+    return [*found, *_embedding_scale_in_code(model, found)]
+
+
+def label_warnings(target, cfg: dict) -> list[str]:
+    """Preflight's report: one line per approximation of the target `target` (its config.json dict `cfg`), built
+    on the meta device (no weights read). A target transformers cannot build is left to the borrowed-weights check,
+    which refuses it with its own message."""
+    from eyrie.target.metadata import _meta_model
+
+    try:
+        model = _meta_model(target, cfg)
+    except Exception:  # noqa: BLE001 - resolve_borrowed_weights reports it
+        return []
+    return [
+        f"the drafter's training labels approximate {target.model}: {a.message()}. Acceptance in vLLM will be "
+        "lower than validation predicts by what this costs; the train/serve gap in the evaluation report measures it"
+        for a in label_approximations(model)
+    ]
