@@ -20,13 +20,14 @@ from eyrie.stages.extract import ExtractionPlan
 from eyrie.stages.preflight import PreflightReport
 from eyrie.stages.prepare import load_shards
 from eyrie.stages.regenerate import extraction_source, record_extraction_source
+from flows.cancel import stop_on_cancellation
 from flows.sharded import ShardedStage, ShardServer, run_sharded_stage
 from flows.shares import node_share
 from tasks.extract import ExtractShardJob, extract_shard_task
 from tasks.preflight import preflight_task
 
 
-@flow(name="eyrie-extract", task_runner=ThreadPoolTaskRunner(max_workers=2))
+@flow(name="eyrie-extract", task_runner=ThreadPoolTaskRunner(max_workers=2), on_cancellation=[stop_on_cancellation])
 def extract_flow(
     config: PipelineConfig, run_dir: str, report: dict | None = None, shards: list[str] | None = None
 ) -> dict:
@@ -115,7 +116,7 @@ def _extract(
     return outcome
 
 
-@flow(name="eyrie-extract", task_runner=ThreadPoolTaskRunner(max_workers=2))
+@flow(name="eyrie-extract", task_runner=ThreadPoolTaskRunner(max_workers=2), on_cancellation=[stop_on_cancellation])
 def extract_run_flow(config: PipelineConfig, run_dir: str, report: dict | None = None) -> dict:
     """Extraction alone (the eyrie-extract/production deployment): every shard of a prepared run folder, holding
     the run folder's lock as the pipeline does, so it never writes beside a pipeline run or another extraction on

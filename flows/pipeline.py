@@ -27,6 +27,7 @@ from eyrie.stages.train.trainer import train_key, untrained_key
 from eyrie.stages.vocab import mapping_paths, vocab_key
 from eyrie.vllm.process import VllmServer
 from eyrie.vllm.spec import ServerSpec
+from flows.cancel import own_process_group, stop_on_cancellation
 from flows.extract import extract_flow
 from flows.opening import open_run
 from flows.regenerate import regenerate_flow
@@ -39,13 +40,14 @@ from tasks.train import TrainingData, TrainJob, UntrainedJob, train_task, untrai
 from tasks.vocab import vocab_task
 
 
-@flow(name="eyrie-pipeline")
+# Cancelled in the UI: its servers and its trainer are stopped (flows/cancel.py); a crash keeps them for the retry.
+@flow(name="eyrie-pipeline", on_cancellation=[stop_on_cancellation])
 def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = "evaluate") -> dict:
     """Run every stage up to and including `until` (evaluate: the whole pipeline)."""
     log = get_run_logger()
     run = RunFolder(run_dir)
     run.ensure()
-    with run.lock():
+    with run.lock(), own_process_group(run):
         serve = until == "evaluate"  # export and evaluation serve target + drafter in vLLM
         opened = open_run(config, run, serve=serve)
         config, prepare_stage_key, prepared, report = opened.config, opened.prepare_key, opened.prepared, opened.report

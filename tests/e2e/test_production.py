@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -124,6 +126,14 @@ class Production:
         )
 
     def stop(self) -> None:
+        import psutil
+
+        # Flow-run processes that lead process groups of their own (flows/cancel.py) are not in their worker's group.
+        for proc in self.workers.values():
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        child.kill()
         # Every worker is asked at once and given 20 s together (one after another, three took a minute).
         for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, None)):
             for proc in self.workers.values():
@@ -445,3 +455,85 @@ def test_fanout_spreads_shards_over_two_nodes_each_loading_vllm_once(prod, tiny_
     print(
         f"\nfan-out over 2 nodes: {elapsed:.0f}s; shares {dict((q, sorted(s)) for q, s in shares.items())}; {n} samples"
     )
+
+
+PROBE = "tests/cancel_probe.py:cancel_probe"  # starts a recorded "server" and a "trainer" with a rank, then waits
+
+
+def _deploy_probe(prod: Production, queue: str):
+    """The probe flow as a deployment of the GPU pool on `queue`, with the pull step Eyrie's deployments have."""
+
+    async def go(c):
+        flow_id = await c.create_flow_from_name("eyrie-cancel-probe")
+        return await c.create_deployment(
+            flow_id,
+            "probe",
+            work_pool_name="eyrie-gpu",
+            work_queue_name=queue,
+            entrypoint=PROBE,
+            pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}],
+        )
+
+    return _api(prod, go)
+
+
+def _wait_file(path: Path, prod: Production, timeout_s: float = 120) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} not written within {timeout_s:.0f}s\n{prod.logs()}"
+        time.sleep(0.5)
+    return json.loads(path.read_text())
+
+
+def _gone(pids: list[int], timeout_s: float = 30) -> list[int]:
+    from eyrie.vllm.process import _alive
+
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def test_a_cancelled_run_stops_its_server_and_trainer_a_crashed_one_keeps_its_server(prod):
+    """Cancelled from the UI (its state set to Cancelling through the API, as the UI's Cancel does): the worker kills
+    the flow's process, and the flow's on_cancellation hook stops the server recorded in the run folder and the
+    trainer's process group, ranks included. Crashed (its process killed): the server stays up for the retry."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelling
+
+    from eyrie.vllm.process import VllmServer, _alive
+
+    queue = "gpu-node-1"
+    prod.worker(queue, "node-1")
+    deployment = _deploy_probe(prod, queue)
+    for how in ("cancel", "crash"):
+        run = prod.root / "runs" / f"probe-{how}"
+        prod.server_folders.append(register_server_folder(run / "extract"))
+        params = {"run_dir": str(run)}
+        created = _api(prod, lambda c, p=params: c.create_flow_run_from_deployment(deployment, parameters=p))
+        t0 = time.monotonic()
+        pids = _wait_file(run / "probe.json", prod)
+        try:
+            assert all(_alive(p) for p in pids.values()), pids
+            assert os.getpgid(pids["trainer"]) == os.getpgid(pids["rank"]) == pids["flow"]  # the flow's own group
+            if how == "cancel":
+                _api(prod, lambda c, i=created.id: c.set_flow_run_state(i, Cancelling(message="Cancel from the UI")))
+                final = wait_final(prod, created.id, timeout_s=120)
+                assert final.state.type == StateType.CANCELLED, f"{final.state}\n{prod.logs()}"
+                assert _gone(list(pids.values())) == [], f"left running after the cancel: {pids}\n{prod.logs()}"
+                assert not (run / "extract" / "server.json").exists()
+                assert not (run / "flow-runs" / f"{created.id}.json").exists()
+                print(
+                    f"\ncancelled: server, trainer and rank gone {time.monotonic() - t0:.0f}s after the probe started"
+                )
+            else:
+                os.kill(pids["flow"], signal.SIGKILL)  # the node's flow process dies: no hook runs
+                final = wait_final(prod, created.id, timeout_s=120)
+                assert final.state.type == StateType.CRASHED, f"{final.state}\n{prod.logs()}"
+                assert _alive(pids["server"]) and VllmServer(run / "extract").state["pid"] == pids["server"]
+                assert _gone([pids["trainer"]]) == []  # SIGTERM with its parent's death; the retry resumes it
+        finally:  # what a failed check left: the probe's "rank" (torchrun's are sent the SIGTERM on), its server
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pids["flow"], signal.SIGKILL)
+            VllmServer(run / "extract").stop(log=lambda *_: None)
+        prod.wait_idle(queue)
