@@ -313,6 +313,17 @@ class PromptSetConfig(_Section):
     limit: PositiveInt | None = Field(None, description="At most this many prompts. Unset: evaluate.num_prompts.")
 
 
+class TemplateVariantConfig(_Section):
+    name: str = Field(
+        min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="The variant's name in the report."
+    )
+    chat_template_kwargs: dict[str, bool | int | float | str | None] = Field(
+        min_length=1,
+        description="The chat template's switches for this variant, as production sends them in each request "
+        "(vLLM's `chat_template_kwargs`), e.g. {enable_thinking: true}.",
+    )
+
+
 class EvaluateConfig(_Section):
     num_speculative_tokens: int = Field(3, ge=1, description="Draft tokens per step when serving the drafter.")
     num_prompts: int = Field(32, ge=1, description="Held-out prompts to measure acceptance on.")
@@ -346,6 +357,11 @@ class EvaluateConfig(_Section):
         [],
         description="Named evaluation sets measured beside the held-out prompts, on the same servers, each "
         "reported apart (and per prompt category where its rows name one).",
+    )
+    template_variants: list[TemplateVariantConfig] = Field(
+        [],
+        description="Named chat-template variants (a `thinking` switch...): every evaluation set is also measured "
+        "rendered with each, on the same servers, and reported apart. Unset: the template's default rendering only.",
     )
 
 

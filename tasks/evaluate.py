@@ -14,6 +14,8 @@ from eyrie.run.faults import fault_point
 from eyrie.run.folder import atomic_write_json, read_json
 from eyrie.run.manifest import finished_manifest
 from eyrie.stages.evaluate import (
+    HELD_OUT,
+    TemplateVariant,
     baseline_warnings,
     by_category,
     compare_drafters,
@@ -24,6 +26,7 @@ from eyrie.stages.evaluate import (
     measure_throughput,
     plot_draft_tokens,
     train_serve_gap,
+    variant_set_name,
     with_per_request_metrics,
 )
 from eyrie.vllm.client import ServerClient
@@ -55,6 +58,9 @@ class EvaluateJob:
     # Named evaluation sets (`eyrie.stages.evaluate.evaluation_sets`): each measured on the same server after the
     # held-out prompts, reported apart (`sets` in the result), per prompt category where its rows name one.
     prompt_sets: dict[str, list[dict]] | None = None
+    # Chat-template variants (`eyrie.stages.evaluate.template_variants`): every set (the held-out prompts too) is
+    # also measured rendered with each variant's switches, reported as the set "<set>, <variant>".
+    template_variants: dict[str, dict] | None = None
 
     def reference_path(self) -> Path | None:
         if self.reference:
@@ -119,6 +125,13 @@ def evaluate_task(job: EvaluateJob) -> dict:
         result["served_under"] = served_under(_log_text(Path(job.server_dir)), spec)
         if job.prompt_sets:
             result["sets"] = {name: measure_set(client, rows, job.max_tokens) for name, rows in job.prompt_sets.items()}
+        for variant, switches in (job.template_variants or {}).items():
+            rendered = TemplateVariant(client, switches)
+            sets = result.setdefault("sets", {})
+            held = [{"messages": p, "category": None} for p in job.prompts]
+            sets[variant_set_name(HELD_OUT, variant)] = measure_set(rendered, held, job.max_tokens)
+            for name, rows in (job.prompt_sets or {}).items():
+                sets[variant_set_name(name, variant)] = measure_set(rendered, rows, job.max_tokens)
         if job.throughput_concurrency:  # on the same server: the drafter at the served k, for the draft-token report
             result["throughput"] = [
                 measure_throughput(client, job.prompts, job.max_tokens, c) for c in job.throughput_concurrency

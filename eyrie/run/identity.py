@@ -51,6 +51,9 @@ class Inputs:
     # Server arguments and environment count only by what changes outputs (`OUTPUT_PICKS`). False for the servers'
     # own identity, where every argument counts.
     outputs_only: bool = True
+    # Whole config sections, every field of them counting as it is: for a check's verdict (`VERDICTS`), which reads
+    # most of each section it looks at, so that a field it reads can never be left out of its key.
+    sections: tuple[str, ...] = ()
 
 
 FILE_KINDS = {
@@ -176,6 +179,7 @@ STAGES: dict[str, Inputs] = {
             "evaluate.max_tokens",
             "evaluate.sweep_draft_tokens",  # the trained drafter's measurement then includes throughput
             "evaluate.throughput_concurrency",
+            "evaluate.template_variants",  # each variant is also measured, rendered with its switches
         ),
         upstream=("label", "drafter_id", "prompts", "server"),
     ),
@@ -216,6 +220,21 @@ STAGES: dict[str, Inputs] = {
         versions=("vllm",),
         from_spec=True,
         outputs_only=False,
+    ),
+}
+
+# Verdicts: keyed results of checks, not stage outputs. Preflight's verdict on the target, the installed vLLM and the
+# config (eyrie.stages.preflight.verdict): whole sections, since a field it reads but its key missed would let a
+# config it refuses pass on a cached verdict; the target's files and tokenizer; the libraries whose classes, parsers
+# and registries it inspects; `checks`: the source of the checks themselves; `environment`: the variables they read;
+# `serve`: whether the serving server was checked too. The node's checks (GPUs, flock, /dev/shm, disk, the promotion
+# folder) are not in it: they run on every call.
+VERDICTS: dict[str, Inputs] = {
+    "preflight": Inputs(
+        sections=("target", "data", "extraction", "regenerate", "vocab", "train", "evaluate"),
+        upstream=("serve", "checks", "environment"),
+        files=("target", "tokenizer"),
+        versions=("vllm", "transformers", "torch", "speculators"),
     ),
 }
 
@@ -371,7 +390,7 @@ def key(stage: str, config, files: dict[str, Any], **upstream: Any) -> str:
     """The key of `stage`'s output, from exactly its declared inputs: the config's declared fields, the named
     `upstream` values and `files`, the identities of its declared files (all of them, no other:
     `eyrie.target.metadata.stage_key` computes them), and the declared versions."""
-    decl = STAGES[stage]
+    decl = STAGES[stage] if stage in STAGES else VERDICTS[stage]
     if set(upstream) != set(decl.upstream):
         raise TypeError(f"the {stage} key is made of {sorted(decl.upstream)}, got {sorted(upstream)}")
     if set(files) != set(decl.files):
@@ -379,6 +398,8 @@ def key(stage: str, config, files: dict[str, Any], **upstream: Any) -> str:
     body: dict[str, Any] = {"stage": stage, "format": FORMAT_VERSION, "upstream": upstream, "files": files}
     if not decl.from_spec:
         body["config"] = {p: OUTPUT_PICKS.get(p, lambda v: v)(config_value(config, p)) for p in decl.config}
+    if decl.sections:
+        body["sections"] = {s: config_value(config, s) for s in decl.sections}
     body["versions"] = {d: installed_version(d) for d in decl.versions}
     return sha256_json(body)[:16]
 

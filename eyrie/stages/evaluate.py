@@ -680,3 +680,47 @@ def evaluation_markdown(results: dict[str, dict]) -> list[str]:
                     lines += _statistics_lines(cat, stats)
         lines.append("")
     return lines
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Chat-template variants (issue 25 item 4): the prompts rendered as production serves them, switches included.
+
+
+class TemplateVariant:
+    """A server's client whose chat requests carry `chat_template_kwargs` (a variant's switches, e.g.
+    `{"enable_thinking": true}`): vLLM renders each prompt with the target's chat template and these, as it does
+    for production's requests. `metrics` is the server's own."""
+
+    def __init__(self, client, chat_template_kwargs: dict):
+        self.client, self.chat_template_kwargs = client, dict(chat_template_kwargs)
+
+    def chat(self, messages: list[dict], max_tokens: int, timeout_s: float = 600) -> dict:
+        body = {
+            "model": "target",
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "chat_template_kwargs": self.chat_template_kwargs,
+        }
+        r = self.client.session.post(self.client.base_url + "/v1/chat/completions", json=body, timeout=timeout_s)
+        r.raise_for_status()
+        return r.json()
+
+    def metrics(self) -> str:
+        return self.client.metrics()
+
+
+def template_variants(config) -> dict[str, dict]:
+    """`evaluate.template_variants` by name: each its `chat_template_kwargs`."""
+    from eyrie.errors import ConfigError
+
+    out: dict[str, dict] = {}
+    for v in getattr(config.evaluate, "template_variants", None) or []:
+        if v.name in out:
+            raise ConfigError(f"evaluate.template_variants: two variants are named {v.name!r}; name each apart")
+        out[v.name] = dict(v.chat_template_kwargs)
+    return out
+
+
+def variant_set_name(set_name: str, variant: str) -> str:
+    return f"{set_name}, {variant}"
