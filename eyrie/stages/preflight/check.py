@@ -37,23 +37,16 @@ from eyrie.stages.preflight.target import (
     validate_aux_layer_ids,
     vllm_has_extract_hidden_states,
 )
+from eyrie.stages.preflight.verdict import load_verdict, save_verdict, verdict_key
 from eyrie.stages.preflight.warm_start import check_recorded_base
 from eyrie.stages.promote import check_base, current_version
 from eyrie.target.metadata import load_tokenizer, mask_token_id, read_target_config, text_config, verifier_name
 from eyrie.vllm.loading import load_warnings, weights_folder
 
 
-def run_preflight(
-    config: PipelineConfig,
-    run_dir: Path,
-    tokens: int | None = None,
-    raise_on_failure: bool = True,
-    serve: bool = True,
-    prepare_key: str | None = None,
-) -> PreflightReport:
-    """Every check that needs no weights; the report lists every failure found, not only the first. `serve`: the
-    run goes on to export and evaluation (vLLM serves target + drafter), so check that too. `prepare_key` (after
-    prepare): the warm-start base recorded for this data is checked too."""
+def check_target(config: PipelineConfig, serve: bool) -> PreflightReport:
+    """The verdict on the target, the installed vLLM and the config (the part that imports vLLM and loads the
+    tokenizer): what it found and every failure. Keyed (`eyrie.stages.preflight.verdict`) on everything it reads."""
     import vllm
 
     cfg = read_target_config(config.target)
@@ -97,9 +90,6 @@ def run_preflight(
             f"vocabulary ({vocab}): set it to at most {vocab}"
         )
     failures += check_context(config, cfg) + check_parallelism(config, text) + (check_serving(cfg) if serve else [])
-    failures += check_train_devices(config)
-    failures += check_lock_filesystem(run_dir)
-    failures += check_online_tmpfs(config, run_dir, len(captured_layer_ids(aux_ids, num_layers)), hidden)
     tok = None
     try:
         tok = load_tokenizer(config.target)
@@ -113,12 +103,6 @@ def run_preflight(
             )
     except Exception as err:  # DataError and template errors both end here with their own message
         failures.append(str(err))
-
-    if config.promotion.dir and config.promotion.warm_start:
-        current = current_version(Path(config.promotion.dir))
-        if current is not None:
-            failures += check_base(current, verifier_name(config.target.model), config.vocab.draft_vocab_size, aux_ids)
-    failures += check_recorded_base(config, run_dir, prepare_key)
 
     report = PreflightReport(
         probe.architecture,
@@ -134,15 +118,49 @@ def run_preflight(
         vllm.__version__,
         config.max_model_len,
     )
-    report.revisions = {"target": config.target.revision, "data": config.data.revision}
-    report.hidden_states = config.train.hidden_states
     report.warnings += arg_warnings
-    x = config.extraction
-    report.warnings += load_warnings(weights_folder(config.target), x.server_args, x.enforce_eager, x.server_env)
     mask = config.train.mask_token_id
     report.target_facts["mask_token_id"] = mask if mask is not None or tok is None else mask_token_id(tok, vocab)
     if probe.path != "unsupported":  # a refused class is the one problem worth reading; its metadata may be odd
         failures += check_drafter_inputs(config, cfg, report)
+    report.failures = failures
+    return report
+
+
+def run_preflight(
+    config: PipelineConfig,
+    run_dir: Path,
+    tokens: int | None = None,
+    raise_on_failure: bool = True,
+    serve: bool = True,
+    prepare_key: str | None = None,
+) -> PreflightReport:
+    """Every check that needs no weights; the report lists every failure found, not only the first. `serve`: the
+    run goes on to export and evaluation (vLLM serves target + drafter), so check that too. `prepare_key` (after
+    prepare): the warm-start base recorded for this data is checked too.
+
+    The verdict on the target, vLLM and the config is a keyed result: a run folder holding a passing verdict under
+    the same key (`eyrie.stages.preflight.verdict`) reuses it and imports no vLLM. The node's checks run every time."""
+    key = verdict_key(config, serve)
+    report = load_verdict(run_dir, key)
+    if report is None:
+        report = check_target(config, serve)
+        if not report.failures:
+            save_verdict(run_dir, key, report)
+    failures = list(report.failures)
+    report.revisions = {"target": config.target.revision, "data": config.data.revision}
+    report.hidden_states = config.train.hidden_states
+    aux_ids, hidden = report.aux_layer_ids, report.hidden_size
+    failures += check_train_devices(config)
+    failures += check_lock_filesystem(run_dir)
+    failures += check_online_tmpfs(config, run_dir, len(report.captured_layer_ids), hidden)
+    if config.promotion.dir and config.promotion.warm_start:
+        current = current_version(Path(config.promotion.dir))
+        if current is not None:
+            failures += check_base(current, verifier_name(config.target.model), config.vocab.draft_vocab_size, aux_ids)
+    failures += check_recorded_base(config, run_dir, prepare_key)
+    x = config.extraction
+    report.warnings += load_warnings(weights_folder(config.target), x.server_args, x.enforce_eager, x.server_env)
     if tokens is not None and hidden:
         fp8 = config.extraction.hidden_states_dtype == "float8_e4m3fn"
         report.estimated_bytes = hidden_state_bytes(tokens, len(report.captured_layer_ids), hidden, 1 if fp8 else 2)

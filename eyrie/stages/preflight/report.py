@@ -30,6 +30,10 @@ class PreflightReport:
     hidden_states: str = "offline"  # train.hidden_states: online runs have no extract stage (`eyrie status` reads it)
     warnings: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    # The key of the verdict on the target, vLLM and the config (eyrie.stages.preflight.verdict), and whether this
+    # report reused a passing one from the run folder (no vLLM import) or checked afresh.
+    verdict_key: str | None = None
+    verdict_reused: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -52,6 +56,7 @@ def report_markdown(report: PreflightReport) -> str:
         ("borrowed tensors", ", ".join(f"`{v}`" for v in weights.values()) or "-"),
         ("hidden states (estimate)", f"{report.estimated_bytes / 2**30:.1f} GiB" if report.estimated_bytes else "-"),
         ("vLLM", report.vllm_version),
+        ("verdict", f"{'reused' if report.verdict_reused else 'checked'} (key `{report.verdict_key}`)"),
     ]
     return "\n".join(
         [
