@@ -23,20 +23,31 @@ TINY_TARGETS = (
 )
 
 
+# A target whose recipe changed is built again over an older folder: the marker names the recipe it was built by.
+RECIPES = {"tiny-llama-chat": "taught with fixed CPU numerics (v2)"}
+
+
+def _marker(kind: str) -> str:
+    return " ".join([kind, RECIPES.get(kind, "")]).strip() + "\n"
+
+
 def build_target(kind: str, path: str | Path, seed: int = 0, **kw) -> Path:
-    """Write tiny target `kind` into `path` (idempotent: an existing complete folder is kept)."""
+    """Write tiny target `kind` into `path` (idempotent: an existing complete folder of the same recipe is kept)."""
     path = Path(path)
-    if (path / ".complete").exists():
+    done = path / ".complete"
+    if done.exists() and (kind not in RECIPES or done.read_text() == _marker(kind)):
         return path
+    done.unlink(missing_ok=True)
     build: Callable[..., None]
     if kind == "tiny-llama":
         from eyrie.target.tiny.llama import build_llama as build
     elif kind == "tiny-llama-chat":  # the demo's target: taught the bundled conversations (about a minute)
         from functools import partial
 
-        from eyrie.target.tiny.llama import build_llama
+        from eyrie.target.tiny.pretrain import build_taught_llama
 
-        build = partial(build_llama, pretrain_steps=kw.pop("pretrain_steps", 200))
+        # In a child process with fixed CPU numerics, so that every machine builds the same weights.
+        build = partial(build_taught_llama, pretrain_steps=kw.pop("pretrain_steps", 200))
     elif kind == "tiny-deepseek-v3":
         from eyrie.target.tiny.deepseek import build_deepseek_v3 as build
     elif kind == "tiny-gpt2":
@@ -51,7 +62,7 @@ def build_target(kind: str, path: str | Path, seed: int = 0, **kw) -> Path:
         raise ValueError(f"unknown tiny target {kind!r}; choose one of {', '.join(TINY_TARGETS)}")
     path.mkdir(parents=True, exist_ok=True)
     build(path, seed=seed, **kw)
-    (path / ".complete").write_text(kind + "\n")
+    done.write_text(_marker(kind))
     return path
 
 
