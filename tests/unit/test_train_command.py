@@ -423,3 +423,41 @@ def test_the_untrained_baseline_is_keyed_by_what_shapes_it(tiny_llama, tmp_path)
     cfg = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**cfg, "initializer_range": 0.5}))  # another target
     assert key != untrained_key(parse_config(config_dict(other)), "vocab-a", [2, 4, 5])
+
+
+def test_block_mask_is_built_eagerly_until_its_compiled_builder_is_ready(monkeypatch):
+    """The first step builds the mask eagerly; the second call starts compiling the builder in a thread (under that
+    call's grad mode), and once it is ready every call goes through it. The mask is create_block_mask's either way."""
+    import torch
+    from speculators.models.eagle3 import core
+
+    from eyrie.stages.train.patches import compile as deferred
+
+    monkeypatch.setattr(core.Eagle3DraftModel, "_build_attn_mask", core.Eagle3DraftModel._build_attn_mask)
+    monkeypatch.setattr(deferred, "_STATE", {})
+    compiled_calls: list = []
+
+    def fake_compile(fn):  # the plumbing, not Inductor: a CPU compile of create_block_mask takes minutes
+        def run(*args):
+            compiled_calls.append(torch.is_grad_enabled())
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    model, _ = _tiny_eagle3()
+    model._create_mask_fn = core.create_block_mask
+    docs = torch.tensor([0] * 100 + [1] * 100 + [-1] * 56)
+    want = core.Eagle3DraftModel._build_attn_mask(model, docs, 256, "cpu")
+    deferred._block_mask_compiled_after_the_first_step()
+    deferred._block_mask_compiled_after_the_first_step()  # once only
+    first = model._build_attn_mask(docs, 256, "cpu")
+    assert "thread" not in deferred._STATE and not compiled_calls
+    with torch.no_grad():
+        second = model._build_attn_mask(docs, 256, "cpu")
+    deferred._STATE["thread"].join(timeout=60)
+    assert compiled_calls == [False] and "compiled" in deferred._STATE  # warmed under the caller's grad mode
+    third = model._build_attn_mask(docs, 256, "cpu")
+    assert len(compiled_calls) == 2
+    for got in (first, second, third):
+        assert got.to_dense().equal(want.to_dense()) and got.seq_lengths == want.seq_lengths

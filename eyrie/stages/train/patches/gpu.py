@@ -11,6 +11,7 @@ def _gpu_speedups() -> None:
 
     from eyrie.stages.train.patches.build import _build_on_gpu
     from eyrie.stages.train.patches.clip import _clip_inside_fused_adamw
+    from eyrie.stages.train.patches.compile import _block_mask_compiled_after_the_first_step
     from eyrie.stages.train.patches.feed import _feed_the_gpu_ahead
     from eyrie.stages.train.patches.metrics import _accuracy_without_sync, _loss_scalars_without_sync
     from eyrie.stages.train.patches.workers import _fork_workers_from_a_server, _worker_init
@@ -80,3 +81,5 @@ def _gpu_speedups() -> None:
         _loss_scalars_without_sync()
     if switches.BF16_WEIGHTS:
         _bf16_working_weights()
+    if switches.DEFERRED_MASK_COMPILE:
+        _block_mask_compiled_after_the_first_step()
