@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+from prefect import flow
+
 from eyrie.run.folder import atomic_write_json
 from eyrie.stages.evaluate import baseline_warnings, compare_drafters, request_statistics
 from eyrie.stages.promote import decide, decide_and_promote
@@ -143,3 +146,41 @@ def test_a_cached_measurement_under_another_server_is_measured_again(tmp_path):
     atomic_write_json(tmp_path / "other.json", {"served_under": served_under(CPU_LOG, spec)})
     job.reference = str(tmp_path / "other.json")
     assert stale_against_reference(job) == []
+
+
+@pytest.mark.usefixtures("flow_api")
+def test_the_task_measures_the_current_drafter_again_when_the_trained_one_was_served_otherwise(tmp_path, monkeypatch):
+    """Through Prefect, with the task's cache: the current drafter's finished measurement (same key) is reused
+    while the trained drafter's was measured under the same server, and measured again once it was not."""
+    from test_acceptance_statistics import FakeClient
+
+    import tasks.evaluate as te
+
+    hists = {f"p{i}": [1, 2, 1, i % 3] for i in range(4)}
+    client = FakeClient(hists, per_request=True)
+    sent = []
+    real_chat = client.chat
+    client.chat = lambda messages, max_tokens: (sent.append(messages), real_chat(messages, max_tokens))[1]
+    monkeypatch.setattr(te, "serve", lambda spec, folder, timeout: client)
+    monkeypatch.setattr(te, "stop", lambda folder: None)
+    server_dir = tmp_path / "server-current"
+    server_dir.mkdir()
+    (server_dir / "server.log").write_text(CPU_LOG)
+    prompts = [[{"role": "user", "content": f"p{i}"}] for i in range(4)]
+    job = EvaluateJob(
+        "current", "/d", _spec(), str(server_dir), prompts, 8, str(tmp_path / "current.json"), f"k-{tmp_path.name}", 1.0
+    )
+    atomic_write_json(tmp_path / "trained.json", {"served_under": served_under(CPU_LOG, _spec())})
+
+    @flow
+    def evaluate_once():
+        return te.evaluate_task(job)
+
+    first = evaluate_once()
+    assert len(sent) == 4 and first["served_under"]["model_runner"].startswith("cpu_model_runner")
+    evaluate_once()
+    assert len(sent) == 4  # the same server: the finished measurement stands
+    atomic_write_json(tmp_path / "trained.json", {"served_under": served_under(GPU_LOG, _spec())})
+    again = evaluate_once()
+    assert len(sent) == 8  # the trained drafter was served otherwise: measured again before any comparison
+    assert again["served_under"] == first["served_under"]
