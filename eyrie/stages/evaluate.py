@@ -724,3 +724,19 @@ def template_variants(config) -> dict[str, dict]:
 
 def variant_set_name(set_name: str, variant: str) -> str:
     return f"{set_name}, {variant}"
+
+
+def template_variant_warnings(chat_template: str | None, variants: dict[str, dict]) -> list[str]:
+    """A variant whose switches the target's chat template never reads renders exactly as the default: measuring
+    it tells nothing (a misspelt `enable_thinking`, or a template without that switch). One warning per switch the
+    template's text does not name (`chat_template`: the tokenizer's template; None or empty: vLLM's default)."""
+    out = []
+    for name, switches in variants.items():
+        unread = [k for k in switches if not chat_template or not re.search(rf"\b{re.escape(k)}\b", chat_template)]
+        if unread:
+            out.append(
+                f"evaluate.template_variants {name!r}: the target's chat template never reads "
+                f"{', '.join(unread)}, so this variant renders as the default; check the switch's name against the "
+                "template (tokenizer_config.json `chat_template` or chat_template.jinja)"
+            )
+    return out

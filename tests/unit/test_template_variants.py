@@ -84,3 +84,17 @@ def test_variants_are_named_in_the_config_and_shape_the_key(tmp_path):
         parse_config(
             config_dict(tmp_path / "t", evaluate={"template_variants": [{"name": "x", "chat_template_kwargs": {}}]})
         )
+
+
+def test_a_switch_the_template_never_reads_is_named(tiny_llama):
+    from eyrie.stages.evaluate import template_variant_warnings
+
+    qwen_like = "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>{%- endif %}"
+    assert template_variant_warnings(qwen_like, {"thinking": {"enable_thinking": True}}) == []
+    [w] = template_variant_warnings(qwen_like, {"thinking": {"enable_thinkng": True}})
+    assert "'thinking'" in w and "never reads enable_thinkng" in w
+    # The tiny target's own template has no thinking switch.
+    from transformers import AutoTokenizer
+
+    template = AutoTokenizer.from_pretrained(str(tiny_llama)).chat_template
+    assert template and template_variant_warnings(template, {"thinking": {"enable_thinking": True}})
