@@ -98,6 +98,8 @@ SPECIAL: dict[str, list] = {
     "train.mask_token_id": [5],
     "evaluate.sweep_draft_tokens": [4],
     "evaluate.throughput_concurrency": [[2]],
+    "evaluate.prompt_sets": [[{"name": "mt", "path": "/prompts/mt.jsonl"}]],
+    "evaluate.template_variants": [[{"name": "thinking", "chat_template_kwargs": {"enable_thinking": True}}]],
     "promotion.dir": ["/promoted"],
     "regenerate.temperature_mix": [[{"temperature": 0.5, "weight": 1.0}]],
     "regenerate.temperature": [0.5],
