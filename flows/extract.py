@@ -99,6 +99,9 @@ def _extract(
         # Pending: whatever Prefect recorded for its key is not trusted (its files are not whole).
         return [(s, extract_shard_task.with_options(refresh_cache=True).submit(jobs[s.name], url)) for s in todo]
 
+    if shards is not None and not pending:
+        # A node's server kept up by its regeneration share for this one: nothing to extract here, so it stops.
+        ShardServer.of(plan, config.extraction.startup_timeout_s).stop()
     # A success rechecks the shards that ran; the others were found complete when this flow began and nothing here
     # wrote to them: a second stat of every file, about 1 s per 100,000 files, would add nothing.
     run_sharded_stage(

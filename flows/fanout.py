@@ -1,9 +1,13 @@
-"""Extraction over several GPU nodes: one parent flow run spreads the pending shards over per-node work queues.
+"""Regeneration and extraction over several GPU nodes: one parent flow run spreads each stage's pending shards over
+per-node work queues.
 
-Each node's share is a flow run of the `eyrie-extract/node` deployment (flows/extract.py with `shards=`), created with
-`run_deployment(..., work_queue_name=<the node's queue>)`, so the node's worker runs it there. The node starts its own
-vLLM server once for its whole share, in `<run>/extract/nodes/<node>/`. All nodes write into the one run folder, on
-shared storage, and share Prefect's result storage.
+Each node's share is a flow run of the `eyrie-regenerate/node` deployment (flows/regenerate.py with `shards=`), then
+of `eyrie-extract/node` (flows/extract.py with `shards=`), created with `run_deployment(..., work_queue_name=<the
+node's queue>)`, so the node's worker runs it there. The node starts its own vLLM server once for both of its shares,
+in `<run>/extract/nodes/<node>/`: its regeneration share leaves it up, its extraction share reuses and stops it. The
+parent assembles the regenerated shards once every node is done. All nodes write into the one run folder, on shared
+storage, and share Prefect's result storage. A node's run that fails fails the parent, naming its shards; retrying
+the parent sends out only the shards still pending (those of the failed node).
 
 The parent opens the run as the pipeline does (flows/opening.py: revisions pinned, staging cleaned, preflight,
 prepare), once, under the run folder's lock, which it holds until every node is done. Each node's share locks what
@@ -23,15 +27,18 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 
 from eyrie.config import PipelineConfig
-from eyrie.errors import ExtractionError
+from eyrie.errors import ExtractionError, EyrieError, RegenerationError
 from eyrie.run.folder import RunFolder
 from eyrie.stages.extract import ExtractionPlan
 from eyrie.stages.preflight import PreflightReport
 from eyrie.stages.prepare import load_shards
-from eyrie.stages.regenerate import extraction_source
+from eyrie.stages.regenerate import RegenerationPlan, extraction_source
 from flows.opening import open_run
+from flows.regenerate import assemble
+from tasks.preflight import preflight_task
 
 NODE_DEPLOYMENT = "eyrie-extract/node"
+REGENERATE_NODE_DEPLOYMENT = "eyrie-regenerate/node"
 POLL_S = 5.0
 
 
@@ -42,10 +49,16 @@ def split_shards(names: list[str], queues: list[str]) -> dict[str, list[str]]:
 
 @flow(name="eyrie-extract-fanout")
 def extract_fanout_flow(
-    config: PipelineConfig, run_dir: str, queues: list[str], deployment: str = NODE_DEPLOYMENT
+    config: PipelineConfig,
+    run_dir: str,
+    queues: list[str],
+    deployment: str = NODE_DEPLOYMENT,
+    regenerate_deployment: str = REGENERATE_NODE_DEPLOYMENT,
 ) -> dict:
-    """Extract `run_dir`'s pending shards on the nodes behind `queues` (one work queue per node) and check that every
-    shard is complete. `run_dir` must be on storage every node mounts at the same path."""
+    """Regenerate (with regenerate.enabled) and extract `run_dir`'s pending shards on the nodes behind `queues` (one
+    work queue per node), and check that every shard is complete. `run_dir` must be on storage every node mounts at
+    the same path. Each node's server serves both stages: its regeneration share leaves it up, its extraction share
+    (an empty one if no shard is left for it) reuses and stops it."""
     log = get_run_logger()
     if not queues or len(set(queues)) != len(queues):
         raise ExtractionError(f"queues {queues}: name each node's work queue once")
@@ -56,54 +69,82 @@ def extract_fanout_flow(
         # shards as the pipeline does.
         opened = open_run(config, run)
         config, report = opened.config, opened.report
-        # Regeneration is not fanned out: with regenerate.enabled the run folder must hold it (`eyrie run --until
-        # regenerate`), and the nodes extract the regenerated data.
-        plan = ExtractionPlan(config, run, PreflightReport(**report), load_shards(extraction_source(run, config)))
-        rehash = config.extraction.verify_checksums
-        shares = split_shards([s.name for s in plan.pending(rehash)], queues)
-        log.info(
-            f"{len(plan.shards)} shards; to extract: "
-            + (", ".join(f"{len(names)} on {q}" for q, names in shares.items()) or "none")
-        )
-        _check_queues(deployment, list(shares), log)
+        _check_queues(deployment, queues, log)
         # The nodes lock what they write themselves (flows/shares.py): a node outlives this process if it dies, and
         # then keeps every other run off the folder until it ends. Opened: let them in.
         held.admit_shares()
+        nodes: dict[str, dict] = {}
+        kept: list[str] = []  # queues whose node left its server up for its extraction share
+        if config.regenerate.enabled:
+            plan = RegenerationPlan(config, run, PreflightReport(**report))
+            shares = split_shards([s.name for s in plan.pending()], queues)
+            params = {"config": config.model_dump(mode="json"), "run_dir": str(run.root), "report": report}
+            finished = _fan_out(regenerate_deployment, "regenerate", shares, {**params, "keep_server": True}, log)
+            _check_nodes(finished, shares, RegenerationError)
+            nodes["regenerate"] = _node_outcomes(finished, shares)
+            kept = list(shares)
+            # Read again now the shards ran: the assembly's key counts the rows they lost.
+            regenerated = assemble(config, run, RegenerationPlan(config, run, PreflightReport(**report)))
+            # The disk check again, on the regenerated data's length (seconds; nothing loads).
+            report = preflight_task(config, str(run.root), tokens=regenerated["stats"]["tokens"])
+        plan = ExtractionPlan(config, run, PreflightReport(**report), load_shards(extraction_source(run, config)))
+        rehash = config.extraction.verify_checksums
+        shares = split_shards([s.name for s in plan.pending(rehash)], queues)
+        for q in kept:
+            shares.setdefault(q, [])  # an empty share: the node stops the server it kept up
         params = {"config": config.model_dump(mode="json"), "run_dir": str(run.root), "report": report}
-        children = {
-            q: run_deployment(
-                deployment,
-                parameters={**params, "shards": names},
-                work_queue_name=q,
-                flow_run_name=f"{config.name}-extract-{q}",
-                timeout=0,
-            )
-            for q, names in shares.items()
-        }
-        finished = _wait(children, log)
-        failed = [
-            f"{fr.name} ({fr.id}) on queue {q}, shards {', '.join(shares[q])}: {fr.state.name}: {fr.state.message}"
-            for q, fr in finished.items()
-            if not fr.state.is_completed()
-        ]
-        if failed:
-            raise ExtractionError(
-                f"{len(failed)} of {len(finished)} node runs did not complete: "
-                + "; ".join(failed)
-                + ". Retry this flow run: finished shards are kept and only the rest are sent out."
-            )
+        finished = _fan_out(deployment, "extract", shares, params, log)
+        _check_nodes(finished, shares, ExtractionError)
         missing = [s.name for s in plan.shards if not plan.is_complete(s, rehash)]
         if missing:
             raise ExtractionError(
                 f"every node run completed, yet {len(missing)} shards lack a complete manifest "
                 f"({', '.join(missing[:10])}): is {run.root} the same shared folder on every node?"
             )
+        nodes["extract"] = _node_outcomes(finished, shares)
     return {
         "run_dir": str(run.root),
         "shards": len(plan.shards),
         "hidden_states": str(run.hidden_states),
-        "nodes": {q: {"flow_run": str(fr.id), "shards": shares[q]} for q, fr in finished.items()},
+        "nodes": nodes["extract"],
+        **({"regenerate_nodes": nodes["regenerate"]} if "regenerate" in nodes else {}),
     }
+
+
+def _fan_out(deployment: str, stage: str, shares: dict[str, list[str]], params: dict, log) -> dict:
+    """One run of `deployment` per queue with its share; waits until every one is final."""
+    log.info(f"{stage}: " + (", ".join(f"{len(names)} shards on {q}" for q, names in shares.items()) or "nothing"))
+    name = params["config"]["name"]
+    children = {
+        q: run_deployment(
+            deployment,
+            parameters={**params, "shards": names},
+            work_queue_name=q,
+            flow_run_name=f"{name}-{stage}-{q}",
+            timeout=0,
+        )
+        for q, names in shares.items()
+    }
+    return _wait(children, log)
+
+
+def _check_nodes(finished: dict, shares: dict[str, list[str]], error: type[EyrieError]) -> None:
+    failed = [
+        f"{fr.name} ({fr.id}) on queue {q}, shards {', '.join(shares[q]) or 'none'}: {fr.state.name}: "
+        f"{fr.state.message}"
+        for q, fr in finished.items()
+        if not fr.state.is_completed()
+    ]
+    if failed:
+        raise error(
+            f"{len(failed)} of {len(finished)} node runs did not complete: "
+            + "; ".join(failed)
+            + ". Retry this flow run: finished shards are kept and only the rest are sent out."
+        )
+
+
+def _node_outcomes(finished: dict, shares: dict[str, list[str]]) -> dict:
+    return {q: {"flow_run": str(fr.id), "shards": shares[q]} for q, fr in finished.items()}
 
 
 def _check_queues(deployment: str, queues: list[str], log) -> None:

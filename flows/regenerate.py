@@ -4,6 +4,8 @@ which reuses it: the target loads once for both stages."""
 
 from __future__ import annotations
 
+import socket
+
 from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -12,19 +14,46 @@ from eyrie.errors import RegenerationError
 from eyrie.run.folder import RunFolder, node_name
 from eyrie.stages.preflight import PreflightReport
 from eyrie.stages.regenerate import RegenerationPlan
+from flows.cancel import stop_on_cancellation
 from flows.sharded import ShardedStage, ShardServer, run_sharded_stage
+from flows.shares import node_share
 from tasks.regenerate import RegenerateShardJob, assemble_task, regenerate_shard_task
 
 
-@flow(name="eyrie-regenerate", task_runner=ThreadPoolTaskRunner(max_workers=2))
-def regenerate_flow(config: PipelineConfig, run_dir: str, report: dict, keep_server: bool = False) -> dict:
+@flow(name="eyrie-regenerate", task_runner=ThreadPoolTaskRunner(max_workers=2), on_cancellation=[stop_on_cancellation])
+def regenerate_flow(
+    config: PipelineConfig, run_dir: str, report: dict, keep_server: bool = False, shards: list[str] | None = None
+) -> dict:
     """Regenerate every shard of a prepared run folder and assemble the result; `report` is preflight's. With
-    `keep_server`, a server this run started stays up (extraction comes next and reuses it)."""
-    log = get_run_logger()
+    `keep_server`, a server this run started stays up (extraction comes next and reuses it).
+
+    Given `shards` (one node's share of a fan-out, flows/fanout.py), only those, on this node's own server in
+    `<run>/extract/nodes/<node>/` (the server the node's extraction share reuses), under locks of the share's own
+    (flows/shares.py); the fan-out's parent assembles once every node is done."""
     run = RunFolder(run_dir)
-    plan = RegenerationPlan(config, run, PreflightReport(**report), node=node_name())
-    pending = {s.name for s in plan.pending()}
-    log.info(f"{len(plan.shards)} shards, {len(pending)} to regenerate")
+    if shards is None:  # the whole folder, under the lock of the run that called it (the pipeline)
+        return _regenerate(config, run, report, keep_server, None, node_name())
+    node = node_name(default=socket.gethostname())
+    with node_share(run, "regenerate", shards, node):
+        return _regenerate(config, run, report, keep_server, shards, node)
+
+
+def _regenerate(
+    config: PipelineConfig, run: RunFolder, report: dict, keep_server: bool, share: list[str] | None, node: str | None
+) -> dict:
+    log = get_run_logger()
+    plan = RegenerationPlan(config, run, PreflightReport(**report), node=node)
+    shards = plan.shards
+    if share is not None:
+        unknown = sorted(set(share) - {s.name for s in shards})
+        if unknown:
+            raise RegenerationError(f"shards {unknown} are not in {run.prepare / 'shards.json'}")
+        shards = [s for s in shards if s.name in set(share)]
+    pending = {s.name for s in plan.pending() if share is None or s.name in set(share)}
+    log.info(
+        f"{len(shards)} shards, {len(pending)} to regenerate"
+        + (f" on node {node} (server folder {plan.server_dir})" if share is not None else "")
+    )
 
     def submit(todo, url):
         return [
@@ -40,7 +69,7 @@ def regenerate_flow(config: PipelineConfig, run_dir: str, report: dict, keep_ser
     server_up = run_sharded_stage(
         ShardedStage(
             name="regeneration",
-            shards=plan.shards,
+            shards=shards,
             pending=pending,
             server=ShardServer.of(plan, config.extraction.startup_timeout_s),
             submit=submit,
@@ -50,12 +79,14 @@ def regenerate_flow(config: PipelineConfig, run_dir: str, report: dict, keep_ser
         ),
         keep_server=keep_server,
     )
+    outcome = {"regenerated": sorted(pending), "server_up": server_up, "server_dir": str(plan.server_dir)}
+    if share is not None:
+        return {**outcome, "node": node, "shards": [s.name for s in shards]}
+    return {**assemble(config, run, plan), **outcome}
+
+
+def assemble(config: PipelineConfig, run: RunFolder, plan: RegenerationPlan) -> dict:
+    """Assemble every regenerated shard into the stage's dataset (the pipeline after its shards, a fan-out's parent
+    once every node is done). Read after the shards ran: `plan.key` counts the rows they lost."""
     manifest = assemble_task(str(plan.dir), str(run.prepare), plan.shards, plan.keys, plan.key, config)
-    return {
-        "key": plan.key,
-        "dataset": str(plan.dir / "dataset"),
-        "regenerated": sorted(pending),
-        "stats": manifest["stats"],
-        "server_up": server_up,
-        "server_dir": str(plan.server_dir),
-    }
+    return {"key": plan.key, "dataset": str(plan.dir / "dataset"), "stats": manifest["stats"]}

@@ -9,8 +9,10 @@ vLLM's CPU build).
 - The operator hears of the failure: setup's "Eyrie GPU run failed" automation sends the notification block given
   with `--notify-block` (here a custom webhook block pointed at a receiver in this process) a message naming the run.
 - Two GPU nodes (two workers, two queues of the pool `eyrie-gpu`, whose limit of 2 lets them run side by side, one
-  shared run folder): the fan-out parent, from the pool `eyrie-control`, splits the shards over them; each node
-  loads its vLLM server once.
+  shared run folder): the fan-out parent, from the pool `eyrie-control`, splits the regeneration shards, then the
+  extraction shards, over them; each node loads its vLLM server once for both stages. Node 2's process dies
+  mid-share: the parent's retry sends out only the shards it left.
+- A flow run cancelled through the API stops its server and its trainer; a crashed one keeps its server.
 """
 
 from __future__ import annotations
@@ -292,15 +294,17 @@ def file_ids(path: Path) -> tuple[int, int]:
     return st.st_ino, st.st_mtime_ns
 
 
-def check_samples(run: Path) -> int:
-    """Exactly one valid file per sample; returns the number of samples."""
+def check_samples(run: Path, data: str = "prepare") -> int:
+    """Exactly one valid file per sample of the stage folder `data` (what extraction read); returns the number of
+    samples."""
     rf = RunFolder(run)
-    shards = load_shards(rf.prepare)
+    source = rf.stage(data)
+    shards = load_shards(source)
     assert sorted(p.name for p in rf.hidden_states.iterdir()) == sorted(
         f"hs_{i}.safetensors" for i in range(shards[-1].stop)
     )
     for shard in shards:
-        for offset, ids in enumerate(load_dataset_rows(rf.prepare, shard.start, shard.stop)):
+        for offset, ids in enumerate(load_dataset_rows(source, shard.start, shard.stop)):
             load_checked(sample_path(rf.hidden_states, shard.start + offset), ids, NUM_LAYERS, HIDDEN)
     return shards[-1].stop
 
@@ -408,52 +412,126 @@ def test_a_failed_shard_is_retried_alone_by_retrying_the_flow_run(prod, webhook,
     )
 
 
-def test_fanout_spreads_shards_over_two_nodes_each_loading_vllm_once(prod, tiny_llama, tmp_path):
+def shard_task_states(prod: Production, flow_run_id, stage: str, expected: set[str]) -> dict[str, str]:
+    if stage == "extract":
+        return extract_task_states(prod, flow_run_id, expected)
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    deadline = time.monotonic() + 60
+    while True:
+        runs = _api(
+            prod, lambda c: c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        )
+        states = {t.name.removeprefix("regenerate-"): t.state for t in runs if t.name.startswith("regenerate-shard-")}
+        if (
+            set(states) == expected and all(st and st.is_final() for st in states.values())
+        ) or time.monotonic() > deadline:
+            return {k: (st.name if st else None) for k, st in states.items()}
+        time.sleep(1)
+
+
+def test_fanout_regenerates_and_extracts_over_two_nodes_a_dead_nodes_shards_retried_alone(prod, tiny_llama, tmp_path):
+    """Regeneration and extraction spread over two nodes, each node's target loaded once for both stages. Node 2's
+    flow process dies mid-share (SIGKILL, by fault point): the parent fails naming its shards; the UI's Retry of the
+    parent sends out only the shards it left unfinished, and the nodes' servers (kept up, node 2's outliving its
+    process) are reused."""
     from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.responses import SetStateStatus
+    from prefect.states import State
 
     t0 = time.monotonic()
+    armed = prod.root / "fanout-fault-armed"
+    armed.touch()
     prod.worker("gpu-node-1", "node-1")  # the previous test's, when it ran (its fault is disarmed by then)
-    prod.worker("gpu-node-2", "node-2")
+    # Node 2 gets shards 1 and 3 (round robin); its process is killed as shard 3 starts.
+    prod.worker("gpu-node-2", "node-2", EYRIE_FAULTS="regenerate.shard-00003=kill", EYRIE_FAULTS_WHILE=str(armed))
     prod.worker("control", None)
     run = prod.root / "runs" / "fanout"
     nodes = {"gpu-node-1": prod.node_folder(run, "node-1"), "gpu-node-2": prod.node_folder(run, "node-2")}
     _, config = write_config(
-        tmp_path / "config.yaml", tiny_llama, max_samples=32, shard_size=8, layer_ids=LAYERS, name="fanout"
+        tmp_path / "config.yaml",
+        tiny_llama,
+        max_samples=32,
+        shard_size=8,
+        layer_ids=LAYERS,
+        name="fanout",
+        regenerate={"enabled": True, "concurrency": 4, "max_tokens": 32},
     )
-    parent = create_run(
+    created = create_run(
         prod, FANOUT, {"config": config.model_dump(mode="json"), "run_dir": str(run), "queues": list(nodes)}
     )
-    parent = wait_final(prod, parent.id)
-    elapsed = time.monotonic() - t0
-    assert parent.state.type == StateType.COMPLETED, f"{parent.state}\n{prod.logs()}"
-    assert parent.work_pool_name == CONTROL_POOL and parent.work_queue_name == "control"
-
-    shard_names = {s.name for s in load_shards(RunFolder(run).prepare)}
-    kids = children(prod, parent.id)
-    assert sorted(k.work_queue_name for k in kids) == sorted(nodes)
-    assert {k.work_pool_name for k in kids} == {"eyrie-gpu"}
+    first = wait_final(prod, created.id)
+    t_first = time.monotonic() - t0
+    assert first.state.type == StateType.FAILED, f"{first.state}\n{prod.logs()}"
+    assert "fanout-regenerate-gpu-node-2" in first.state.message and "Crashed" in first.state.message, first.state
+    assert first.work_pool_name == CONTROL_POOL and first.work_queue_name == "control"
+    rf = RunFolder(run)
+    shard_names = {s.name for s in load_shards(rf.prepare)}
+    kids1 = children(prod, created.id)
+    by_queue = {k.work_queue_name: k for k in kids1}
+    assert sorted(by_queue) == sorted(nodes) and {k.work_pool_name for k in kids1} == {"eyrie-gpu"}
+    assert by_queue["gpu-node-1"].state.type == StateType.COMPLETED
+    assert by_queue["gpu-node-2"].state.type == StateType.CRASHED
     # The GPU pool's limit (one run per node) let the two nodes' runs overlap: the fan-out was not serialised.
-    (s1, e1), (s2, e2) = [(k.start_time, k.end_time) for k in kids]
-    assert s1 < e2 and s2 < e1, f"the node runs did not overlap: {[(str(k.start_time), str(k.end_time)) for k in kids]}"
+    (s1, e1), (s2, e2) = [(k.start_time, k.end_time) for k in kids1]
+    assert s1 < e2 and s2 < e1, (
+        f"the node runs did not overlap: {[(str(k.start_time), str(k.end_time)) for k in kids1]}"
+    )
+    share1, share2 = (set(by_queue[q].parameters["shards"]) for q in nodes)
+    assert not share1 & share2 and share1 | share2 == shard_names and "shard-00003" in share2
+    done = {p.stem for p in (run / "regenerate" / "shards").glob("*.json")}
+    left = shard_names - done
+    assert share1 <= done and left and left <= share2, (done, share2)
+    assert shard_task_states(prod, by_queue["gpu-node-1"].id, "regenerate", share1) == {s: "Completed" for s in share1}
+    # Both servers are up: node 1's kept for its extraction share, node 2's outliving its killed process.
+    assert all((folder / "server.json").exists() for folder in nodes.values())
+
+    for q in ("gpu-node-2", "control"):
+        prod.wait_idle(q)
+    armed.unlink()
+    result = _api(
+        prod,
+        lambda c: c.set_flow_run_state(
+            created.id, State(type=StateType.SCHEDULED, name="AwaitingRetry", message="Retry from the UI"), force=False
+        ),
+    )
+    assert result.status == SetStateStatus.ACCEPT, result
+    t1 = time.monotonic()
+    parent = wait_final(prod, created.id)
+    t_retry = time.monotonic() - t1
+    assert parent.state.type == StateType.COMPLETED, f"{parent.state}\n{prod.logs()}"
+    kids2 = [k for k in children(prod, created.id) if k.id not in {k1.id for k1 in kids1}]
+    regen2 = [k for k in kids2 if k.name.startswith("fanout-regenerate-")]
+    extract = [k for k in kids2 if k.name.startswith("fanout-extract-")]
+    assert len(regen2) + len(extract) == len(kids2)
+    # The retry regenerated only what node 2 left unfinished.
+    retried = [s for k in regen2 for s in k.parameters["shards"]]
+    assert sorted(retried) == sorted(left), (retried, left)
+    for kid in regen2:
+        share = set(kid.parameters["shards"])
+        assert kid.state.type == StateType.COMPLETED, kid.state
+        assert shard_task_states(prod, kid.id, "regenerate", share) == {s: "Completed" for s in share}
+    # Extraction: every shard once, over both nodes (each node's run, its share possibly empty, stops its server).
+    assert sorted(k.work_queue_name for k in extract) == sorted(nodes)
     shares = {}
-    for kid in kids:
+    for kid in extract:
         assert kid.state.type == StateType.COMPLETED, kid.state
         share = set(kid.parameters["shards"])
-        assert share, f"{kid.name} got no shard"
-        # The node's extract tasks ran exactly its share.
         assert extract_task_states(prod, kid.id, share) == {s: "Completed" for s in share}
         shares[kid.work_queue_name] = share
     a, b = shares.values()
-    assert not a & b and a | b == shard_names, shares
-    # Each node started its own server once, in its own folder, and stopped it at the end.
+    assert not a & b and a | b == {s.name for s in load_shards(rf.stage("regenerate"))}, shares
+    # Each node started its own server once, in its own folder, for both stages and the retry; stopped at the end.
     for queue, folder in nodes.items():
         assert starts(folder) == 1, f"{queue}: {starts(folder)} vLLM starts"
         assert not (folder / "server.json").exists()
     assert not (run / "extract" / "server.json").exists()  # no single-node server was involved
-    assert sorted(p.stem for p in RunFolder(run).shard_manifests.glob("*.json")) == sorted(shard_names)
-    n = check_samples(run)
+    assert (run / "regenerate" / "manifest.json").exists()
+    assert sorted(p.stem for p in rf.shard_manifests.glob("*.json")) == sorted(a | b)
+    n = check_samples(run, "regenerate")
     print(
-        f"\nfan-out over 2 nodes: {elapsed:.0f}s; shares {dict((q, sorted(s)) for q, s in shares.items())}; {n} samples"
+        f"\nfan-out over 2 nodes: failed run {t_first:.0f}s, retry {t_retry:.0f}s; node 2 left {sorted(left)}; "
+        f"extraction shares {dict((q, sorted(s)) for q, s in shares.items())}; {n} samples"
     )
 
 

@@ -26,8 +26,9 @@ from eyrie.stages import UNTIL
 PIPELINE = "eyrie-pipeline/production"
 EXTRACT = "eyrie-extract/production"
 NODE = "eyrie-extract/node"
+REGENERATE_NODE = "eyrie-regenerate/node"
 FANOUT = "eyrie-extract-fanout/production"
-DEPLOYMENTS = (PIPELINE, EXTRACT, NODE, FANOUT)
+DEPLOYMENTS = (PIPELINE, EXTRACT, NODE, REGENERATE_NODE, FANOUT)
 GPU_POOL, CONTROL_POOL = "eyrie-gpu", "eyrie-control"
 PREFECT_YAML = REPO / "deployments" / "prefect.yaml"
 NODES = gpu_nodes(PREFECT_YAML)  # the declaration
@@ -191,7 +192,7 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
     for name, d in state1["deployments"].items():
         assert d.work_pool_name == (CONTROL_POOL if name == FANOUT else GPU_POOL), name
         assert d.work_queue_name == ("control" if name == FANOUT else NODES[0]), name  # the first node by default
-        if name == NODE:
+        if name in (NODE, REGENERATE_NODE):
             assert d.global_concurrency_limit is None, name
         else:
             assert d.global_concurrency_limit is not None and d.global_concurrency_limit.limit == 1, name
@@ -208,7 +209,9 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
     assert state1["deployments"][NODE].entrypoint == "flows/extract.py:extract_flow"
     assert state1["deployments"][FANOUT].entrypoint == "flows/fanout.py:extract_fanout_flow"
     assert state1["deployments"][FANOUT].parameters == {"queues": NODES}  # every node gets a share
-    assert "shards" in state1["deployments"][NODE].parameter_openapi_schema["properties"]
+    assert state1["deployments"][REGENERATE_NODE].entrypoint == "flows/regenerate.py:regenerate_flow"
+    for node in (NODE, REGENERATE_NODE):
+        assert "shards" in state1["deployments"][node].parameter_openapi_schema["properties"]
     # `config` is the PipelineConfig model (the UI renders it as a form).
     schema = pipeline.parameter_openapi_schema
     assert schema["properties"]["config"]["$ref"] == "#/definitions/PipelineConfig"
@@ -366,17 +369,18 @@ def test_prefect_yaml_is_valid_for_prefect_deploy():
         (names["eyrie-pipeline"], "production"),
         (names["eyrie-extract"], "production"),
         ("flows/extract.py:extract_flow", "node"),
+        ("flows/regenerate.py:regenerate_flow", "node"),
         ("flows/fanout.py:extract_fanout_flow", "production"),
     ]
     raw = yaml.safe_load(PREFECT_YAML.read_text())
     assert raw["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $EYRIE_HOME }}"}}]
     for d, name in zip(deployments, DEPLOYMENTS):
-        if name != NODE:  # the nodes of a fan-out run side by side
+        if name not in (NODE, REGENERATE_NODE):  # the nodes of a fan-out run side by side
             assert d["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}, name
         assert d["enforce_parameter_schema"] is True, name
         # The GPU flows default to the first node's queue; the fan-out's shares go to every node.
         assert d["work_pool"]["work_queue_name"] == ("control" if name == FANOUT else NODES[0]), name
-    assert deployments[3]["parameters"] == {"queues": NODES}
+    assert deployments[4]["parameters"] == {"queues": NODES}
     # The weekly schedule inlines the production preset: the two must not drift apart.
     from eyrie.config import load_config, parse_config
 
