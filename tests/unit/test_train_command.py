@@ -156,6 +156,7 @@ def _keep_what_gpu_speedups_replaces(monkeypatch) -> None:
         (cli, "build_draft_model"),
         (metrics, "compute_accuracy_single_step"),
         (core.Eagle3DraftModel, "forward"),
+        (core.Eagle3DraftModel, "_build_attn_mask"),
     ):
         monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test
 
@@ -446,7 +447,7 @@ def test_block_mask_is_built_eagerly_until_its_compiled_builder_is_ready(monkeyp
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     model, _ = _tiny_eagle3()
-    model._create_mask_fn = core.create_block_mask
+    model._attn_impl, model._create_mask_fn = "simple_flex_attention", core.create_block_mask
     docs = torch.tensor([0] * 100 + [1] * 100 + [-1] * 56)
     want = core.Eagle3DraftModel._build_attn_mask(model, docs, 256, "cpu")
     deferred._block_mask_compiled_after_the_first_step()

@@ -67,6 +67,8 @@ def _block_mask_compiled_after_the_first_step() -> None:
     calls = [0]
 
     def _build_attn_mask(self, doc_ids_1d, seq_len, device, sliding_window=None):
+        if self._attn_impl != "simple_flex_attention":  # a dense mask (sdpa, eager): nothing compiled to defer
+            return build(self, doc_ids_1d, seq_len, device, sliding_window)
         compiled = _STATE.get("compiled")
         if compiled is not None:
             return compiled(self, doc_ids_1d, seq_len, device, sliding_window)
