@@ -27,7 +27,7 @@ from eyrie.stages.extract.manifest import (
     stat_trusted,
     write_manifest,
 )
-from eyrie.stages.extract.plan import ExtractionPlan, content_key, online_plan, shard_key
+from eyrie.stages.extract.plan import ExtractionPlan, content_key, online_plan, shard_key, source_folder
 from eyrie.stages.extract.shard import extract_shard
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "sample_path",
     "shard_complete",
     "shard_key",
+    "source_folder",
     "start_writeback",
     "stat_record",
     "stat_trusted",

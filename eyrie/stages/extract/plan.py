@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
-from eyrie.errors import ExtractionError
+from eyrie.errors import DiskFullError, ExtractionError
 from eyrie.hidden_states.check import record_context
 from eyrie.hidden_states.packs import PACKED
 from eyrie.hidden_states.staging import staging_dir
+from eyrie.run.folder import sample_path
 from eyrie.stages.extract.manifest import drop_unpacked, shard_complete
+from eyrie.stages.extract.shard import extract_shard
 from eyrie.stages.preflight import PreflightReport
 from eyrie.stages.prepare import Shard, load_shards
 
@@ -34,16 +37,27 @@ def shard_key(content: str, config) -> str:
     return keyed("extract.layout", config, content=content)
 
 
+def source_folder(run, config) -> Path:
+    """The folder whose dataset and shards extraction reads: regenerate's when the config regenerates, else
+    prepare's (`eyrie.stages.regenerate.extraction_source` also checks that regenerate's is current)."""
+    return run.stage("regenerate") if config.regenerate.enabled else run.prepare
+
+
+log = logging.getLogger(__name__)
+
+
 class ExtractionPlan:
     """`node`: this node's name when several nodes share the run folder (its server lives in `extract/nodes/<node>/`);
-    None on a single node (`extract/`)."""
+    None on a single node (`extract/`). `source`: the folder `shards` come from (`source_folder` by default)."""
 
-    def __init__(self, config, run, report, shards: list[Shard], node: str | None = None):
+    def __init__(self, config, run, report, shards: list[Shard], node: str | None = None, source: Path | None = None):
         from eyrie.run.folder import server_folder
         from eyrie.vllm.spec import ServerSpec
 
         self.run = run
         self.shards = shards
+        self.source = Path(source) if source is not None else source_folder(run, config)
+        self.finished_from_disk: list[str] = []  # shards `pending` found whole on disk and gave their manifest
         self.server_dir = server_folder(run.extract, node)
         self.captured_ids = report.captured_layer_ids
         self.hidden_size = report.hidden_size
@@ -86,11 +100,44 @@ class ExtractionPlan:
         return done
 
     def pending(self, rehash_changed: bool = False) -> list[Shard]:
-        return [s for s in self.shards if not self.is_complete(s, rehash_changed)]
+        """The shards that need the target: not complete, and not finished by `finish_from_disk`."""
+        return [s for s in self.shards if not self.is_complete(s, rehash_changed) and not self.finish_from_disk(s)]
+
+    def finish_from_disk(self, shard: Shard) -> bool:
+        """Give a shard whose samples are all on disk, but that no manifest vouches for, its manifest (or pack),
+        without a server: a kill between its last file and its manifest, a switch of `extraction.storage` or of a
+        layout-only setting. Every file is checked as an interrupted attempt's are (`extract_shard` with no
+        client), so this reads the shard's files once; a shard with any sample missing costs a stat per file up to
+        the first missing one. True when the shard is complete now; a bad file is removed and the shard pending."""
+        hidden = self.run.hidden_states
+        if not all(sample_path(hidden, i).exists() for i in range(shard.start, shard.stop)):
+            return False
+        try:
+            extract_shard(
+                None,
+                self.source,
+                shard,
+                self.keys[shard.name],
+                hidden,
+                self.manifest_path(shard),
+                len(self.captured_ids),
+                self.hidden_size,
+                log=log.info,
+                hidden_states_dtype=self.hidden_states_dtype,
+                storage=self.storage,
+            )
+        except DiskFullError:
+            raise  # the server would meet the same full disk: said now, before it loads
+        except ExtractionError as err:
+            log.info(f"{shard.name}: pending ({err})")
+            return False
+        self.finished_from_disk.append(shard.name)
+        log.info(f"{shard.name}: every sample was on disk; its manifest is written without a server")
+        return True
 
 
 def online_plan(config, run, report: dict, data_dir: Path):
     """What online training needs from extraction, with nothing extracted: the shard keys extraction would give
     (target identity, captured layers, shard fingerprint: the train key's data keys), the extraction server's spec
     (its storage path on tmpfs, see `ExtractionPlan.staging`) and its folder."""
-    return ExtractionPlan(config, run, PreflightReport(**report), load_shards(data_dir))
+    return ExtractionPlan(config, run, PreflightReport(**report), load_shards(data_dir), source=data_dir)

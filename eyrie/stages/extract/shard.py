@@ -62,22 +62,17 @@ def extract_shard(
     """Make every sample of `shard` valid on disk and write its manifest; returns the manifest.
 
     Samples already on disk and valid (from an interrupted attempt) are kept; only missing or bad ones are sent.
-    `rehash_changed`: see `shard_complete`. `client` None: the shard must be complete already (no server runs).
-    `hidden_states_dtype`: the encoding every file must have (the server's connector writes it); a file in the
-    other one is redone. `storage` packed: the checked files are then copied into one pack (eyrie.hidden_states.packs),
-    which the
-    manifest lists, and removed after it.
+    `rehash_changed`: see `shard_complete`. `client` None: no request is sent, so every sample must be on disk and
+    whole already (a kill before the manifest, a switch of storage): the manifest (and pack) is written from them,
+    else ExtractionError. `hidden_states_dtype`: the encoding every file must have (the server's connector writes
+    it); a file in the other one is redone. `storage` packed: the checked files are then copied into one pack
+    (eyrie.hidden_states.packs), which the manifest lists, and removed after it.
     """
     if shard_complete(manifest_path, key, hidden_dir, rehash_changed):
         manifest = read_json(manifest_path) or {}
         if manifest.get("storage") == PACKED:
             drop_unpacked(hidden_dir, shard)
         return manifest
-    if client is None:
-        raise ExtractionError(
-            f"{shard.name}: no complete manifest at {manifest_path} and no server was started for it (the shard was "
-            "complete when the run began, so its files changed since): run again"
-        )
     fault_point(f"extract.{shard.name}")
     old_mtime = _mtime_ns(manifest_path) or 0
     old = read_json(manifest_path) or {}
@@ -113,6 +108,11 @@ def extract_shard(
                 log(f"{shard.name}: redoing sample {idx} ({err})")
                 p.unlink()
         todo.append((idx, ids))
+    if todo and client is None:
+        raise ExtractionError(
+            f"{shard.name}: {len(todo)} of {len(rows)} samples are missing or bad in {hidden_dir} and no server was "
+            "started for it (the shard looked whole when the run began, so its files changed since): run again"
+        )
     reused = len(rows) - len(todo)
     done = [reused]
     if progress:
@@ -213,9 +213,14 @@ def extract_shard(
                 raise failed[min(failed)]
     # The files on disk before the manifest that vouches for them: a power cut must not leave a manifest listing
     # files whose data (or whose names in the folder) never reached the disk.
+    # Kept files no manifest vouched for (an interrupted attempt's, or ones a switch of storage repacks) are fsynced
+    # too: the attempt that wrote them was killed before its own fsync. Those a manifest vouched for were fsynced
+    # before it.
     with full_disk_explained():
-        for idx, _ in todo:
-            fsync_path(sample_path(hidden_dir, idx))
+        for offset in range(len(rows)):
+            idx = shard.start + offset
+            if str(idx) not in known:
+                fsync_path(sample_path(hidden_dir, idx))
         fsync_path(hidden_dir)
     check_shard(hidden_dir, manifest_path, prepare_dir, shard, log=log)  # the capture proof, before the manifest
     files = {}
