@@ -69,6 +69,8 @@ def regenerate_shard_task(job: RegenerateShardJob, base_url: str | None, config:
         f", {manifest['generated_tokens_per_s']} tokens/s), {s['length_capped']} length-capped"
         + (f", failed: {s['failed']}" if s["failed"] else "")
     )
+    if lost := manifest.get("server_error_rows"):
+        log.warning(f"{shard.name}: {len(lost)} conversations lost to server errors; the next run retries them")
     return manifest
 
 
@@ -84,4 +86,6 @@ def assemble_task(
     create_table_artifact(
         rows, key="regeneration-statistics", description="regenerate: conversations answered, capped and failed"
     )
+    for warning in manifest.get("warnings", []):  # rows lost to server errors (the run summary lists them too)
+        get_run_logger().warning(warning)
     return manifest

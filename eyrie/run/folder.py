@@ -52,6 +52,19 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_tree(folder: Path) -> None:
+    """`fsync_path` on every file under `folder`, then on every folder, deepest first (each folder's names, once its
+    files are on disk): for a tree written by a library that does not fsync (`datasets.save_to_disk`) before a
+    manifest vouches for it."""
+    dirs = []
+    for root, _, files in os.walk(folder):
+        dirs.append(root)
+        for name in files:
+            fsync_path(Path(root, name))
+    for d in reversed(dirs):
+        fsync_path(Path(d))
+
+
 TMP_SUFFIX = ".eyrie-tmp"  # every temporary file Eyrie's own writers make is `.<name>.<...>.eyrie-tmp`
 
 

@@ -48,9 +48,12 @@ from eyrie.stages.regenerate.conversation import (
 from eyrie.stages.regenerate.plan import RegenerationPlan, shard_key, stage_key
 from eyrie.stages.regenerate.shard import (
     MAX_SERVER_ERROR_SHARE,
+    SERVER_LOSSES,
     STAGE,
     ShardStats,
+    has_losses,
     load_conversations,
+    lost_rows,
     regenerate_shard,
     rejection_reason,
     shard_complete,
@@ -61,6 +64,7 @@ from eyrie.stages.regenerate.source import SOURCE_MARKER, extraction_source, rec
 __all__ = [
     "Generation",
     "MAX_SERVER_ERROR_SHARE",
+    "SERVER_LOSSES",
     "Regenerated",
     "RegenerationPlan",
     "SOURCE_MARKER",
@@ -71,7 +75,9 @@ __all__ = [
     "conversation_fingerprint",
     "conversation_temperature",
     "extraction_source",
+    "has_losses",
     "load_conversations",
+    "lost_rows",
     "overlap",
     "plan_turns",
     "record_extraction_source",

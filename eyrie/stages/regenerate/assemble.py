@@ -10,10 +10,10 @@ from pathlib import Path
 
 from eyrie.errors import RegenerationError
 from eyrie.run.faults import fault_point
-from eyrie.run.folder import atomic_write_json, read_json, sha256_json
+from eyrie.run.folder import atomic_write_json, fsync_path, fsync_tree, read_json, sha256_json
 from eyrie.run.manifest import files_under, finished_manifest, list_files
 from eyrie.stages.prepare import Shard
-from eyrie.stages.regenerate.shard import STAGE, shard_paths
+from eyrie.stages.regenerate.shard import SERVER_LOSSES, STAGE, shard_paths
 
 
 def assemble(stage_dir: Path, prepare_dir: Path, shards: list[Shard], keys: dict[str, str], key: str, cfg) -> dict:
@@ -34,6 +34,7 @@ def assemble(stage_dir: Path, prepare_dir: Path, shards: list[Shard], keys: dict
     temperatures: Counter = Counter()
     examples: dict = {}
     dropped_capped = 0
+    warnings: list[str] = []  # each shard's rows lost to server errors: they reach the run's warnings
     for shard in shards:
         rows_path, manifest_path = shard_paths(stage_dir, shard)
         m = read_json(manifest_path)
@@ -61,6 +62,12 @@ def assemble(stage_dir: Path, prepare_dir: Path, shards: list[Shard], keys: dict
         temperatures.update(m["stats"].get("temperatures", {}))
         for reason, ex in m["stats"]["examples"].items():
             examples.setdefault(reason, f"{shard.name} {ex}")
+        if lost := sum(m["stats"]["failed"].get(r, 0) for r in SERVER_LOSSES):
+            warnings.append(
+                f"regenerate: {lost} of {m['stats']['rows_in']} conversations of {shard.name} were lost to server "
+                f"errors ({m['stats']['examples'].get('server_error', 'see the server log')}); this run's data lacks "
+                "them, the next run retries them"
+            )
         if n:
             ids = table.column("input_ids").to_pylist()
             # Named as the prepared shard it came from: a prepared shard unchanged keeps its extraction shard.
@@ -83,9 +90,11 @@ def assemble(stage_dir: Path, prepare_dir: Path, shards: list[Shard], keys: dict
     mask = pc.list_flatten(table.column("loss_mask")).to_numpy()
     counts = np.bincount(ids[mask == 1])
     torch.save({int(t): int(c) for t, c in enumerate(counts) if c}, staging / "token_freq.pt")
+    fsync_tree(staging)  # `datasets` does not fsync: the files on disk before the manifest vouches for them
     if (stage_dir / "dataset").exists():
         shutil.rmtree(stage_dir / "dataset")
     os.replace(staging, stage_dir / "dataset")
+    fsync_path(stage_dir)
     stats = {
         **{k: totals[k] for k in ("rows_in", "rows_out", "turns", "generated_tokens", "tokens", "loss_tokens")},
         **{k: totals[k] for k in ("length_capped", "truncated", "dropped_history_text", "requests")},
@@ -109,6 +118,7 @@ def assemble(stage_dir: Path, prepare_dir: Path, shards: list[Shard], keys: dict
         "num_shards": len(out_shards),
         "stats": stats,
         "files": files,
+        "warnings": warnings,
     }
     fault_point("regenerate.before-manifest")
     atomic_write_json(stage_dir / "manifest.json", manifest)

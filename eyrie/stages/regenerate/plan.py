@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import RegenerationError
-from eyrie.run.folder import RunFolder
+from eyrie.run.folder import RunFolder, read_json
 from eyrie.stages.prepare import Shard, load_shards, tokenizer_fingerprint
-from eyrie.stages.regenerate.shard import STAGE, shard_complete
+from eyrie.stages.regenerate.shard import STAGE, has_losses, lost_rows, shard_complete, shard_paths
 
 
 def shard_key(template: str, shard: Shard, config: PipelineConfig) -> str:
@@ -27,11 +27,17 @@ def shard_key(template: str, shard: Shard, config: PipelineConfig) -> str:
     )
 
 
-def stage_key(shard_keys: dict[str, str], config: PipelineConfig) -> str:
-    """The assembled output's identity: its shards' keys and what assembly keeps."""
+def stage_key(
+    shard_keys: dict[str, str], config: PipelineConfig, lost: dict[str, list[int] | None] | None = None
+) -> str:
+    """The assembled output's identity: its shards' keys and what assembly keeps. `lost`: the rows each shard lost
+    to server errors (left out of its rows file until a later run retries them), so an assembly made without them
+    is not reused once they are back (None: it lost some, unnamed); a shard that lost none keys as its key alone."""
     from eyrie.target.metadata import stage_key as keyed
 
-    return keyed("regenerate", config, shards=shard_keys)
+    lost = lost or {}
+    shards = {name: {"key": k, "lost": lost[name]} if lost.get(name, []) != [] else k for name, k in shard_keys.items()}
+    return keyed("regenerate", config, shards=shards)
 
 
 class RegenerationPlan:
@@ -52,10 +58,21 @@ class RegenerationPlan:
         self.spec, self.server_dir, self.staging = server.spec, server.server_dir, server.staging
         template = tokenizer_fingerprint(load_tokenizer(config.target))
         self.keys = {s.name: shard_key(template, s, config) for s in self.shards}
-        self.key = stage_key(self.keys, config)
+
+    @property
+    def key(self) -> str:
+        """The assembly's key, from the shards as their manifests stand now (`stage_key`'s `lost`): read after the
+        shards ran, it tells an assembly that lacks rows lost to server errors from one that has them."""
+        lost: dict[str, list[int] | None] = {}
+        for s in self.shards:
+            m = read_json(shard_paths(self.dir, s)[1])
+            if m and m.get("key") == self.keys[s.name]:
+                lost[s.name] = lost_rows(m)
+        return stage_key(self.keys, self.config, lost)
 
     def is_complete(self, shard: Shard) -> bool:
         return shard_complete(self.dir, shard, self.keys[shard.name])
 
     def pending(self) -> list[Shard]:
-        return [s for s in self.shards if not self.is_complete(s)]
+        """Shards that are not complete, and complete ones that lost rows to server errors (retried now)."""
+        return [s for s in self.shards if not self.is_complete(s) or has_losses(self.dir, s)]

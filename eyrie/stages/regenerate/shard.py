@@ -32,6 +32,9 @@ STAGE = "regenerate"
 # Requests past which a shard with this share of its rows failed by server errors fails itself: a systemic problem
 # (a wrong server, a broken engine) must not pass as a shard of mostly dropped rows.
 MAX_SERVER_ERROR_SHARE = 0.5
+# Reasons a row is lost to the server rather than to itself (its template, its length): such rows are retried by the
+# next run, whose manifest then vouches for the shard whole.
+SERVER_LOSSES = ("server_error",)
 
 
 def shard_paths(stage_dir: Path, shard: Shard) -> tuple[Path, Path]:
@@ -50,6 +53,23 @@ def shard_complete(stage_dir: Path, shard: Shard, key: str) -> bool:
         return rows_path.stat().st_size == m["bytes"]
     except OSError:
         return False
+
+
+def lost_rows(manifest: dict) -> list[int] | None:
+    """The rows a shard's manifest records as lost to server errors, which the next run retries; None when it counts
+    such losses but names no rows (a manifest written before they were named): the whole shard is redone then."""
+    if "server_error_rows" in manifest:
+        return list(manifest["server_error_rows"])
+    lost = sum(manifest.get("stats", {}).get("failed", {}).get(r, 0) for r in SERVER_LOSSES)
+    return None if lost else []
+
+
+def has_losses(stage_dir: Path, shard: Shard) -> bool:
+    """The shard's manifest records rows lost to server errors (`lost_rows`): it is pending for the next run."""
+    m = read_json(shard_paths(stage_dir, shard)[1])
+    if not m:
+        return False
+    return lost_rows(m) != []
 
 
 def load_conversations(prepare_dir: Path, shard: Shard) -> list[list[dict]]:
@@ -93,6 +113,23 @@ class ShardStats:
     examples: dict = field(default_factory=dict)
     temperatures: Counter = field(default_factory=Counter)
 
+    @classmethod
+    def resumed(cls, recorded: dict, retried: int) -> ShardStats:
+        """A shard's recorded stats, less the `retried` rows lost to server errors that are about to be sent again
+        (their outcome is counted as they come back); the rows kept stay counted."""
+        stats = cls(**{k: v for k, v in recorded.items() if k not in ("failed", "examples", "temperatures")})
+        stats.failed = Counter(recorded["failed"])
+        stats.examples = dict(recorded["examples"])
+        stats.temperatures = Counter({float(k): v for k, v in recorded["temperatures"].items()})
+        for reason in SERVER_LOSSES:
+            n = min(retried, stats.failed[reason])
+            stats.failed[reason] -= n
+            retried -= n
+            if not stats.failed[reason]:
+                del stats.failed[reason]
+                stats.examples.pop(reason, None)
+        return stats
+
     def fail(self, reason: str, row: int, detail: str) -> None:
         self.failed[reason] += 1
         self.examples.setdefault(reason, f"row {row}: {detail}"[:300])
@@ -134,14 +171,32 @@ def regenerate_shard(
     progress: Callable[[int, int], None] | None = None,
 ) -> dict:
     """Regenerate every conversation of `shard` and write its rows and manifest; returns the manifest. A row that
-    cannot be regenerated is counted by reason; a server that stops answering fails the shard (nothing written)."""
+    cannot be regenerated is counted by reason; a server that stops answering fails the shard (nothing written).
+
+    Rows lost to server errors are named in the manifest (`server_error_rows`): the shard is complete but pending
+    (`has_losses`), and the next call with a client sends only those rows again, keeping the rows it has (their
+    seeds are per conversation and turn, so the shard ends as it would have without the errors). With no client a
+    complete shard's manifest is returned as it is."""
     rows_path, manifest_path = shard_paths(stage_dir, shard)
+    prior: tuple[dict, bytes] | None = None
     if shard_complete(stage_dir, shard, key):
-        return read_json(manifest_path) or {}
+        recorded = read_json(manifest_path) or {}
+        retry = lost_rows(recorded)
+        if retry == [] or client is None:
+            return recorded
+        data = rows_path.read_bytes()
+        if retry is not None and hashlib.sha256(data).hexdigest() == recorded["sha256"]:
+            prior = (recorded, data)
     fault_point(f"regenerate.{shard.name}")
-    manifest_path.unlink(missing_ok=True)  # a stale manifest must not vouch for the rows about to be replaced
+    if prior is None:
+        manifest_path.unlink(missing_ok=True)  # a stale manifest must not vouch for the rows about to be replaced
     conversations = load_conversations(prepare_dir, shard)
-    stats = ShardStats(rows_in=len(conversations))
+    if prior is None:
+        offsets = list(range(len(conversations)))
+        stats = ShardStats(rows_in=len(conversations))
+    else:
+        offsets = [row - shard.start for row in lost_rows(prior[0]) or []]
+        stats = ShardStats.resumed(prior[0]["stats"], len(offsets))
     t0 = time.perf_counter()
     done = [0]
     lock = threading.Lock()
@@ -149,12 +204,12 @@ def regenerate_shard(
 
     # The template's pieces first, in this thread: a fast tokenizer used from several threads at once can fail
     # ("Already borrowed"), and rendering costs little beside generation.
-    plans: list[TurnPlan | RowError] = []
-    for messages in conversations:
+    plans: dict[int, TurnPlan | RowError] = {}
+    for offset in offsets:
         try:
-            plans.append(plan_turns(tokenizer, messages))
+            plans[offset] = plan_turns(tokenizer, conversations[offset])
         except RowError as err:
-            plans.append(err)
+            plans[offset] = err
 
     def one(offset: int) -> tuple[int, Regenerated | RowError, float, int]:
         """A conversation's row, or the RowError that names why it has none; its temperature; requests sent."""
@@ -191,16 +246,19 @@ def regenerate_shard(
         with lock:
             done[0] += 1
             if progress:
-                progress(done[0], len(conversations))
+                progress(done[0], len(offsets))
         return shard.start + offset, result, temperature, sent[0]
 
     with ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix=f"eyrie-regen-{shard.name}") as pool:
-        results = list(pool.map(one, range(len(conversations))))
-    kept = []
+        results = list(pool.map(one, offsets))
+    kept = _read_rows(prior[1]) if prior else []
+    server_error_rows = []
     for row, result, temperature, sent in results:
         stats.requests += sent
         if isinstance(result, RowError):
             stats.fail(result.reason, row, str(result))
+            if result.reason in SERVER_LOSSES:
+                server_error_rows.append(row)
             continue
         kept.append((row, result, temperature))
         stats.rows_out += 1
@@ -217,8 +275,10 @@ def regenerate_shard(
             f"{shard.name}: {stats.failed['server_error']} of {len(conversations)} conversations failed with server "
             f"errors ({stats.examples.get('server_error')}): see the server log; the shard is not marked done"
         )
+    kept.sort(key=lambda k: k[0])
     data = _rows_parquet(kept)
     rows_path.parent.mkdir(parents=True, exist_ok=True)
+    manifest_path.unlink(missing_ok=True)  # the rows it vouched for are about to be replaced (a retry's)
     atomic_write_bytes(rows_path, data)
     # Rows on disk, manifest not yet: a kill here leaves a whole rows file that nothing vouches for (the drill
     # that proves a rerun redoes the shard rather than trusting it).
@@ -233,6 +293,7 @@ def regenerate_shard(
         "bytes": len(data),
         "sha256": hashlib.sha256(data).hexdigest(),
         "stats": stats.as_dict(),
+        "server_error_rows": sorted(server_error_rows),
         "seconds": round(seconds, 3),
         "generated_tokens_per_s": round(stats.generated_tokens / seconds, 1) if seconds > 0 else None,
     }
@@ -241,6 +302,20 @@ def regenerate_shard(
 
 
 ROW_COLUMNS = ("row", "input_ids", "loss_mask", "length_capped", "truncated", "temperature")
+
+
+def _read_rows(data: bytes) -> list[tuple[int, Regenerated, float]]:
+    """A shard's rows file as `_rows_parquet` wrote it (what a retry keeps; turn and token counts stay in the
+    recorded stats)."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(io.BytesIO(data)).to_pydict()
+    return [
+        (row, Regenerated(ids, mask, 0, 0, capped, truncated), temperature)
+        for row, ids, mask, capped, truncated, temperature in zip(*(t[c] for c in ROW_COLUMNS))
+    ]
 
 
 def _rows_parquet(kept: list[tuple[int, Regenerated, float]]) -> bytes:
