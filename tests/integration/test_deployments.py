@@ -380,7 +380,7 @@ def test_prefect_yaml_is_valid_for_prefect_deploy():
         assert d["enforce_parameter_schema"] is True, name
         # The GPU flows default to the first node's queue; the fan-out's shares go to every node.
         assert d["work_pool"]["work_queue_name"] == ("control" if name == FANOUT else NODES[0]), name
-    assert deployments[4]["parameters"] == {"queues": NODES}
+    assert deployments[-1]["parameters"] == {"queues": NODES}  # the fan-out, last
     # The weekly schedule inlines the production preset: the two must not drift apart.
     from eyrie.config import load_config, parse_config
 
@@ -424,16 +424,16 @@ def test_prefect_yaml_is_valid_for_prefect_deploy():
             "uses work pool 'eyrie-control'; it must use 'eyrie-gpu'",
         ),
         (
-            lambda raw: raw["deployments"][3]["work_pool"].update(name="eyrie-gpu", work_queue_name="gpu-node-2"),
+            lambda raw: raw["deployments"][-1]["work_pool"].update(name="eyrie-gpu", work_queue_name="gpu-node-2"),
             "uses work pool 'eyrie-gpu'; it must use 'eyrie-control'",
         ),
         # The fan-out's shares go to exactly the declared nodes: a literal list in place of the alias is checked.
         (
-            lambda raw: raw["deployments"][3]["parameters"].update(queues=["gpu-node-1"]),
+            lambda raw: raw["deployments"][-1]["parameters"].update(queues=["gpu-node-1"]),
             "its `queues` parameter ['gpu-node-1'] must be the GPU nodes ['gpu-node-1', 'gpu-node-2']",
         ),
         (
-            lambda raw: raw["deployments"][3]["parameters"].update(queues=["gpu-node-1", "control"]),
+            lambda raw: raw["deployments"][-1]["parameters"].update(queues=["gpu-node-1", "control"]),
             "must be the GPU nodes",
         ),
         # The declaration itself: each node once, by a name that can be a queue, a systemd instance and a folder.
