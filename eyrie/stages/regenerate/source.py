@@ -7,6 +7,7 @@ from pathlib import Path
 from eyrie.config import PipelineConfig
 from eyrie.errors import RegenerationError
 from eyrie.run.folder import RunFolder, atomic_write_json, read_json
+from eyrie.stages.extract.plan import source_folder
 from eyrie.stages.prepare import load_shards
 from eyrie.stages.regenerate.shard import STAGE, shard_paths
 
@@ -19,9 +20,9 @@ def extraction_source(run: RunFolder, config: PipelineConfig | None = None) -> P
     if config is None:
         recorded = (read_json(run.extract / SOURCE_MARKER) or {}).get("stage")
         return run.stage(recorded) if recorded in (STAGE, "prepare") else run.prepare
-    if not config.regenerate.enabled:
-        return run.prepare
-    stage_dir = run.stage(STAGE)
+    stage_dir = source_folder(run, config)  # the folder extraction's plan reads
+    if stage_dir == run.prepare:
+        return stage_dir
     m = read_json(stage_dir / "manifest.json")
     prepared = read_json(run.manifest("prepare")) or {}
     if not m or m.get("prepare_key") != prepared.get("key"):
