@@ -9,8 +9,17 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 
 from eyrie.config import PipelineConfig
 from eyrie.stages.train.checkpoints import newest_whole_checkpoint
+from eyrie.stages.train.data import TrainingData
 from eyrie.stages.train.trainer import run_training, untrained_drafter
 from tasks.caching import eyrie_task, stage_task
+
+__all__ = [
+    "TrainJob",
+    "TrainingData",
+    "UntrainedJob",
+    "train_task",
+    "untrained_drafter_task",
+]  # TrainingData: flows build jobs from it
 
 
 def _watch_progress(save_path: Path, total_epochs: int, stop: threading.Event) -> None:
@@ -20,19 +29,6 @@ def _watch_progress(save_path: Path, total_epochs: int, stop: threading.Event) -
         last = newest_whole_checkpoint(save_path)
         if last is not None:
             update_progress_artifact(artifact, min(100.0, 100.0 * (int(last.name) + 1) / total_epochs))
-
-
-@dataclass
-class TrainingData:
-    """What a drafter is trained on, and what shapes it: the data and its hidden states, the draft vocabulary's maps,
-    the captured aux layers and the target's facts (preflight's)."""
-
-    data_dir: str
-    hidden_dir: str
-    d2t: str
-    t2d: str
-    aux_ids: list[int]
-    target_facts: dict
 
 
 @dataclass
@@ -63,18 +59,12 @@ def train_task(config: PipelineConfig, job: TrainJob) -> dict:
         daemon=True,
     )
     watcher.start()
-    d = job.data
     try:
         manifest = run_training(
             config,
             Path(job.out_dir),
             job.key,
-            Path(d.data_dir),
-            Path(d.hidden_dir),
-            Path(d.d2t),
-            Path(d.t2d),
-            d.aux_ids,
-            d.target_facts,
+            job.data,
             job.seq_lens,
             Path(job.warm_start) if job.warm_start else None,
             log=log.info,
@@ -89,17 +79,4 @@ def train_task(config: PipelineConfig, job: TrainJob) -> dict:
 
 @eyrie_task("untrained-drafter")
 def untrained_drafter_task(config: PipelineConfig, job: UntrainedJob) -> str:
-    d = job.data
-    return str(
-        untrained_drafter(
-            config,
-            Path(job.out_dir),
-            job.key,
-            Path(d.data_dir),
-            Path(d.hidden_dir),
-            Path(d.d2t),
-            Path(d.t2d),
-            d.aux_ids,
-            d.target_facts,
-        )
-    )
+    return str(untrained_drafter(config, Path(job.out_dir), job.key, job.data))

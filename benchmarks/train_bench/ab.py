@@ -15,6 +15,7 @@ from train_bench.common import NUM, emit
 def cmd_ab(args) -> None:
     from eyrie.config import load_config
     from eyrie.stages.prepare import load_seq_lens
+    from eyrie.stages.train.data import TrainingData
     from eyrie.stages.train.trainer import run_training
     from eyrie.stages.vocab import mapping_paths
 
@@ -51,12 +52,7 @@ def cmd_ab(args) -> None:
             config,
             out,
             "k",
-            run / "prepare" / "dataset",
-            run / "extract" / "hidden_states",
-            d2t,
-            t2d,
-            aux,
-            facts,
+            TrainingData(run / "prepare" / "dataset", run / "extract" / "hidden_states", d2t, t2d, aux, facts),
             load_seq_lens(run / "prepare"),
             warm_start=warm,
             log=lambda m: None,

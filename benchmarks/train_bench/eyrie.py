@@ -25,6 +25,7 @@ MILESTONES = {
 
 def eyrie_command(args, root: Path, optimizer: str) -> tuple[list[str], Path, dict]:
     from eyrie.stages.prepare import load_seq_lens
+    from eyrie.stages.train.data import TrainingData
     from eyrie.stages.train.trainer import steps_per_epoch, training_command
     from eyrie.stages.vocab import mapping_paths
 
@@ -41,12 +42,14 @@ def eyrie_command(args, root: Path, optimizer: str) -> tuple[list[str], Path, di
         shutil.rmtree(save_path.parent, ignore_errors=True)
     cmd = training_command(
         config,
-        root / "prepare" / "dataset",
-        root / "extract" / "hidden_states",
-        d2t,
-        t2d,
-        list(config.extraction.layer_ids),
-        facts,
+        TrainingData(
+            root / "prepare" / "dataset",
+            root / "extract" / "hidden_states",
+            d2t,
+            t2d,
+            config.extraction.layer_ids,
+            facts,
+        ),
         save_path,
         freq,
         device,

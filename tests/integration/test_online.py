@@ -23,6 +23,7 @@ from conftest import build_tiny_target, config_dict, register_server_folder, sto
 from eyrie.config import TrainConfig, parse_config
 from eyrie.errors import ConfigError, EyrieError
 from eyrie.hidden_states.staging import clean, filesystem_type, leftover_bytes, on_tmpfs, staging_dir
+from eyrie.stages.train.data import TrainingData
 from eyrie.stages.train.online import API_KEY_ENV_FLAG, CONCURRENCY_FLAG, ONLINE_FLAG, endpoint
 from eyrie.stages.train.trainer import run_training, train_key, training_command
 
@@ -32,14 +33,12 @@ def _config(tmp_path: Path, **train):
 
 
 def _command(tmp_path: Path, config, server_url: str | None, device: str = "cpu") -> list[str]:
+    data = TrainingData(
+        tmp_path / "data", tmp_path / "staging", tmp_path / "d2t.npy", tmp_path / "t2d.npy", [2, 4, 5], FACTS
+    )
     return training_command(
         config,
-        tmp_path / "data",
-        tmp_path / "staging",
-        tmp_path / "d2t.npy",
-        tmp_path / "t2d.npy",
-        [2, 4, 5],
-        FACTS,
+        data,
         tmp_path / "train" / "k" / "checkpoints",
         1.0,
         device,
@@ -140,8 +139,9 @@ def test_online_training_without_a_server_is_refused_before_anything_runs(tmp_pa
     config = _config(tmp_path, hidden_states="online", device="cpu")
     with pytest.raises(EyrieError, match="no extraction server"):
         run_training(
-            config, tmp_path / "train", "k", tmp_path / "data", tmp_path / "staging", tmp_path / "d2t",
-            tmp_path / "t2d", [2, 4, 5], FACTS, [10, 20],
+            config, tmp_path / "train", "k",
+            TrainingData(tmp_path / "data", tmp_path / "staging", tmp_path / "d2t", tmp_path / "t2d", [2, 4, 5], FACTS),
+            [10, 20],
         )  # fmt: skip
     assert not (tmp_path / "train" / "k").exists()
 
@@ -259,15 +259,15 @@ def test_online_training_killed_mid_run_resumes_with_no_hidden_states_left(tmp_p
     folder = register_server_folder(tmp_path / "server")
     try:
         url = VllmServer(folder).ensure(spec, config.extraction.startup_timeout_s).base_url
-        inputs = (prepared / "dataset", staging, d2t, t2d, report.aux_layer_ids, report.target_facts, seq_lens)
+        data = TrainingData(prepared / "dataset", staging, d2t, t2d, report.aux_layer_ids, report.target_facts)
         out = tmp_path / "train"
         # SIGKILL the trainer as it saves step 4's training state (a whole checkpoint of an earlier step exists).
         monkeypatch.setenv("EYRIE_FAULTS", "train.before-state.step4=kill")
         with pytest.raises(EyrieError, match="exited with code -9"):
-            run_training(config, out, "k", *inputs, server_url=url)
+            run_training(config, out, "k", data, seq_lens, server_url=url)
         monkeypatch.delenv("EYRIE_FAULTS")
         notes: list[str] = []
-        done = run_training(config, out, "k", *inputs, server_url=url, log=notes.append)
+        done = run_training(config, out, "k", data, seq_lens, server_url=url, log=notes.append)
         # The cut save was set aside and the whole one it was replacing (step 3's) put back and resumed from.
         assert any("restored checkpoint" in n for n in notes), notes
         assert done["resumed_from"], notes

@@ -16,6 +16,7 @@ from tiny_drafter import tiny_eagle3
 
 from eyrie.config import parse_config
 from eyrie.errors import ConfigError
+from eyrie.stages.train.data import TrainingData
 from eyrie.stages.train.trainer import training_command, untrained_key
 
 
@@ -23,14 +24,12 @@ def _command(tmp_path: Path, device: str = "cuda", **train) -> list[str]:
     config = parse_config(config_dict(tmp_path / "target", train=train))
     save = tmp_path / "run" / "train" / "k" / "checkpoints"
     # a warm start: no draft layer config to build, so no target folder is needed
+    data = TrainingData(
+        tmp_path / "data", tmp_path / "hs", tmp_path / "d2t.npy", tmp_path / "t2d.npy", [2, 4, 5], FACTS
+    )
     return training_command(
         config,
-        tmp_path / "data",
-        tmp_path / "hs",
-        tmp_path / "d2t.npy",
-        tmp_path / "t2d.npy",
-        [2, 4, 5],
-        FACTS,
+        data,
         save,
         1.0,
         device,

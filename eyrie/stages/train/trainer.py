@@ -25,6 +25,7 @@ from eyrie.run.environment import child_environment
 from eyrie.run.folder import atomic_write_json, read_json
 from eyrie.run.manifest import files_under, finished_manifest, list_files
 from eyrie.stages.train.checkpoints import is_whole, newest_whole_checkpoint, recover
+from eyrie.stages.train.data import TrainingData
 from eyrie.stages.train.online import online_args
 from eyrie.stages.train.validation import PLATEAU, epoch_validation, history, like_for_like_metrics, still_improving
 from eyrie.target.drafter import draft_layer_config
@@ -168,12 +169,7 @@ def verifier_source(target: TargetConfig, borrowed: dict[str, str]) -> str:
 
 def training_command(
     config: PipelineConfig,
-    data_dir: Path,
-    hidden_dir: Path,
-    d2t: Path,
-    t2d: Path,
-    aux_ids: list[int],
-    target_facts: dict,
+    data: TrainingData,
     save_path: Path,
     checkpoint_freq: float,
     device: str,
@@ -181,7 +177,7 @@ def training_command(
     dry_run: bool = False,
     server_url: str | None = None,
 ) -> list[str]:
-    """The trainer's command line. `target_facts` is what preflight decided about the target
+    """The trainer's command line. `data.target_facts` is what preflight decided about the target
     (`PreflightReport.target_facts`): the checkpoint names of the tensors the drafter borrows, which
     `eyrie.stages.train.entry` hands to speculators' loader, and the mask token id.
 
@@ -200,17 +196,17 @@ def training_command(
         "--speculator-type",
         "eagle3",
         "--verifier-name-or-path",
-        verifier_source(config.target, target_facts.get("verifier_weights") or {}),
+        verifier_source(config.target, data.target_facts.get("verifier_weights") or {}),
         "--data-path",
-        str(data_dir),
+        str(data.data_dir),
         "--d2t-path",
-        str(d2t),
+        str(data.d2t),
         "--t2d-path",
-        str(t2d),
+        str(data.t2d),
         "--draft-vocab-size",
         str(config.vocab.draft_vocab_size),
         "--target-layer-ids",
-        *map(str, aux_ids),
+        *map(str, data.aux_ids),
         "--save-path",
         str(save_path),
         "--epochs",
@@ -230,13 +226,13 @@ def training_command(
         *(
             online_args(
                 server_url,
-                hidden_dir,
+                data.hidden_dir,
                 config.extraction.request_timeout_s,
                 config.extraction.api_key_env,
                 config.extraction.concurrency,
             )
             if server_url
-            else ["--hidden-states-path", str(hidden_dir), "--on-missing", "raise"]
+            else ["--hidden-states-path", str(data.hidden_dir), "--on-missing", "raise"]
         ),
         "--loss-implementation",
         "eager",
@@ -249,12 +245,12 @@ def training_command(
         "--logger",
         "",
         "--eyrie-verifier-weights",
-        json.dumps(target_facts["verifier_weights"], sort_keys=True),
+        json.dumps(data.target_facts["verifier_weights"], sort_keys=True),
     ]
     if config.target.trust_remote_code:
         args.append("--trust-remote-code")
-    if target_facts.get("mask_token_id") is not None:
-        args += ["--mask-token-id", str(target_facts["mask_token_id"])]
+    if data.target_facts.get("mask_token_id") is not None:
+        args += ["--mask-token-id", str(data.target_facts["mask_token_id"])]
     if device == "cpu":  # no Triton, no flex attention kernels, no bf16 autocast benefit on CPU
         args += ["--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32", "--num-workers", "0"]
     if t.stop_on_plateau:
@@ -292,12 +288,7 @@ def run_training(
     config: PipelineConfig,
     out_dir: Path,
     key: str,
-    data_dir: Path,
-    hidden_dir: Path,
-    d2t: Path,
-    t2d: Path,
-    aux_ids: list[int],
-    target_facts: dict,
+    data: TrainingData,
     seq_lens: list[int],
     warm_start: Path | None = None,
     log=print,
@@ -306,7 +297,7 @@ def run_training(
     """Train (or resume) into `out_dir/<key>`; returns the stage manifest naming the final checkpoint.
 
     With `train.hidden_states: online`, `server_url` is the extraction server's (up, serving the captured layers)
-    and `hidden_dir` its tmpfs storage path: the trainer asks it for every sample (eyrie.stages.train.online)."""
+    and `data.hidden_dir` its tmpfs storage path: the trainer asks it for every sample (eyrie.stages.train.online)."""
     if manifest := finished_manifest(out_dir / "manifest.json", key):
         return manifest
     online = config.train.hidden_states == "online"
@@ -325,19 +316,14 @@ def run_training(
     every = config.train.save_every_steps
     freq = 1.0 if not every or every >= spe else max(every / spe, 1 / spe)
     if online:
-        if not on_tmpfs(hidden_dir):
-            log(f"warning: online hidden states go through {hidden_dir}, which is not on tmpfs: they touch the disk")
-        dropped = clean(hidden_dir)  # requests a killed trainer left in flight: nobody will read them
+        if not on_tmpfs(data.hidden_dir):
+            log(f"warning: online hidden states go through {data.hidden_dir}, not a tmpfs: they touch the disk")
+        dropped = clean(data.hidden_dir)  # requests a killed trainer left in flight: nobody will read them
         if dropped[0]:
             log(f"removed {dropped[0]} unread hidden-state files ({dropped[1]} bytes) left by an earlier trainer")
     cmd = training_command(
         config,
-        data_dir,
-        hidden_dir,
-        d2t,
-        t2d,
-        aux_ids,
-        target_facts,
+        data,
         save_path,
         freq,
         device,
@@ -354,7 +340,7 @@ def run_training(
     if plateau:  # stopped on a plateau before its manifest was written: nothing left to train
         log(f"training stopped on a validation plateau at epoch {plateau.get('epoch')}; not relaunched")
         return _train_manifest(
-            config, out_dir, key, save_path, device, work / "train.log", resumed_from, data_dir, notes
+            config, out_dir, key, save_path, device, work / "train.log", resumed_from, data.data_dir, notes
         )
     state = read_json(resumed_from / "training_state.json") if resumed_from else None
     log(
@@ -369,17 +355,17 @@ def run_training(
         f.flush()
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent).returncode
     if online:
-        left = leftover_bytes(hidden_dir)
+        left = leftover_bytes(data.hidden_dir)
         if left:  # a sample speculators gave up on (its file came after the retry), or a killed trainer's
-            n, size = clean(hidden_dir)
-            log(f"removed {n} unread hidden-state files ({size} bytes) from {hidden_dir}")
+            n, size = clean(data.hidden_dir)
+            log(f"removed {n} unread hidden-state files ({size} bytes) from {data.hidden_dir}")
     if rc != 0:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
         raise EyrieError(
             f"training exited with code {rc}; checkpoints so far are kept in {save_path} and the "
             f"next run resumes from them. End of {log_path}:\n{tail}"
         )
-    return _train_manifest(config, out_dir, key, save_path, device, log_path, resumed_from, data_dir, notes)
+    return _train_manifest(config, out_dir, key, save_path, device, log_path, resumed_from, data.data_dir, notes)
 
 
 def _train_manifest(
@@ -428,17 +414,7 @@ def untrained_key(config: PipelineConfig, vocab_key: str, aux_ids: list[int]) ->
     return stage_key("untrained", config, vocab=vocab_key, aux=list(aux_ids))
 
 
-def untrained_drafter(
-    config: PipelineConfig,
-    out_dir: Path,
-    key: str,
-    data_dir: Path,
-    hidden_dir: Path,
-    d2t: Path,
-    t2d: Path,
-    aux_ids: list[int],
-    target_facts: dict,
-) -> Path:
+def untrained_drafter(config: PipelineConfig, out_dir: Path, key: str, data: TrainingData) -> Path:
     """A freshly initialised drafter of the same shape (speculators' --dry-run): the evaluation baseline, kept
     under its key (`untrained_key`), so a changed target, vocabulary or drafter shape gets a new one."""
     path = out_dir / f"untrained-{key}"
@@ -447,9 +423,7 @@ def untrained_drafter(
     staging = out_dir / f"untrained-{key}.staging"
     shutil.rmtree(staging, ignore_errors=True)
     # Initialising needs no accelerator: always on CPU, one process.
-    cmd = training_command(
-        config, data_dir, hidden_dir, d2t, t2d, aux_ids, target_facts, staging, 1.0, "cpu", dry_run=True
-    )
+    cmd = training_command(config, data, staging, 1.0, "cpu", dry_run=True)
     r = subprocess.run(cmd, capture_output=True, text=True, env=child_environment({"EYRIE_TRAIN_DEVICE": "cpu"}))
     if r.returncode != 0:
         raise EyrieError(f"could not initialise the untrained drafter:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
