@@ -86,9 +86,9 @@ for _old in (CACHE / "test-targets").glob("*"):  # targets of earlier builder ve
 
 def build_tiny_target(kind: str) -> Path:
     """The tiny target `kind`, built on first use; the build goes to a temporary folder renamed into place."""
-    from eyrie.target.tiny import build_target
-
     from filelock import FileLock
+
+    from eyrie.target.tiny import build_target
 
     final = TARGETS_DIR / kind
     if (final / ".complete").exists():
