@@ -25,8 +25,9 @@ MILESTONES = {
 
 def eyrie_command(args, root: Path, optimizer: str) -> tuple[list[str], Path, dict]:
     from eyrie.stages.prepare import load_seq_lens
+    from eyrie.stages.train.command import training_command
     from eyrie.stages.train.data import TrainingData
-    from eyrie.stages.train.trainer import steps_per_epoch, training_command
+    from eyrie.stages.train.trainer import steps_per_epoch
     from eyrie.stages.vocab import mapping_paths
 
     config, facts = load(root)

@@ -23,9 +23,10 @@ from conftest import build_tiny_target, config_dict, register_server_folder, sto
 from eyrie.config import TrainConfig, parse_config
 from eyrie.errors import ConfigError, EyrieError
 from eyrie.hidden_states.staging import clean, filesystem_type, leftover_bytes, on_tmpfs, staging_dir
+from eyrie.stages.train.command import training_command
 from eyrie.stages.train.data import TrainingData
 from eyrie.stages.train.online import API_KEY_ENV_FLAG, CONCURRENCY_FLAG, ONLINE_FLAG, endpoint
-from eyrie.stages.train.trainer import run_training, train_key, training_command
+from eyrie.stages.train.trainer import run_training, train_key
 
 
 def _config(tmp_path: Path, **train):

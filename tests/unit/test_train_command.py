@@ -16,8 +16,9 @@ from tiny_drafter import tiny_eagle3
 
 from eyrie.config import parse_config
 from eyrie.errors import ConfigError
+from eyrie.stages.train.command import training_command
 from eyrie.stages.train.data import TrainingData
-from eyrie.stages.train.trainer import training_command, untrained_key
+from eyrie.stages.train.trainer import untrained_key
 
 
 def _command(tmp_path: Path, device: str = "cuda", **train) -> list[str]:
@@ -104,7 +105,8 @@ def test_a_resume_across_a_device_change_warns(tmp_path):
 
 
 def test_a_warm_start_trains_at_a_scaled_rate_and_keys_it(tmp_path):
-    from eyrie.stages.train.trainer import learning_rate, train_key
+    from eyrie.stages.train.command import learning_rate
+    from eyrie.stages.train.trainer import train_key
 
     def config(scale: float):
         return parse_config(

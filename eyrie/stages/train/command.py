@@ -1,0 +1,170 @@
+"""The trainer's command line (speculators' CLI through eyrie.stages.train.entry) and its environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from eyrie.config import PipelineConfig, TargetConfig
+from eyrie.run.environment import child_environment
+from eyrie.stages.train.data import TrainingData
+from eyrie.stages.train.online import online_args
+from eyrie.target.drafter import draft_layer_config
+
+
+def learning_rate(config: PipelineConfig, warm: bool) -> float:
+    """train.lr, scaled down for a warm start: at the rate that trains a drafter from scratch, a trained one's first
+    steps undo what it learned (measured in the README, "Retraining")."""
+    return config.train.lr * (config.promotion.warm_start_lr_scale if warm else 1.0)
+
+
+# The files of a hub target the trainer reads besides the borrowed tensors' weight files: configs, tokenizer, code.
+VERIFIER_FILES = ("*.json", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.tokenizer")
+
+
+def verifier_source(target: TargetConfig, borrowed: dict[str, str]) -> str:
+    """Where the trainer reads the verifier from (its config, tokenizer and the embedding, norm and head it
+    borrows): a local target's folder; a hub target's snapshot at the commit its revision resolves to (the run
+    pins it: the hidden states came from that commit), holding its small files and only the weight files of the
+    borrowed tensors. speculators, given a hub id, would read every file from the default branch."""
+    from eyrie.target.metadata import is_local_target
+
+    if is_local_target(target):
+        return str(target.model)
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    from eyrie.target.hub import hub_commit
+
+    commit = hub_commit(target.model, "model", target.revision)
+    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+    try:
+        index = hf_hub_download(target.model, "model.safetensors.index.json", revision=commit, local_files_only=offline)
+        weight_map = json.loads(Path(index).read_text())["weight_map"]
+        shards = sorted({weight_map[n] for n in borrowed.values() if n in weight_map})
+    except Exception:  # no index: one weight file
+        shards = ["model.safetensors"]
+    return snapshot_download(
+        target.model,
+        revision=commit,
+        allow_patterns=[*VERIFIER_FILES, *shards],
+        local_files_only=offline,
+    )
+
+
+def training_command(
+    config: PipelineConfig,
+    data: TrainingData,
+    save_path: Path,
+    checkpoint_freq: float,
+    device: str,
+    warm_start: Path | None = None,
+    dry_run: bool = False,
+    server_url: str | None = None,
+) -> list[str]:
+    """The trainer's command line. `data.target_facts` is what preflight decided about the target
+    (`PreflightReport.target_facts`): the checkpoint names of the tensors the drafter borrows, which
+    `eyrie.stages.train.entry` hands to speculators' loader, and the mask token id.
+
+    `server_url`: online hidden states (eyrie.stages.train.online) from the extraction server there; `hidden_dir` is
+    then the
+    server's tmpfs storage path. Without it the trainer reads files from `hidden_dir` and a missing one is an
+    error."""
+    t = config.train
+    if device == "cuda" and t.devices > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={t.devices}"]
+    else:
+        launcher = [sys.executable]
+    args = [
+        "-m",
+        "eyrie.stages.train.entry",
+        "--speculator-type",
+        "eagle3",
+        "--verifier-name-or-path",
+        verifier_source(config.target, data.target_facts.get("verifier_weights") or {}),
+        "--data-path",
+        str(data.data_dir),
+        "--d2t-path",
+        str(data.d2t),
+        "--t2d-path",
+        str(data.t2d),
+        "--draft-vocab-size",
+        str(config.vocab.draft_vocab_size),
+        "--target-layer-ids",
+        *map(str, data.aux_ids),
+        "--save-path",
+        str(save_path),
+        "--epochs",
+        str(t.epochs),
+        "--lr",
+        str(learning_rate(config, warm_start is not None)),
+        "--ttt-steps",
+        str(t.ttt_steps),
+        "--total-seq-len",
+        str(t.max_seq_len),
+        "--checkpoint-freq",
+        str(checkpoint_freq),
+        "--train-data-ratio",
+        str(1 - t.val_fraction),
+        "--seed",
+        str(t.seed),
+        *(
+            online_args(
+                server_url,
+                data.hidden_dir,
+                config.extraction.request_timeout_s,
+                config.extraction.api_key_env,
+                config.extraction.concurrency,
+            )
+            if server_url
+            else ["--hidden-states-path", str(data.hidden_dir), "--on-missing", "raise"]
+        ),
+        "--loss-implementation",
+        "eager",
+        "--optimizer",
+        t.optimizer,
+        "--log-freq",
+        str(t.log_every_steps),
+        "--log-dir",
+        str(save_path.parent / "logs"),
+        "--logger",
+        "",
+        "--eyrie-verifier-weights",
+        json.dumps(data.target_facts["verifier_weights"], sort_keys=True),
+    ]
+    if config.target.trust_remote_code:
+        args.append("--trust-remote-code")
+    if data.target_facts.get("mask_token_id") is not None:
+        args += ["--mask-token-id", str(data.target_facts["mask_token_id"])]
+    if device == "cpu":  # no Triton, no flex attention kernels, no bf16 autocast benefit on CPU
+        args += ["--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32", "--num-workers", "0"]
+    if t.stop_on_plateau:
+        args += ["--eyrie-plateau", f"{t.plateau_patience},{t.plateau_min_delta}"]
+    if warm_start is not None:
+        args += ["--from-pretrained", str(warm_start)]
+    else:
+        draft = save_path.parent / "draft_layer_config.json"
+        draft.parent.mkdir(parents=True, exist_ok=True)
+        draft_layer_config(config.target, t.num_layers).to_json_file(str(draft))
+        args += ["--draft-config", str(draft)]
+    if dry_run:
+        args.append("--dry-run")
+    return launcher + args
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM the trainer when the flow process dies (even by SIGKILL), so no orphan keeps writing
+    checkpoints that the next run is about to resume from (speculators saves `interrupted/` on SIGTERM)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def trainer_environment(config: PipelineConfig, device: str, online: bool) -> dict[str, str]:
+    """The trainer's environment: an allow-list of the flow's (eyrie/run/environment.py: no Prefect key, no hub
+    token), the device, and, online, the variable extraction.api_key_env names (its client reads the server's key
+    there)."""
+    key_env = [config.extraction.api_key_env] if online and config.extraction.api_key_env else []
+    return child_environment({"EYRIE_TRAIN_DEVICE": device, "PYTHONUNBUFFERED": "1"}, passed=key_env)
