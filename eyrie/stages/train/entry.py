@@ -10,7 +10,9 @@ scalars are made without waiting), batches are copied to the GPU ahead of their 
 progress bar is off, a fresh drafter is initialised on its GPU, data-loader workers (which only read files) are
 forked from a server started first thing, never initialising CUDA, and on one GPU forward and backward run on
 bfloat16 copies of the float32 weights made once a step (float32 master weights, gradients and optimizer state).
-Each is a switch below (GPU_FEED, ...), which benchmarks/train_throughput.py turns off to measure it.
+Each lives in a module of eyrie/stages/train/patches/ behind a switch in patches/switches.py (GPU_FEED, ...), which
+benchmarks/train_throughput.py turns off (`--off NAME`) to measure it. The first step builds the block mask eagerly and
+a background thread compiles its builder for the steps after it (patches/compile.py).
 torch.compile's cache goes beside the run's checkpoints, so a retry or resume finds its kernels compiled. Every save
 keeps the whole checkpoint it overwrites until the new one is whole (eyrie/stages/train/checkpoints.py).
 """
