@@ -463,3 +463,33 @@ def test_block_mask_is_built_eagerly_until_its_compiled_builder_is_ready(monkeyp
     assert len(compiled_calls) == 2
     for got in (first, second, third):
         assert got.to_dense().equal(want.to_dense()) and got.seq_lengths == want.seq_lengths
+
+
+def test_a_failed_background_compile_leaves_the_eager_mask(monkeypatch, capsys):
+    """The builder's compile failing in its thread is said in the log; every call keeps the eager builder."""
+    import torch
+    from speculators.models.eagle3 import core
+
+    from eyrie.stages.train.patches import compile as deferred
+
+    monkeypatch.setattr(core.Eagle3DraftModel, "_build_attn_mask", core.Eagle3DraftModel._build_attn_mask)
+    monkeypatch.setattr(deferred, "_STATE", {})
+
+    def failing_compile(fn):
+        def run(*args):
+            raise RuntimeError("no compiler here")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    model, _ = _tiny_eagle3()
+    model._attn_impl, model._create_mask_fn = "simple_flex_attention", core.create_block_mask
+    docs = torch.tensor([0] * 128 + [1] * 128)
+    want = core.Eagle3DraftModel._build_attn_mask(model, docs, 256, "cpu").to_dense()
+    deferred._block_mask_compiled_after_the_first_step()
+    masks = [model._build_attn_mask(docs, 256, "cpu") for _ in range(2)]
+    deferred._STATE["thread"].join(timeout=60)
+    masks.append(model._build_attn_mask(docs, 256, "cpu"))
+    assert "compiled" not in deferred._STATE
+    assert "not compiled (RuntimeError: no compiler here); it runs eagerly" in capsys.readouterr().out
+    assert all(m.to_dense().equal(want) for m in masks)
