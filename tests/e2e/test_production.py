@@ -451,11 +451,11 @@ def test_fanout_regenerates_and_extracts_over_two_nodes_a_dead_nodes_shards_retr
     _, config = write_config(
         tmp_path / "config.yaml",
         tiny_llama,
-        max_samples=32,
-        shard_size=8,
+        max_samples=16,  # 4 shards of 4: 2 per node, node 2's shard 3 the one killed
+        shard_size=4,
         layer_ids=LAYERS,
         name="fanout",
-        regenerate={"enabled": True, "concurrency": 4, "max_tokens": 32},
+        regenerate={"enabled": True, "concurrency": 4, "max_tokens": 16},
     )
     created = create_run(
         prod, FANOUT, {"config": config.model_dump(mode="json"), "run_dir": str(run), "queues": list(nodes)}
