@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from prefect import flow
 
 from eyrie.run.folder import RunFolder, atomic_write_json
-from eyrie.stages.train.trainer import _die_with_parent
+from eyrie.stages.train.command import _die_with_parent
 from eyrie.vllm.process import VllmServer
 from eyrie.vllm.spec import ServerSpec
 from flows.cancel import own_process_group, stop_on_cancellation

@@ -8,7 +8,7 @@ records it in `<run>/flow-runs/<flow run id>.json`; its cancellation hook (flows
 recorded on this host (`eyrie.vllm.process.VllmServer.stop`) and what is left of that group (`stop_process_group`).
 
 A crash runs no hook: the servers stay up for the retry, as the run folder records them, and the trainer receives
-SIGTERM when the flow's process dies (`PR_SET_PDEATHSIG`, eyrie/stages/train/trainer.py) and resumes from its newest
+SIGTERM when the flow's process dies (`PR_SET_PDEATHSIG`, eyrie/stages/train/command.py) and resumes from its newest
 checkpoint on the retry.
 """
 
