@@ -71,6 +71,7 @@ def main() -> None:
     from eyrie.stages.preflight import run_preflight
     from eyrie.stages.prepare import load_seq_lens
     from eyrie.stages.regenerate import extraction_source
+    from eyrie.stages.train.data import TrainingData
     from eyrie.stages.train.trainer import run_training
     from eyrie.stages.vocab import mapping_paths
     from eyrie.vllm.process import VllmServer
@@ -110,12 +111,7 @@ def main() -> None:
                 config,
                 out,
                 f"bench-{mode}",
-                data_dir / "dataset",
-                hidden,
-                d2t,
-                t2d,
-                report.aux_layer_ids,
-                report.target_facts,
+                TrainingData(data_dir / "dataset", hidden, d2t, t2d, report.aux_layer_ids, report.target_facts),
                 seq_lens,
                 server_url=server_url,
             )

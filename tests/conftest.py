@@ -215,13 +215,14 @@ class HubDatasetRepo:
 
 def synthetic_training_inputs(config, root: Path):
     """The train stage's inputs without a vLLM server: prepared data, Eyrie-format hidden-state files with random
-    states, and the draft vocabulary maps. Returns (preflight report, run_training's positional inputs, seq_lens).
+    states, and the draft vocabulary maps. Returns (preflight report, the train stage's TrainingData, seq_lens).
     That real hidden states match transformers is test_extraction_correctness.py's subject."""
     import torch
     from safetensors.torch import save_file
 
     from eyrie.stages.preflight import run_preflight
     from eyrie.stages.prepare import load_dataset_rows, load_seq_lens, prepare
+    from eyrie.stages.train.data import TrainingData
     from eyrie.stages.vocab import build_vocab, mapping_paths
 
     report = run_preflight(config, root / "run", serve=False)
@@ -239,7 +240,8 @@ def synthetic_training_inputs(config, root: Path):
     size = config.vocab.draft_vocab_size
     build_vocab(prepared / "dataset" / "token_freq.pt", size, report.vocab_size, root / "vocab", "v")
     d2t, t2d = mapping_paths(root / "vocab", size)
-    return report, (prepared / "dataset", hidden, d2t, t2d, report.aux_layer_ids, report.target_facts), seq_lens
+    data = TrainingData(prepared / "dataset", hidden, d2t, t2d, report.aux_layer_ids, report.target_facts)
+    return report, data, seq_lens
 
 
 # ---------------------------------------------------------------------------------------------------------------

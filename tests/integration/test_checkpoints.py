@@ -106,7 +106,7 @@ def test_a_kill_between_weights_and_state_resumes_to_the_uninterrupted_step_coun
     config = parse_config(data)
     _, inputs, seq_lens = synthetic_training_inputs(config, tmp_path)
 
-    whole_run = run_training(config, tmp_path / "uninterrupted", "k", *inputs, seq_lens, log=print)
+    whole_run = run_training(config, tmp_path / "uninterrupted", "k", inputs, seq_lens, log=print)
     steps = whole_run["global_step"]
     # Where speculators saves mid-epoch: every `interval` steps of the epoch (checkpoint_freq as run_training sets
     # it, rounded over the loader's real length, which epoch 0's end-of-epoch global step gives).
@@ -117,14 +117,14 @@ def test_a_kill_between_weights_and_state_resumes_to_the_uninterrupted_step_coun
     assert epoch_steps - cut_at >= interval / 4, f"epoch 0 has too few steps ({epoch_steps}) for two saves"
     monkeypatch.setenv("EYRIE_FAULTS", f"train.before-state.step{cut_at}=kill")
     with pytest.raises(EyrieError, match="exited with code -9"):
-        run_training(config, tmp_path / "cut", "k", *inputs, seq_lens, log=print)
+        run_training(config, tmp_path / "cut", "k", inputs, seq_lens, log=print)
     cut = tmp_path / "cut" / "k" / "checkpoints"
     cut_folder = next(p for p in cut.iterdir() if p.is_dir() and p.name.isdigit() and not is_whole(p))
     assert (cut_folder / "model.safetensors").exists()  # weights written, state not: the save was cut
 
     monkeypatch.delenv("EYRIE_FAULTS")
     notes: list[str] = []
-    resumed = run_training(config, tmp_path / "cut", "k", *inputs, seq_lens, log=notes.append)
+    resumed = run_training(config, tmp_path / "cut", "k", inputs, seq_lens, log=notes.append)
     assert any("moved aside" in n for n in notes), notes
     assert any("restored checkpoint" in n for n in notes), notes  # the whole save the cut one was replacing
     assert resumed["global_step"] == steps

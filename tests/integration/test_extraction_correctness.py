@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -287,7 +287,7 @@ def test_packed_extraction_trains(servers, tmp_path):
     )
     report, inputs, seq_lens = synthetic_training_inputs(config, tmp_path)  # prepared data and vocab
     assert report.captured_layer_ids == r.spec.layer_ids
-    prepared, hidden = inputs[0].parent, r.folder / f"packed-{tmp_path.name}"  # beside the staging
+    prepared, hidden = inputs.data_dir.parent, r.folder / f"packed-{tmp_path.name}"  # beside the staging
     shards = load_shards(prepared)
     for shard in shards:
         m = extract_shard(
@@ -311,5 +311,5 @@ def test_packed_extraction_trains(servers, tmp_path):
         sample = reader.read(i)
         assert sample["token_ids"].tolist() == ids
         assert tuple(sample["hidden_states"].shape) == (len(ids), len(r.spec.layer_ids), r.hidden_size)
-    trained = run_training(config, tmp_path / "train", "k", inputs[0], hidden, *inputs[2:], seq_lens, log=print)
+    trained = run_training(config, tmp_path / "train", "k", replace(inputs, hidden_dir=hidden), seq_lens, log=print)
     assert trained["global_step"] and trained["global_step"] > 0

@@ -91,10 +91,10 @@ def test_drafter_borrows_the_resolved_tensors_and_trains(kind, tmp_path):
     target = build_tiny_target(kind)
     config = _config(target, train={"epochs": 1, "max_seq_len": 256}, vocab={"draft_vocab_size": 128})
     report, inputs, seq_lens = synthetic_training_inputs(config, tmp_path)
-    t2d = inputs[3]
+    t2d = inputs.t2d
 
     # Untrained (speculators' --dry-run): its embedding and head rows are the target's own tensors, bit for bit.
-    fresh = load_file(str(untrained_drafter(config, tmp_path / "train", "u", *inputs) / "model.safetensors"))
+    fresh = load_file(str(untrained_drafter(config, tmp_path / "train", "u", inputs) / "model.safetensors"))
     names = report.target_facts["verifier_weights"]
     source = load_file(str(target / "model.safetensors"))
     keep = torch.from_numpy(np.load(t2d)).bool()
@@ -102,7 +102,7 @@ def test_drafter_borrows_the_resolved_tensors_and_trains(kind, tmp_path):
     head = source[names.get("lm_head.weight", names["embed_tokens.weight"])]
     assert torch.equal(fresh["lm_head.weight"].float(), head[keep].float())
 
-    trained = run_training(config, tmp_path / "train", "k", *inputs, seq_lens, log=print)
+    trained = run_training(config, tmp_path / "train", "k", inputs, seq_lens, log=print)
     assert trained["global_step"] and trained["global_step"] > 0
     exported = export_drafter(
         Path(trained["checkpoint"]), tmp_path / "export", str(target), report.aux_layer_ids, report.hidden_size, "e"

@@ -10,7 +10,6 @@ import pytest
 from conftest import build_tiny_target, config_dict, synthetic_training_inputs
 
 from eyrie.config import parse_config
-from eyrie.stages.train.data import TrainingData
 from eyrie.stages.train.trainer import run_training
 from eyrie.stages.train.validation import plateaued, predicted_acceptance_length, still_improving
 
@@ -58,7 +57,7 @@ def test_training_stops_on_a_plateau_and_is_not_relaunched(tmp_path):
     config = parse_config(data)
     _, inputs, seq_lens = synthetic_training_inputs(config, tmp_path)
 
-    manifest = run_training(config, tmp_path / "train", "k", TrainingData(*inputs), seq_lens, log=print)
+    manifest = run_training(config, tmp_path / "train", "k", inputs, seq_lens, log=print)
 
     assert manifest["stopped_on_plateau"]["epoch"] == 1
     assert [row["epoch"] for row in manifest["history"]] == [0, 1]
@@ -67,6 +66,6 @@ def test_training_stops_on_a_plateau_and_is_not_relaunched(tmp_path):
     assert Path(manifest["checkpoint"]).name == str(best)
     assert manifest["warnings"] == []  # a plateau is not "still improving"
     (tmp_path / "train" / "manifest.json").unlink()  # as a kill after training, before the manifest, leaves it
-    again = run_training(config, tmp_path / "train", "k", TrainingData(*inputs), seq_lens, log=print)
+    again = run_training(config, tmp_path / "train", "k", inputs, seq_lens, log=print)
     assert again["checkpoint"] == manifest["checkpoint"]
     assert Path(again["log"]).read_text().count("===== eyrie:") == 1  # not relaunched
