@@ -36,6 +36,8 @@ CHECK_SOURCES = (
     "target/metadata.py",
     "target/drafter.py",
     "target/hub.py",
+    "target/labels.py",
+    "stages/evaluate.py",  # the chat-template variant warnings
     "vllm/spec.py",
     "vllm/plugin",
     "hidden_states/encoding.py",
