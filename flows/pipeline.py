@@ -17,7 +17,7 @@ from eyrie.errors import EyrieError
 from eyrie.run.folder import RunFolder, read_json, sha256_json
 from eyrie.run.manifest import finished_manifest
 from eyrie.stages import UNTIL
-from eyrie.stages.evaluate import draft_tokens_key, evaluate_key, gap_warning
+from eyrie.stages.evaluate import draft_tokens_key, evaluate_key, evaluation_sets, gap_warning, template_variants
 from eyrie.stages.export import export_key
 from eyrie.stages.extract import online_plan
 from eyrie.stages.prepare import iter_eval_prompts, load_seq_lens
@@ -174,8 +174,10 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
             drafters.append(("untrained", untrained, run.evaluate / "server-untrained", untrained_stage_key))
         results = []
         sweep = config.evaluate.sweep_draft_tokens
+        sets, variants = evaluation_sets(config), template_variants(config)  # read before any server starts
         for label, drafter, server_dir, identity in drafters:
-            key = evaluate_key(config, label, identity, prompts, replace(spec, drafter=str(drafter)).output_identity())
+            served = replace(spec, drafter=str(drafter)).output_identity()
+            key = evaluate_key(config, label, identity, prompts, served, sets)
             out = run.evaluate / f"{label}.json"
             # The trained drafter's server also measures throughput when the draft-token sweep needs it.
             concurrency = config.evaluate.throughput_concurrency if sweep and label == "trained" else None
@@ -192,6 +194,8 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
                         key,
                         timeout,
                         concurrency,
+                        prompt_sets=sets,
+                        template_variants=variants,
                     )
                 )
             )
@@ -232,6 +236,7 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         "promotion": promotion,
         # What the team should read before shipping: undertraining, training that does not predict serving.
         "warnings": [
+            *(regenerated or {}).get("warnings", []),  # rows lost to server errors, retried by the next run
             *trained.get("warnings", []),
             *filter(None, [gap_warning(evaluation["train_serve_gap"])]),
             *evaluation.get("warnings", []),  # a drafter not clearly better than its baseline (issue 25 item 2)
@@ -240,7 +245,14 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
     for warning in outputs["warnings"]:
         log.warning(warning)
     create_markdown_artifact(
-        _summary_markdown(config, outputs, summary, evaluation["train_serve_gap"], evaluation.get("draft_tokens")),
+        _summary_markdown(
+            config,
+            outputs,
+            summary,
+            evaluation["train_serve_gap"],
+            evaluation.get("draft_tokens"),
+            evaluation.get("markdown", []),
+        ),
         key="run-summary",
     )
     log.info(f"outputs: {outputs}")
@@ -256,11 +268,20 @@ def _draft_token_markdown(report: dict | None) -> list[str]:
     keys = list(report["throughput"][0])
     lines += ["", "Output tokens per second:", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in report["throughput"]]
-    return [*lines, "", f"Plot: `{report['plot']}`.", ""]
+    lines += ["", f"Plot: `{report['plot']}`.", ""]
+    if report.get("speculative_config"):
+        note = report.get("schedule", {}).get("note", "the best k per batch size")
+        lines += [f"Serve with `{report['speculative_config']}` ({note}).", ""]
+    return lines
 
 
 def _summary_markdown(
-    config: PipelineConfig, outputs: dict, summary: dict, gap: dict, draft_tokens: dict | None = None
+    config: PipelineConfig,
+    outputs: dict,
+    summary: dict,
+    gap: dict,
+    draft_tokens: dict | None = None,
+    measured: list[str] | None = None,  # the report's own section: intervals, per position, set and category
 ) -> str:
     promotion = outputs["promotion"]
     serving = promotion["current"] if promotion and promotion["promoted"] else outputs["drafter"]
@@ -291,6 +312,7 @@ def _summary_markdown(
                 for r in gap["rows"]
             ),
             "",
+            *(measured or []),
             *_draft_token_markdown(draft_tokens),
             *(f"**Warning:** {w}" for w in outputs["warnings"]),
             *([""] if outputs["warnings"] else []),

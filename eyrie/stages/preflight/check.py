@@ -14,9 +14,10 @@ import shutil
 from pathlib import Path
 
 from eyrie.config import PipelineConfig
-from eyrie.errors import PreflightError
+from eyrie.errors import ConfigError, PreflightError
 from eyrie.hidden_states.encoding import check_config as check_hidden_states_dtype
 from eyrie.run.folder import RunFolder
+from eyrie.stages.evaluate import evaluation_sets, template_variant_warnings, template_variants
 from eyrie.stages.preflight.installed_vllm import check_server_arguments, check_server_env, check_vllm_version
 from eyrie.stages.preflight.node import (
     bytes_still_to_write,
@@ -40,6 +41,7 @@ from eyrie.stages.preflight.target import (
 from eyrie.stages.preflight.verdict import load_verdict, save_verdict, verdict_key
 from eyrie.stages.preflight.warm_start import check_recorded_base
 from eyrie.stages.promote import check_base, current_version
+from eyrie.target.labels import label_warnings
 from eyrie.target.metadata import load_tokenizer, mask_token_id, read_target_config, text_config, verifier_name
 from eyrie.vllm.loading import load_warnings, weights_folder
 
@@ -119,6 +121,9 @@ def check_target(config: PipelineConfig, serve: bool) -> PreflightReport:
         config.max_model_len,
     )
     report.warnings += arg_warnings
+    report.warnings += label_warnings(config.target, cfg)  # where speculators' labels approximate the target
+    if tok is not None:  # a chat-template variant whose switch the template never reads measures nothing new
+        report.warnings += template_variant_warnings(tok.chat_template, template_variants(config))
     mask = config.train.mask_token_id
     report.target_facts["mask_token_id"] = mask if mask is not None or tok is None else mask_token_id(tok, vocab)
     if probe.path != "unsupported":  # a refused class is the one problem worth reading; its metadata may be odd
@@ -159,6 +164,10 @@ def run_preflight(
         if current is not None:
             failures += check_base(current, verifier_name(config.target.model), config.vocab.draft_vocab_size, aux_ids)
     failures += check_recorded_base(config, run_dir, prepare_key)
+    try:  # the evaluation prompt files, read every time (their content is not in the verdict's key)
+        evaluation_sets(config)
+    except ConfigError as err:
+        failures.append(str(err))
     x = config.extraction
     report.warnings += load_warnings(weights_folder(config.target), x.server_args, x.enforce_eager, x.server_env)
     if tokens is not None and hidden:
