@@ -45,6 +45,7 @@ PREFIXES = (
     "TRANSFORMERS_",
     "TOKENIZERS_",
     "SAFETENSORS_",
+    "ATEN_",  # ATEN_CPU_CAPABILITY: torch's CPU kernels' instruction set
     "OMP_",
     "KMP_",
     "MKL_",

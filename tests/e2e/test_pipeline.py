@@ -323,7 +323,8 @@ def test_training_resumes_from_the_saved_step(pipeline):
     log = Path(manifest["log"]).read_text(errors="replace")
     assert log.count("===== eyrie:") == 2  # one launch killed, one resumed: not a third from scratch
     history = manifest["history"]
-    assert [h["epoch"] for h in history] == list(range(DEMO["train"]["epochs"]))
+    # every epoch once, in order, up to the plateau stop (the demo's recipe) or the last one
+    assert [h["epoch"] for h in history] == list(range(len(history))) and len(history) <= DEMO["train"]["epochs"]
     assert manifest["global_step"] == history[-1]["global_step"] > pipeline.killed_at_step
 
 
