@@ -47,7 +47,9 @@ def open_run(config: PipelineConfig, run: RunFolder, serve: bool = False) -> Ope
         how = "as this flow run's first attempt pinned them" if reused else "pinned"
         log.info(f"hub revisions {how}: target {config.target.revision}, data {config.data.revision}")
     preflight_task(config, str(run.root), serve=serve)  # seconds, before anything expensive
-    prepare_stage_key = compute_prepare_key(config)
+    # The tokenizer's and the data's fingerprints remembered in the run folder under what determines them: a
+    # re-run loads no tokenizer (seconds: transformers' import) while nothing it depends on changed.
+    prepare_stage_key = compute_prepare_key(config, str(run.root / "fingerprints.json"))
     prepared = prepare_task(config, str(run.prepare), prepare_stage_key)
     report = preflight_task(
         config, str(run.root), tokens=prepared["stats"]["tokens"], serve=serve, prepare_key=prepare_stage_key

@@ -19,8 +19,10 @@ def ensure_target(config: PipelineConfig) -> str:
 
 
 @eyrie_task("data-fingerprint")
-def compute_prepare_key(config: PipelineConfig) -> str:
-    return prepare_key(config.target, config.data)
+def compute_prepare_key(config: PipelineConfig, memo: str | None = None) -> str:
+    """prepare's key; with `memo` (a file in the run folder), its costly fingerprints remembered there
+    (`eyrie.stages.prepare.prepare_key`)."""
+    return prepare_key(config.target, config.data, Path(memo) if memo else None)
 
 
 @stage_task("prepare", retries=1)
