@@ -83,3 +83,7 @@ def _gpu_speedups() -> None:
         _bf16_working_weights()
     if switches.DEFERRED_MASK_COMPILE:
         _block_mask_compiled_after_the_first_step()
+    if switches.ONE_KV_LENGTH:  # last: it wraps the forward and mask builder the patches above put in place
+        from eyrie.stages.train.patches.one_kv_length import _one_kv_length
+
+        _one_kv_length()

@@ -1,0 +1,156 @@
+"""Every TTT step's attention at one key length, so one compile serves all of them.
+
+speculators' EAGLE-3 forward runs its decoder layer once per TTT step against a `DynamicCache` that grows by the
+sequence length S each step (keys of length S, 2S, 3S) and a flex-attention `BlockMask` extended by one diagonal
+block column per step (`extend_mask_for_draft_tokens`). A BlockMask holds its lengths as Python ints and the keys'
+shapes differ, so Dynamo compiles the layer's attention frame, forward and backward, once per step: about 25 s of the
+first step from a cold compile cache on an H200 at Kimi-K2.5 width, three times the same kernels.
+
+Here every step sees keys of length ttt_steps * S: the cache is a buffer of that length, zero beyond what the steps
+so far wrote (written out of place, `index_copy`, so the tensors earlier steps saved for backward are untouched), and
+the block mask has ttt_steps * S / BLOCK_SIZE block columns from the first step on, with the same blocks listed as
+speculators' mask (`kv_num_blocks`, `kv_indices`, and the full blocks): the columns past the filled length are never
+listed, so flex attention skips them and no query attends to a padded key. The attention output, loss and gradients
+are those of the unpadded forward (tests/unit/test_one_kv_length.py compares them); the padded blocks cost only
+empty kernel programs.
+
+Only where the mask is a BlockMask over a length that is a whole number of its blocks (Kimi's 4096 is, at 128);
+otherwise the forward is speculators' own. The cache's write runs eagerly (torch.compiler.disable): a graph break
+between the projections and the attention, so the attention frame's inputs have one shape on every step.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+_STATE: dict = {}  # "total": the padded key length of the forward in progress, or None; "filled": mask id -> blocks
+
+
+def _pad_mask(mask, width: int):
+    """`mask` with `width` block columns: zero indices appended, the listed blocks unchanged."""
+    import torch
+    from torch.nn.attention.flex_attention import BlockMask
+
+    def pad(indices):
+        if indices is None:
+            return None
+        extra = width - indices.shape[-1]
+        return torch.cat([indices, indices.new_zeros((*indices.shape[:-1], extra))], dim=-1)
+
+    return BlockMask.from_kv_blocks(
+        mask.kv_num_blocks,
+        pad(mask.kv_indices),
+        mask.full_kv_num_blocks,
+        pad(mask.full_kv_indices),
+        BLOCK_SIZE=mask.BLOCK_SIZE,
+        mask_mod=mask.mask_mod,
+        seq_lengths=(mask.seq_lengths[0], width * mask.BLOCK_SIZE[1]),
+    )
+
+
+def _one_kv_length() -> None:
+    """Installs the padded cache, mask builder and mask extension in speculators' EAGLE-3 core (once)."""
+    import torch
+    from speculators.models.eagle3 import core
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if getattr(core.Eagle3DraftModel.forward, "_eyrie_one_kv_length", False):
+        return
+    stock_cache = core.DynamicCache
+    stock_extend = core.extend_mask_for_draft_tokens
+    stock_build = core.Eagle3DraftModel._build_attn_mask
+    stock_forward = core.Eagle3DraftModel.forward
+    signature = inspect.signature(getattr(stock_forward, "__wrapped__", stock_forward))
+    ttt_default = signature.parameters["ttt_steps"].default
+    ttt_position = list(signature.parameters).index("ttt_steps") - 1  # after self
+
+    class FixedLengthCache(stock_cache):  # type: ignore[misc,valid-type]
+        """speculators' cache, but with keys and values of the forward's padded length on every step."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._eyrie_layers: dict = {}
+
+        @torch.compiler.disable
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            total = _STATE.get("total")
+            if not total:  # this forward's mask is not padded: speculators' cache
+                return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            keys, values, filled = self._eyrie_layers.get(layer_idx, (None, None, 0))
+            n = key_states.shape[-2]
+            if filled + n > total:
+                raise RuntimeError(
+                    f"eyrie: the padded cache holds {total} positions but the TTT steps wrote {filled + n}; "
+                    "turn the ONE_KV_LENGTH switch off (eyrie.stages.train.patches.switches) and report it"
+                )
+            if keys is None:
+                keys = key_states.new_zeros((*key_states.shape[:-2], total, key_states.shape[-1]))
+                values = value_states.new_zeros((*value_states.shape[:-2], total, value_states.shape[-1]))
+            where = torch.arange(filled, filled + n, device=key_states.device)
+            keys = keys.index_copy(-2, where, key_states)
+            values = values.index_copy(-2, where, value_states)
+            self._eyrie_layers[layer_idx] = (keys, values, filled + n)
+            return keys, values
+
+    @torch.compiler.disable
+    def _build_attn_mask(self, doc_ids_1d, seq_len, device, sliding_window=None):
+        mask = build(self, doc_ids_1d, seq_len, device, sliding_window)
+        ttt = _STATE.get("ttt_steps")
+        size = getattr(mask, "BLOCK_SIZE", None)
+        if (
+            not isinstance(mask, BlockMask)
+            or not isinstance(ttt, int)
+            or ttt < 1
+            or size is None
+            or size[0] != size[1]
+            or seq_len % size[1]
+            or tuple(mask.seq_lengths) != (seq_len, seq_len)
+            or _STATE.get("total", 0) not in (0, ttt * seq_len)  # a second mask of another kind: none padded
+        ):
+            _STATE["total"] = None
+            _STATE["filled"] = {}
+            return mask
+        _STATE["total"] = ttt * seq_len
+        padded = _pad_mask(mask, ttt * (seq_len // size[1]))
+        _STATE["filled"][id(padded)] = (padded, seq_len // size[1])
+        return padded
+
+    @torch.compiler.disable
+    def extend_mask_for_draft_tokens(block_mask):
+        entry = _STATE.get("filled", {}).get(id(block_mask))
+        if entry is None or entry[0] is not block_mask:
+            return stock_extend(block_mask)
+        filled = entry[1]
+        kv_indices = block_mask.kv_indices
+        q_blocks, width = kv_indices.shape[-2], kv_indices.shape[-1]
+        if filled + q_blocks > width:  # the extension after the last step: its mask is never used
+            return block_mask
+        new_blocks = torch.arange(filled, filled + q_blocks, dtype=kv_indices.dtype, device=kv_indices.device)
+        kv_indices = kv_indices.clone()
+        kv_indices.scatter_(-1, block_mask.kv_num_blocks.unsqueeze(-1), new_blocks.reshape(1, 1, q_blocks, 1))
+        out = BlockMask.from_kv_blocks(
+            block_mask.kv_num_blocks + 1,
+            kv_indices,
+            block_mask.full_kv_num_blocks,
+            block_mask.full_kv_indices,
+            BLOCK_SIZE=block_mask.BLOCK_SIZE,
+            mask_mod=block_mask.mask_mod,
+            seq_lengths=block_mask.seq_lengths,
+        )
+        _STATE["filled"][id(out)] = (out, filled + q_blocks)
+        return out
+
+    def forward(self, *args, **kwargs):
+        ttt = args[ttt_position] if len(args) > ttt_position else kwargs.get("ttt_steps", ttt_default)
+        _STATE.update(ttt_steps=ttt, total=0, filled={})
+        try:
+            return stock_forward(self, *args, **kwargs)
+        finally:
+            _STATE.update(ttt_steps=None, total=None, filled={})
+
+    build = stock_build
+    forward._eyrie_one_kv_length = True  # type: ignore[attr-defined]
+    core.DynamicCache = FixedLengthCache
+    core.extend_mask_for_draft_tokens = extend_mask_for_draft_tokens
+    core.Eagle3DraftModel._build_attn_mask = _build_attn_mask
+    core.Eagle3DraftModel.forward = forward
