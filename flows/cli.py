@@ -16,10 +16,18 @@ def _run(args) -> int:
 
     config = load_config(args.config)  # a bad config fails here, before Prefect starts
     run_dir = args.run_dir or f"runs/{config.name}"
-    from flows.pipeline import pipeline_flow
+    from flows import finished
 
-    outputs = pipeline_flow(config=config, run_dir=run_dir, until=args.until)
-    print(f"\nEyrie run complete (through {args.until}). Outputs:")
+    # Nothing changed since the run that finished this folder: its outputs, without Prefect (flows/finished.py).
+    outputs = None if args.always_flow else finished.finished_outputs(config, run_dir, args.until)
+    if outputs is not None:
+        print(f"\nNothing to do: {run_dir} finished (through {args.until}) and nothing changed since. Outputs:")
+    else:
+        from flows.pipeline import pipeline_flow
+
+        outputs = pipeline_flow(config=config, run_dir=run_dir, until=args.until)
+        finished.record(config, run_dir, args.until, outputs)
+        print(f"\nEyrie run complete (through {args.until}). Outputs:")
     for k, v in outputs.items():
         print(f"  {k:<14} {v}")
     return 0
@@ -81,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--run-dir")
     r.add_argument(
         "--until", choices=UNTIL, default="evaluate", help="stop after this stage (default: the whole pipeline)"
+    )
+    r.add_argument(
+        "--always-flow",
+        action="store_true",
+        help="run the Prefect flow even when the folder finished and nothing changed since (it then reuses every "
+        "stage by its key)",
     )
     r.set_defaults(func=_run)
     c = sub.add_parser("preflight", help="run only the checks (no weights load)")

@@ -1,0 +1,110 @@
+"""`eyrie run`'s "nothing to do" fast path (flows/finished.py): it fires only when nothing any stage could read
+changed since the run that finished the folder; any change to the config, `--until`, a file a config value names,
+the run folder, the code or the environment makes the flow run. In-process, no Prefect."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+
+from eyrie.config import load_config
+from eyrie.run.folder import LOCK, RunFolder
+from flows import finished
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OUTPUTS = {"run_dir": "x", "drafter": "x/export/drafter", "acceptance_length": 2.5, "warnings": []}
+
+
+@pytest.fixture
+def done(tmp_path, monkeypatch):
+    """A demo config on its own data and target folder copies, and a run folder a (pretend) flow finished."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("{}")
+    shutil.copy(os.path.join(ROOT, "eyrie/data/demo_chat.jsonl"), tmp_path / "data.jsonl")
+    config = load_config(os.path.join(ROOT, "configs/demo.yaml"))
+    config = config.model_copy(
+        update={
+            "target": config.target.model_copy(update={"model": "target"}),
+            "data": config.data.model_copy(update={"source": "data.jsonl"}),
+        }
+    )
+    run = tmp_path / "run"
+    (run / "prepare").mkdir(parents=True)
+    (run / "prepare" / "manifest.json").write_text('{"key": "k"}')
+    with RunFolder(str(run)).lock():  # what the flow holds, in this process
+        pass
+    assert finished.record(config, str(run), "evaluate", OUTPUTS)
+    return config, run
+
+
+def test_fires_when_nothing_changed(done):
+    config, run = done
+    assert finished.finished_outputs(config, str(run), "evaluate") == OUTPUTS
+    assert finished.finished_outputs(config, str(run), "evaluate") == OUTPUTS  # checking changes nothing
+
+
+def test_any_config_field_or_until_turns_it_off(done):
+    config, run = done
+    changed = config.model_copy(update={"data": config.data.model_copy(update={"max_length": 128})})
+    assert finished.finished_outputs(changed, str(run), "evaluate") is None
+    changed = config.model_copy(update={"train": config.train.model_copy(update={"log_every_steps": 7})})
+    assert finished.finished_outputs(changed, str(run), "evaluate") is None
+    assert finished.finished_outputs(config, str(run), "train") is None
+    assert finished.finished_outputs(config, str(run), "evaluate") == OUTPUTS  # the record itself is kept
+
+
+def test_files_it_names_and_the_run_folder_turn_it_off(done):
+    config, run = done
+    data = run.parent / "data.jsonl"
+    text = data.read_text()
+    with open(data, "r+") as f:  # the same size, the same inode: a rewrite in place
+        f.write(text.replace("apple", "appel", 1))
+    assert finished.finished_outputs(config, str(run), "evaluate") is None
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda run: (run / "prepare" / "manifest.json").unlink(),  # `eyrie verify` removed a damaged stage
+        lambda run: (run / "prepare" / "extra.bin").write_bytes(b"1"),
+        lambda run: (run.parent / "target" / "config.json").write_text('{"a": 1}'),  # the target's files
+    ],
+)
+def test_a_change_on_disk_turns_it_off(done, change):
+    config, run = done
+    change(run)
+    assert finished.finished_outputs(config, str(run), "evaluate") is None
+
+
+def test_the_environment_turns_it_off(done, monkeypatch):
+    config, run = done
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "TORCH_SDPA")
+    assert finished.finished_outputs(config, str(run), "evaluate") is None
+
+
+def test_no_record_after_another_holder_or_for_hub_inputs(done):
+    config, run = done
+    (run / LOCK).write_text("pid 1 on elsewhere\n")  # another run held the folder after our flow
+    assert not finished.record(config, str(run), "evaluate", OUTPUTS)
+    assert finished.finished_outputs(config, str(run), "evaluate") is None  # the old record went too
+    with RunFolder(str(run)).lock():
+        pass
+    hub = config.model_copy(update={"target": config.target.model_copy(update={"model": "org/model"})})
+    assert finished.state(hub, str(run), "evaluate") is None  # a moving revision: the flow pins it
+    assert not finished.record(hub, str(run), "evaluate", OUTPUTS)
+
+
+def test_the_fast_path_imports_no_prefect_or_torch():
+    import subprocess
+
+    code = (
+        "import sys; from flows import finished; from eyrie.config import load_config; "
+        "finished.finished_outputs(load_config('configs/demo.yaml'), 'runs/none-such', 'evaluate'); "
+        "print([m for m in ('prefect', 'torch', 'transformers', 'vllm') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
