@@ -45,23 +45,29 @@ _CODE = ("eyrie", "tasks", "flows")
 
 
 def _stat(path: Path) -> list:
-    st = path.lstat()
-    if path.is_dir() and not path.is_symlink():
-        return [st.st_mode]  # what a folder holds is its entries, listed each (its mtime moves with any lock file)
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_mode]
+    """A file by size, mtime, ctime and inode, of what it points at (a link: also where it points; a weight file
+    linked from elsewhere is rewritten there)."""
+    link = [os.readlink(path)] if path.is_symlink() else []
+    try:
+        st = path.stat()
+    except OSError:
+        return ["unreadable", *link]
+    if path.is_dir():
+        return [st.st_mode, *link]  # a folder is what it holds, each entry listed (its mtime moves with a lock file)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_mode, *link]
 
 
 def _tree(root: Path, skip: frozenset[str] = frozenset()) -> list:
-    """`root` and, for a folder, everything under it (links not followed), by relative path and stat."""
-    if not root.is_dir():
-        return [[".", *_stat(root)]]
+    """`root` and, for a folder, everything under it (links followed), by relative path and stat."""
     out = [[".", *_stat(root)]]
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
+    if not root.is_dir():
+        return out
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
         for name in sorted(dirnames + filenames):
             p = Path(dirpath, name)
             rel = str(p.relative_to(root))
-            if rel in skip or p.name == "__pycache__" or "__pycache__" in p.parts or p.suffix == ".pyc":
+            if rel in skip or p.suffix == ".pyc":
                 continue
             out.append([rel, *_stat(p)])
     return out

@@ -35,6 +35,7 @@ def done(tmp_path, monkeypatch):
     run = tmp_path / "run"
     (run / "prepare").mkdir(parents=True)
     (run / "prepare" / "manifest.json").write_text('{"key": "k"}')
+    _linked_weights(run)
     with RunFolder(str(run)).lock():  # what the flow holds, in this process
         pass
     assert finished.record(config, str(run), "evaluate", OUTPUTS)
@@ -66,12 +67,22 @@ def test_files_it_names_and_the_run_folder_turn_it_off(done):
     assert finished.finished_outputs(config, str(run), "evaluate") is None
 
 
+def _linked_weights(run, rewrite=False):
+    elsewhere = run.parent / "elsewhere.safetensors"
+    if rewrite:
+        elsewhere.write_bytes(b"new weights!")  # the same size, in place
+    else:
+        elsewhere.write_bytes(b"old weights!")
+        (run.parent / "target" / "model.safetensors").symlink_to(elsewhere)
+
+
 @pytest.mark.parametrize(
     "change",
     [
         lambda run: (run / "prepare" / "manifest.json").unlink(),  # `eyrie verify` removed a damaged stage
         lambda run: (run / "prepare" / "extra.bin").write_bytes(b"1"),
         lambda run: (run.parent / "target" / "config.json").write_text('{"a": 1}'),  # the target's files
+        lambda run: _linked_weights(run, rewrite=True),  # a weight file linked from elsewhere, rewritten there
     ],
 )
 def test_a_change_on_disk_turns_it_off(done, change):
