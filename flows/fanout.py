@@ -14,13 +14,23 @@ prepare), once, under the run folder's lock, which it holds until every node is 
 it writes itself (flows/shares.py): a share that outlives a dead parent still keeps every pipeline run, extraction
 and retried fan-out off the folder until it ends, and a share whose parent is no longer running does not start.
 
+Then, with `until` past extract (the default: evaluate), the rest of the pipeline runs on the first node in `queues`
+as one run of the pipeline's deployment (`eyrie-pipeline/production`, on that node's queue): the parent releases the
+run folder's lock once every node's process has let go of its share, and waits for that run. The pipeline finds
+prepare, regeneration and extraction done in the run folder (their keys and manifests; it starts no server for them)
+and trains on that node with `train.devices` GPUs, exports and evaluates (and promotes). The parent fails when that
+run does not complete, naming it and its state. Cancelling the parent cancels the node runs it started that are
+still going (`cancel_node_runs`).
+
 The parent runs from a queue of its own (`control`): on a GPU node's queue it would hold that node's only slot while
 waiting for the node's share.
 """
 
 from __future__ import annotations
 
+import fcntl
 import time
+from typing import Literal
 
 from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
@@ -28,7 +38,7 @@ from prefect.deployments import run_deployment
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import ExtractionError, EyrieError, RegenerationError
-from eyrie.run.folder import RunFolder
+from eyrie.run.folder import SHARES_LOCK, RunFolder
 from eyrie.stages.extract import ExtractionPlan
 from eyrie.stages.preflight import PreflightReport
 from eyrie.stages.prepare import load_shards
@@ -39,7 +49,9 @@ from tasks.preflight import preflight_task
 
 NODE_DEPLOYMENT = "eyrie-extract/node"
 REGENERATE_NODE_DEPLOYMENT = "eyrie-regenerate/node"
+PIPELINE_DEPLOYMENT = "eyrie-pipeline/production"
 POLL_S = 5.0
+SHARES_RELEASE_S = 120.0  # how long a finished node's process may take to exit (and let go of its share's locks)
 
 
 def split_shards(names: list[str], queues: list[str]) -> dict[str, list[str]]:
@@ -47,29 +59,61 @@ def split_shards(names: list[str], queues: list[str]) -> dict[str, list[str]]:
     return {q: names[i :: len(queues)] for i, q in enumerate(queues) if names[i :: len(queues)]}
 
 
-@flow(name="eyrie-extract-fanout")
+def cancel_node_runs(flow, flow_run, state) -> None:
+    """on_cancellation: the node runs (and the pipeline run) this fan-out started that are not final yet are set
+    Cancelling, so their workers stop them (their own hooks stop their servers and trainers)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.logging.loggers import flow_run_logger
+    from prefect.states import Cancelling
+
+    log = flow_run_logger(flow_run)
+    with get_client(sync_client=True) as client:
+        kids = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run.id]))
+        )
+        for kid in kids:
+            if kid.state is None or kid.state.is_final() or kid.state.is_cancelling():
+                continue
+            client.set_flow_run_state(kid.id, Cancelling(message=f"its fan-out parent {flow_run.name} was cancelled"))
+            log.info(f"cancelling {kid.name} ({kid.id}), {kid.state.name} on queue {kid.work_queue_name}")
+
+
+@flow(name="eyrie-extract-fanout", on_cancellation=[cancel_node_runs])
 def extract_fanout_flow(
     config: PipelineConfig,
     run_dir: str,
     queues: list[str],
+    until: Literal["extract", "train", "evaluate"] = "evaluate",
     deployment: str = NODE_DEPLOYMENT,
     regenerate_deployment: str = REGENERATE_NODE_DEPLOYMENT,
+    pipeline_deployment: str = PIPELINE_DEPLOYMENT,
 ) -> dict:
     """Regenerate (with regenerate.enabled) and extract `run_dir`'s pending shards on the nodes behind `queues` (one
-    work queue per node), and check that every shard is complete. `run_dir` must be on storage every node mounts at
-    the same path. Each node's server serves both stages: its regeneration share leaves it up, its extraction share
-    (an empty one if no shard is left for it) reuses and stops it."""
+    work queue per node), and check that every shard is complete; then, with `until` past extract, run the pipeline
+    up to `until` on the first node (`pipeline_deployment` on `queues[0]`): train, export, evaluate. `run_dir` must
+    be on storage every node mounts at the same path. Each node's server serves both stages: its regeneration share
+    leaves it up, its extraction share (an empty one if no shard is left for it) reuses and stops it."""
     log = get_run_logger()
     if not queues or len(set(queues)) != len(queues):
         raise ExtractionError(f"queues {queues}: name each node's work queue once")
     run = RunFolder(run_dir)
     run.ensure()
+    serve = until == "evaluate"
     with run.lock() as held:
         # The pipeline's own opening: the nodes get the config with its hub revisions pinned, so they key their
-        # shards as the pipeline does.
-        opened = open_run(config, run)
+        # shards as the pipeline does. With `serve`, preflight checks export and evaluation too, before any node
+        # spends GPU hours.
+        opened = open_run(config, run, serve=serve)
         config, report = opened.config, opened.report
+        if serve and not opened.prepared["stats"]["rows_eval"]:
+            raise EyrieError(
+                f"no held-out conversations to evaluate on ({opened.prepared['stats']['rows_read']} rows read, "
+                f"data.eval_fraction {config.data.eval_fraction}): raise data.eval_fraction, or pass "
+                "until=train or until=extract"
+            )
         _check_queues(deployment, queues, log)
+        if until != "extract":
+            _check_queues(pipeline_deployment, queues[:1], log)
         # The nodes lock what they write themselves (flows/shares.py): a node outlives this process if it dies, and
         # then keeps every other run off the folder until it ends. Opened: let them in.
         held.admit_shares()
@@ -86,7 +130,7 @@ def extract_fanout_flow(
             # Read again now the shards ran: the assembly's key counts the rows they lost.
             regenerated = assemble(config, run, RegenerationPlan(config, run, PreflightReport(**report)))
             # The disk check again, on the regenerated data's length (seconds; nothing loads).
-            report = preflight_task(config, str(run.root), tokens=regenerated["stats"]["tokens"])
+            report = preflight_task(config, str(run.root), tokens=regenerated["stats"]["tokens"], serve=serve)
         plan = ExtractionPlan(config, run, PreflightReport(**report), load_shards(extraction_source(run, config)))
         rehash = config.extraction.verify_checksums
         shares = split_shards([s.name for s in plan.pending(rehash)], queues)
@@ -102,13 +146,35 @@ def extract_fanout_flow(
                 f"({', '.join(missing[:10])}): is {run.root} the same shared folder on every node?"
             )
         nodes["extract"] = _node_outcomes(finished, shares)
-    return {
+        if until != "extract":
+            # A node's run is final before its process exits and lets go of its share's locks; the pipeline run
+            # would find the folder in use.
+            _wait_shares_released(run, log)
+    outcome = {
         "run_dir": str(run.root),
         "shards": len(plan.shards),
         "hidden_states": str(run.hidden_states),
         "nodes": nodes["extract"],
         **({"regenerate_nodes": nodes["regenerate"]} if "regenerate" in nodes else {}),
     }
+    if until == "extract":
+        return outcome
+    # The rest on the first node, under the pipeline's own lock: it finds every stage so far done.
+    log.info(f"train, export, evaluate (until {until}) on {queues[0]}")
+    child = run_deployment(
+        pipeline_deployment,
+        parameters={"config": config.model_dump(mode="json"), "run_dir": str(run.root), "until": until},
+        work_queue_name=queues[0],
+        flow_run_name=f"{config.name}-pipeline-{queues[0]}",
+        timeout=0,
+    )
+    done = _wait({queues[0]: child}, log)[queues[0]]
+    if not done.state.is_completed():
+        raise EyrieError(
+            f"the pipeline run {done.name} ({done.id}) on queue {queues[0]} did not complete: {done.state.name}: "
+            f"{done.state.message}. Retry this flow run: the finished stages are served from the run folder"
+        )
+    return {**outcome, "pipeline": {"flow_run": str(done.id), "queue": queues[0], "until": until}}
 
 
 def _fan_out(deployment: str, stage: str, shares: dict[str, list[str]], params: dict, log) -> dict:
@@ -163,6 +229,25 @@ def _check_queues(deployment: str, queues: list[str], log) -> None:
     for q in queues:
         if known[q].status is None or known[q].status.value != "READY":
             log.warning(f"no worker has polled queue {q} lately ({known[q].status}): its share waits until one does")
+
+
+def _wait_shares_released(run: RunFolder, log, timeout_s: float = SHARES_RELEASE_S) -> None:
+    """Until no node's process holds a share lock of `run` (the run folder's lock, held, admits them)."""
+    deadline = time.monotonic() + timeout_s
+    with open(run.root / SHARES_LOCK, "a+") as f:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(f, fcntl.LOCK_UN)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise ExtractionError(
+                        f"every node run is final, yet a node's process still holds a share of {run.root} after "
+                        f"{timeout_s:.0f}s: find it with `fuser {run.root / SHARES_LOCK}` and let it end, then "
+                        "retry this flow run"
+                    ) from None
+                time.sleep(0.5)
 
 
 def _wait(children: dict, log) -> dict:

@@ -11,7 +11,8 @@ vLLM's CPU build).
 - Two GPU nodes (two workers, two queues of the pool `eyrie-gpu`, whose limit of 2 lets them run side by side, one
   shared run folder): the fan-out parent, from the pool `eyrie-control`, splits the regeneration shards, then the
   extraction shards, over them; each node loads its vLLM server once for both stages. Node 2's process dies
-  mid-share: the parent's retry sends out only the shards it left.
+  mid-share: the parent's retry sends out only the shards it left, then runs the pipeline deployment on node 1,
+  which finds regeneration and extraction done (no server for them) and trains, exports and evaluates.
 - A flow run cancelled through the API stops its server and its trainer; a crashed one keeps its server.
 """
 
@@ -430,11 +431,12 @@ def shard_task_states(prod: Production, flow_run_id, stage: str, expected: set[s
         time.sleep(1)
 
 
-def test_fanout_regenerates_and_extracts_over_two_nodes_a_dead_nodes_shards_retried_alone(prod, tiny_llama, tmp_path):
+def test_fanout_runs_the_pipeline_over_two_nodes_a_dead_nodes_shards_retried_alone(prod, tiny_llama, tmp_path):
     """Regeneration and extraction spread over two nodes, each node's target loaded once for both stages. Node 2's
     flow process dies mid-share (SIGKILL, by fault point): the parent fails naming its shards; the UI's Retry of the
     parent sends out only the shards it left unfinished, and the nodes' servers (kept up, node 2's outliving its
-    process) are reused."""
+    process) are reused. Then the parent runs the pipeline deployment on node 1: it regenerates and extracts
+    nothing (no server for them), trains (1 epoch), exports and evaluates; the parent reports its outcome."""
     from prefect.client.schemas.objects import StateType
     from prefect.client.schemas.responses import SetStateStatus
     from prefect.states import State
@@ -456,6 +458,9 @@ def test_fanout_regenerates_and_extracts_over_two_nodes_a_dead_nodes_shards_retr
         layer_ids=LAYERS,
         name="fanout",
         regenerate={"enabled": True, "concurrency": 4, "max_tokens": 16},
+        data={"eval_fraction": 0.25},  # a few held-out prompts beside the 16 training rows
+        train={"epochs": 1},
+        evaluate={"num_prompts": 2, "max_tokens": 16},
     )
     created = create_run(
         prod, FANOUT, {"config": config.model_dump(mode="json"), "run_dir": str(run), "queues": list(nodes)}
@@ -497,13 +502,14 @@ def test_fanout_regenerates_and_extracts_over_two_nodes_a_dead_nodes_shards_retr
     )
     assert result.status == SetStateStatus.ACCEPT, result
     t1 = time.monotonic()
-    parent = wait_final(prod, created.id)
+    parent = wait_final(prod, created.id, timeout_s=900)  # the retry goes on through train and evaluate
     t_retry = time.monotonic() - t1
     assert parent.state.type == StateType.COMPLETED, f"{parent.state}\n{prod.logs()}"
     kids2 = [k for k in children(prod, created.id) if k.id not in {k1.id for k1 in kids1}]
     regen2 = [k for k in kids2 if k.name.startswith("fanout-regenerate-")]
     extract = [k for k in kids2 if k.name.startswith("fanout-extract-")]
-    assert len(regen2) + len(extract) == len(kids2)
+    (pipeline,) = [k for k in kids2 if k.name.startswith("fanout-pipeline-")]
+    assert len(regen2) + len(extract) + 1 == len(kids2)
     # The retry regenerated only what node 2 left unfinished.
     retried = [s for k in regen2 for s in k.parameters["shards"]]
     assert sorted(retried) == sorted(left), (retried, left)
@@ -529,9 +535,32 @@ def test_fanout_regenerates_and_extracts_over_two_nodes_a_dead_nodes_shards_retr
     assert (run / "regenerate" / "manifest.json").exists()
     assert sorted(p.stem for p in rf.shard_manifests.glob("*.json")) == sorted(a | b)
     n = check_samples(run, "regenerate")
+    # The rest of the pipeline: one run of the pipeline's deployment on the first node, after every share ended.
+    assert pipeline.state.type == StateType.COMPLETED, pipeline.state
+    assert pipeline.deployment_id == _api(prod, lambda c: c.read_deployment_by_name(PIPELINE)).id
+    assert pipeline.work_queue_name == "gpu-node-1" and pipeline.parameters["until"] == "evaluate"
+    assert pipeline.start_time >= max(k.end_time for k in regen2 + extract)
+    assert parent.state.is_completed() and parent.end_time >= pipeline.end_time
+    # It found regeneration and extraction done: it started no server for them (none in the single-node folder,
+    # still one start per node), ran no shard and rewrote nothing they had written.
+    assert not (run / "extract" / "server.log").exists()
+    assert all(starts(folder) == 1 for folder in nodes.values())
+    for sub in children(prod, pipeline.id):
+        for stage in ("regenerate", "extract"):
+            assert shard_task_states(prod, sub.id, stage, set()) == {}, (sub.name, stage)
+    started = pipeline.start_time.timestamp()
+    written = [*(run / "regenerate").glob("shards/*.json"), run / "regenerate" / "manifest.json"]
+    written += [*rf.shard_manifests.glob("*.json"), *rf.hidden_states.iterdir()]
+    assert [p.name for p in written if p.stat().st_mtime >= started] == []
+    for done_file in ("train/manifest.json", "export/manifest.json", "evaluate/trained.json"):
+        assert (run / done_file).stat().st_mtime >= started, done_file
+    trained = json.loads((run / "evaluate" / "trained.json").read_text())
+    t_pipeline = (pipeline.end_time - pipeline.start_time).total_seconds()
     print(
-        f"\nfan-out over 2 nodes: failed run {t_first:.0f}s, retry {t_retry:.0f}s; node 2 left {sorted(left)}; "
-        f"extraction shares {dict((q, sorted(s)) for q, s in shares.items())}; {n} samples"
+        f"\nfan-out over 2 nodes: failed run {t_first:.0f}s, retry {t_retry:.0f}s (of which the pipeline run on "
+        f"node 1 {t_pipeline:.0f}s); node 2 left {sorted(left)}; "
+        f"extraction shares {dict((q, sorted(s)) for q, s in shares.items())}; {n} samples; "
+        f"trained drafter's acceptance length {trained['acceptance_length']}"
     )
 
 
