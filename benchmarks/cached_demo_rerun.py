@@ -4,11 +4,14 @@ Times, each in a fresh process (as `make demo` runs them), with the demo config 
 
 - the import floor: `import flows.cli, flows.pipeline` (what `eyrie run` imports before its first step; no vLLM);
 - vLLM's import, for reference (what preflight paid on every run before its verdict was a keyed result);
+- the cached re-run through the Prefect flow (`--always-flow`, every stage reused by its key; this also records
+  the state the fast path checks), for reference;
 - the cached re-run: `eyrie run --config ... --run-dir ...` on a run folder a first run finished (run it first, or
   pass --first to run it here and time it), with whether vLLM was imported and where the time went (the flow's
   start, i.e. Prefect's temporary server, from the first log line).
 
-Prints a table and the ratio cached re-run / import floor; writes `benchmarks/results/cached-demo-rerun-<date>.json`.
+Prints a table and the ratio cached re-run / import floor; writes
+`benchmarks/results/cached-demo-rerun-<UTC time>.json`.
 
     .venv/bin/python benchmarks/cached_demo_rerun.py                       # runs/demo, made by `make demo`
     .venv/bin/python benchmarks/cached_demo_rerun.py --first --repeats 3   # the first run too
@@ -52,10 +55,13 @@ def timed(args: list[str], env: dict[str, str]) -> tuple[float, str]:
     return wall, out.stdout + out.stderr
 
 
-def run_once(config: str, run_dir: str, env: dict[str, str]) -> dict:
-    wall, text = timed([sys.executable, "-c", RUN, "run", "--config", config, "--run-dir", run_dir], env)
+def run_once(config: str, run_dir: str, env: dict[str, str], always_flow: bool = False) -> dict:
+    extra = ["--always-flow"] if always_flow else []
+    wall, text = timed([sys.executable, "-c", RUN, "run", "--config", config, "--run-dir", run_dir, *extra], env)
     line = next(ln for ln in reversed(text.splitlines()) if ln.startswith("EYRIE-BENCH "))
-    return {"wall_s": wall, **json.loads(line.removeprefix("EYRIE-BENCH "))}
+    # The "nothing to do" fast path (flows/finished.py): no Prefect flow, no temporary server.
+    fast = any(ln.startswith("Nothing to do:") for ln in text.splitlines())
+    return {"wall_s": wall, "fast_path": fast, **json.loads(line.removeprefix("EYRIE-BENCH "))}
 
 
 def main() -> None:
@@ -64,6 +70,12 @@ def main() -> None:
     p.add_argument("--run-dir", default="runs/demo")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--first", action="store_true", help="run (and time) the first run here")
+    p.add_argument(
+        "--flow-repeats",
+        type=int,
+        default=1,
+        help="cached re-runs through the Prefect flow too (--always-flow: each stage reused by its key), for reference",
+    )
     args = p.parse_args()
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     py = sys.executable
@@ -74,11 +86,14 @@ def main() -> None:
         print(f"first run: {results['first_run']['wall_s']:.1f} s")
     floor = [timed([py, "-c", "import flows.cli, flows.pipeline"], env)[0] for _ in range(args.repeats)]
     vllm = [timed([py, "-c", "import vllm"], env)[0] for _ in range(args.repeats)]
+    # Through the flow first: it also writes the record the fast path checks (a first run made before it had none).
+    flowed = [run_once(args.config, args.run_dir, env, always_flow=True) for _ in range(args.flow_repeats)]
     cached = [run_once(args.config, args.run_dir, env) for _ in range(args.repeats)]
     results.update(
         import_floor_s=floor,
         vllm_import_s=vllm,
         cached_runs=cached,
+        flow_runs=flowed,
         ratio=statistics.median(c["wall_s"] for c in cached) / statistics.median(floor),
     )
     rows = [
@@ -86,13 +101,20 @@ def main() -> None:
         ("import vllm (reference)", statistics.median(vllm)),
         ("cached re-run, wall", statistics.median(c["wall_s"] for c in cached)),
         ("  of which its imports", statistics.median(c["imports_s"] for c in cached)),
+        *(
+            [("cached re-run through the flow (--always-flow)", statistics.median(c["wall_s"] for c in flowed))]
+            if flowed
+            else []
+        ),
     ]
     print(f"{'':<44}{'median s':>10}   (of {args.repeats})")
     for name, value in rows:
         print(f"{name:<44}{value:>10.1f}")
     print(f"vLLM imported by a cached re-run: {any(c['vllm'] for c in cached)}")
+    print(f"fast path (nothing to do, no Prefect) taken: {sum(c['fast_path'] for c in cached)} of {len(cached)}")
     print(f"ratio cached re-run / import floor: {results['ratio']:.2f}")
-    out = ROOT / "benchmarks" / "results" / f"cached-demo-rerun-{datetime.date.today().isoformat()}.json"
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H%M%S")  # one file per measurement
+    out = ROOT / "benchmarks" / "results" / f"cached-demo-rerun-{stamp}.json"
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out.relative_to(ROOT)}")
 
