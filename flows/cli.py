@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,7 +20,8 @@ def _run(args) -> int:
     from flows import finished
 
     # Nothing changed since the run that finished this folder: its outputs, without Prefect (flows/finished.py).
-    outputs = None if args.always_flow else finished.finished_outputs(config, run_dir, args.until)
+    always_flow = args.always_flow or os.environ.get("EYRIE_ALWAYS_FLOW") == "1"
+    outputs = None if always_flow else finished.finished_outputs(config, run_dir, args.until)
     if outputs is not None:
         print(f"\nNothing to do: {run_dir} finished (through {args.until}) and nothing changed since. Outputs:")
     else:
@@ -94,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--always-flow",
         action="store_true",
         help="run the Prefect flow even when the folder finished and nothing changed since (it then reuses every "
-        "stage by its key)",
+        "stage by its key); also EYRIE_ALWAYS_FLOW=1",
     )
     r.set_defaults(func=_run)
     c = sub.add_parser("preflight", help="run only the checks (no weights load)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +120,42 @@ def test_the_fast_path_imports_no_prefect_or_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_eyrie_run_takes_it_only_while_nothing_changed(tmp_path, monkeypatch, capsys):
+    """The command's wiring, with a stand-in for the flow (counting its runs): the second run prints the outputs
+    without the flow; a config field edited, --always-flow or EYRIE_ALWAYS_FLOW=1, and the flow runs again."""
+    import types
+
+    import yaml
+
+    from flows.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("{}")
+    shutil.copy(os.path.join(ROOT, "eyrie/data/demo_chat.jsonl"), tmp_path / "data.jsonl")
+    raw = yaml.safe_load(open(os.path.join(ROOT, "configs/demo.yaml")))
+    raw["target"]["model"], raw["data"]["source"] = "target", "data.jsonl"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    flows_run = []
+
+    def pipeline_flow(config, run_dir, until):
+        with RunFolder(run_dir).lock():
+            (Path(run_dir) / "done.txt").write_text(str(config.data.max_length))
+        flows_run.append(config.data.max_length)
+        return dict(OUTPUTS, run_dir=run_dir)
+
+    monkeypatch.setitem(sys.modules, "flows.pipeline", types.SimpleNamespace(pipeline_flow=pipeline_flow))
+    argv = ["run", "--config", str(cfg), "--run-dir", "run"]
+    assert main(argv) == 0 and flows_run == [256]
+    assert main(argv) == 0 and flows_run == [256]
+    assert "Nothing to do: run finished" in capsys.readouterr().out
+    raw["data"]["max_length"] = 128
+    cfg.write_text(yaml.safe_dump(raw))
+    assert main(argv) == 0 and flows_run == [256, 128]
+    assert main(argv) == 0 and flows_run == [256, 128]
+    assert main([*argv, "--always-flow"]) == 0 and flows_run == [256, 128, 128]
+    monkeypatch.setenv("EYRIE_ALWAYS_FLOW", "1")
+    assert main(argv) == 0 and flows_run == [256, 128, 128, 128]
