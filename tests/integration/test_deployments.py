@@ -468,3 +468,51 @@ def test_a_notification_block_that_does_not_exist_is_refused_with_how_to_make_it
     # Without a block, setup says a failed run reaches no one (and still succeeds).
     proc = _setup_process(prefect_server, "--no-deploy")
     assert proc.returncode == 0 and NO_NOTIFY_WARNING in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_cancelling_the_fanout_parent_cancels_the_node_runs_it_started(prefect_server):
+    """The fan-out's on_cancellation hook sets every run it started (node shares, the pipeline run) that is not final
+    Cancelling, so their workers stop them; finished ones keep their state, runs of other parents are left alone.
+    (The server's own services are off here: what changes, the hook changed.)"""
+    from prefect import task
+    from prefect.client.schemas.objects import StateType
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+    from prefect.states import Cancelled, Completed, Running, Scheduled
+
+    from flows.fanout import cancel_node_runs, extract_fanout_flow
+
+    @task
+    def share():
+        pass
+
+    async def make(c):
+        parent = await c.create_flow_run(extract_fanout_flow, name="fanout-parent", state=Running())
+        other = await c.create_flow_run(extract_fanout_flow, name="other-parent", state=Running())
+        kids = {}
+        for name, state, of in (
+            ("running", Running(), parent),
+            ("queued", Scheduled(), parent),
+            ("done", Completed(), parent),
+            ("others", Running(), other),
+        ):
+            tr = await c.create_task_run(share, flow_run_id=of.id, dynamic_key=name)
+            kids[name] = await c.create_flow_run(extract_fanout_flow, name=name, parent_task_run_id=tr.id, state=state)
+        return await c.read_flow_run(parent.id), kids
+
+    async def states(c, kids):
+        return {name: (await c.read_flow_run(k.id)).state.type for name, k in kids.items()}
+
+    async def go(fn, *args):
+        async with _client(prefect_server) as c:
+            return await fn(c, *args)
+
+    parent, kids = asyncio.run(go(make))
+    with temporary_settings({PREFECT_API_URL: prefect_server.url, PREFECT_API_AUTH_STRING: prefect_server.auth}):
+        cancel_node_runs(extract_fanout_flow, parent, Cancelled())
+    assert asyncio.run(go(states, kids)) == {
+        "running": StateType.CANCELLING,
+        "queued": StateType.CANCELLED,  # not started yet: the server ends it at once (a worker has nothing to stop)
+        "done": StateType.COMPLETED,
+        "others": StateType.RUNNING,
+    }
