@@ -4,7 +4,7 @@ tens of seconds).
 
 It does not re-derive the stages' keys (that would be a second copy of the flow that could disagree with it). It
 proves that nothing any key could read changed at all, a superset of every key's inputs, taken when the run
-finished (`record`) and compared before the next one (`finished_outputs`):
+finished (`record`, each part by its sha256) and compared before the next one (`finished_outputs`):
 
 - the config as loaded (every field) and `--until`;
 - every file and folder a config value names (the target folder, the data, prompt files, the promotion folder...),
@@ -121,6 +121,14 @@ def state(config, run_dir: str, until: str) -> dict | None:
     }
 
 
+def digest(now: dict) -> dict:
+    """Each part of a state by its sha256: what the record keeps (a run folder of a million hidden-state files lists
+    in a small file, and no environment variable's value, a token say, is written to disk)."""
+    from eyrie.run.folder import sha256_json
+
+    return {part: sha256_json(value) for part, value in now.items()}
+
+
 def _lock_holder(run: Path) -> str:
     from eyrie.run.folder import LOCK
 
@@ -150,7 +158,7 @@ def record(config, run_dir: str, until: str, outputs: dict) -> bool:
             if now is None:
                 return False
             atomic_write_json(
-                run.root / RECORD, {"state": now, "outputs": json.loads(json.dumps(outputs, default=str))}
+                run.root / RECORD, {"state": digest(now), "outputs": json.loads(json.dumps(outputs, default=str))}
             )
     except RunFolderError:
         return False
@@ -172,7 +180,7 @@ def finished_outputs(config, run_dir: str, until: str) -> dict | None:
             except (OSError, ValueError):
                 return None
             now = state(config, run_dir, until)
-            if now is None or not isinstance(recorded, dict) or recorded.get("state") != json.loads(json.dumps(now)):
+            if now is None or not isinstance(recorded, dict) or recorded.get("state") != digest(now):
                 return None
             return recorded.get("outputs")
     except RunFolderError:

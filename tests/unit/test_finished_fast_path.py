@@ -92,8 +92,15 @@ def test_a_change_on_disk_turns_it_off(done, change):
     assert finished.finished_outputs(config, str(run), "evaluate") is None
 
 
-def test_the_environment_turns_it_off(done, monkeypatch):
+def test_the_environment_turns_it_off_and_is_not_written(done, monkeypatch):
     config, run = done
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    assert finished.finished_outputs(config, str(run), "evaluate") is None
+    with RunFolder(str(run)).lock():
+        pass
+    assert finished.record(config, str(run), "evaluate", OUTPUTS)
+    assert "hf_secret_value" not in (run / finished.RECORD).read_text()
+    assert finished.finished_outputs(config, str(run), "evaluate") == OUTPUTS
     monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "TORCH_SDPA")
     assert finished.finished_outputs(config, str(run), "evaluate") is None
 
@@ -131,6 +138,7 @@ def test_eyrie_run_takes_it_only_while_nothing_changed(tmp_path, monkeypatch, ca
 
     from flows.cli import main
 
+    monkeypatch.delenv("EYRIE_ALWAYS_FLOW", raising=False)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "target").mkdir()
     (tmp_path / "target" / "config.json").write_text("{}")
