@@ -288,7 +288,7 @@ def pytest_collection_modifyitems(session, config, items):
     Under pytest-xdist (`make test` runs two workers, `--dist loadfile`: a file's tests stay on one worker, in the
     order given here): the costliest first, e2e then integration then unit, so that the longest files start at
     once and the unit files fill the gaps at the end instead of a long file running alone last."""
-    if config.getoption("numprocesses", default=None):
+    if _WORKER:  # collection runs in the workers; the controller schedules in the order they collected
         items.sort(key=lambda item: (item.get_closest_marker("slow") is None, -_tier(item)))  # stable
     else:
         items.sort(key=lambda item: (item.get_closest_marker("slow") is not None, _tier(item)))  # stable
