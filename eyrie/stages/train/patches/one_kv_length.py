@@ -7,7 +7,8 @@ shapes differ, so Dynamo compiles the layer's attention frame, forward and backw
 first step from a cold compile cache on an H200 at Kimi-K2.5 width, three times the same kernels.
 
 Here every step sees keys of length ttt_steps * S: the cache is a buffer of that length, zero beyond what the steps
-so far wrote (written out of place, `index_copy`, so the tensors earlier steps saved for backward are untouched), and
+so far wrote (one concatenation of the steps' own keys and a slice of a zero tensor, so backward hands each step
+a view of the gradient and nothing earlier steps saved for backward is written), and
 the block mask has ttt_steps * S / BLOCK_SIZE block columns from the first step on, with the same blocks listed as
 speculators' mask (`kv_num_blocks`, `kv_indices`, and the full blocks): the columns past the filled length are never
 listed, so flex attention skips them and no query attends to a padded key. The attention output, loss and gradients
@@ -48,6 +49,26 @@ def _pad_mask(mask, width: int):
     )
 
 
+_ZEROS: dict = {}  # (shape, dtype, device) -> a zero tensor the pads are slices of (read, never written)
+
+
+def _padded(chunks: list, total: int):
+    """The steps' keys (or values) so far, then zeros, `total` positions long: one concatenation of the steps' own
+    tensors, so backward hands each step a view of the gradient (no copy chained from step to step)."""
+    import torch
+
+    last = chunks[-1]
+    pad = total - sum(c.shape[-2] for c in chunks)
+    if pad == 0:
+        return torch.cat(chunks, dim=-2)
+    key = (tuple(last.shape[:-2]), last.shape[-1], last.dtype, last.device)
+    zeros = _ZEROS.get(key)
+    if zeros is None or zeros.shape[-2] < pad:
+        _ZEROS.clear()  # one shape at a time: the trainer's
+        zeros = _ZEROS[key] = last.new_zeros((*last.shape[:-2], pad, last.shape[-1]))
+    return torch.cat([*chunks, zeros[..., :pad, :]], dim=-2)
+
+
 def _one_kv_length() -> None:
     """Installs the padded cache, mask builder and mask extension in speculators' EAGLE-3 core (once)."""
     import torch
@@ -76,21 +97,16 @@ def _one_kv_length() -> None:
             total = _STATE.get("total")
             if not total:  # this forward's mask is not padded: speculators' cache
                 return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-            keys, values, filled = self._eyrie_layers.get(layer_idx, (None, None, 0))
-            n = key_states.shape[-2]
-            if filled + n > total:
+            keys, values = self._eyrie_layers.setdefault(layer_idx, ([], []))
+            keys.append(key_states)
+            values.append(value_states)
+            filled = sum(k.shape[-2] for k in keys)
+            if filled > total:
                 raise RuntimeError(
-                    f"eyrie: the padded cache holds {total} positions but the TTT steps wrote {filled + n}; "
+                    f"eyrie: the padded cache holds {total} positions but the TTT steps wrote {filled}; "
                     "turn the ONE_KV_LENGTH switch off (eyrie.stages.train.patches.switches) and report it"
                 )
-            if keys is None:
-                keys = key_states.new_zeros((*key_states.shape[:-2], total, key_states.shape[-1]))
-                values = value_states.new_zeros((*value_states.shape[:-2], total, value_states.shape[-1]))
-            where = torch.arange(filled, filled + n, device=key_states.device)
-            keys = keys.index_copy(-2, where, key_states)
-            values = values.index_copy(-2, where, value_states)
-            self._eyrie_layers[layer_idx] = (keys, values, filled + n)
-            return keys, values
+            return _padded(keys, total), _padded(values, total)
 
     @torch.compiler.disable
     def _build_attn_mask(self, doc_ids_1d, seq_len, device, sliding_window=None):
