@@ -12,7 +12,8 @@ finished (`record`, each part by its sha256) and compared before the next one (`
   inode);
 - every file of the run folder (manifests, checkpoints, hidden states, pins, preflight's verdict...), the same way;
 - Eyrie's own files (eyrie/, tasks/, flows/), the installed distributions (each site-packages entry's name, which
-  carries its version), the Python interpreter, the working directory and the environment variables.
+  carries its version), the Python interpreter, the working directory and the environment variables that reach
+  Eyrie's libraries and children (`eyrie.run.environment`'s allow-list).
 
 A config value that names something on the hub, a URL or any other non-local thing (a string with a `/` that is no
 existing path) turns the fast path off: a moving revision must be pinned again by the flow. So does a record written
@@ -39,6 +40,7 @@ _VOLATILE_ENV = frozenset(
         "LINES",
         "TERM_SESSION_ID",
         "PYTEST_CURRENT_TEST",
+        "EYRIE_ALWAYS_FLOW",  # whether to take the fast path, not what a run computes
     }
 )
 _CODE = ("eyrie", "tasks", "flows")
@@ -97,6 +99,7 @@ def _installed() -> list:
 def state(config, run_dir: str, until: str) -> dict | None:
     """Everything the run's outputs could depend on (see the module's docstring); None when the fast path cannot
     vouch for it (a value naming something not local)."""
+    from eyrie.run.environment import child_environment
     from eyrie.run.folder import LOCK, SHARES_LOCK
 
     dump = config.model_dump(mode="json")
@@ -117,7 +120,9 @@ def state(config, run_dir: str, until: str) -> dict | None:
         "installed": _installed(),
         "python": [sys.executable, sys.version],
         "cwd": os.getcwd(),
-        "env": {k: v for k, v in sorted(os.environ.items()) if k not in _VOLATILE_ENV},
+        # What reaches Eyrie's libraries and its children (the allow-list of eyrie/run/environment.py, secrets
+        # left out): a new shell's SSH_CLIENT or DISPLAY changes no output, so it does not turn the fast path off.
+        "env": {k: v for k, v in sorted(child_environment().items()) if k not in _VOLATILE_ENV},
     }
 
 

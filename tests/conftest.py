@@ -46,6 +46,9 @@ TEST_ENV = {
     # importing torch and vLLM become one, about 15 s less per server start on 2 cores (some 20 starts a session).
     # The demo and production keep vLLM's defaults.
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # Re-runs go through the flow, whose log the tests read (Prefect's Cached states, the servers reused); the
+    # "nothing to do" fast path of `eyrie run` (flows/finished.py) is tested where it is named.
+    "EYRIE_ALWAYS_FLOW": "1",
 }
 VLLM_SERVER_ARGS = ["--distributed-executor-backend", "uni"]
 os.environ.update(TEST_ENV)

@@ -312,6 +312,15 @@ def test_rerun_of_finished_extraction_starts_no_vllm(resumed: Resumed):
     assert {p.name: file_ids(p) for p in sorted(hidden.iterdir())} == before
     assert {p.name: file_ids(p) for p in (run / "extract" / "shards").iterdir()} == manifests_before
 
+    # The same command as a user types it (the fast path on): nothing changed since the flow above recorded its
+    # finish, so its outputs are printed without Prefect (flows/finished.py), and nothing is touched.
+    env = {k: v for k, v in os.environ.items() if k != "EYRIE_ALWAYS_FLOW"}
+    fast = subprocess.run(flow_cmd(resumed.config, run), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert fast.returncode == 0 and "Nothing to do" in fast.stdout, _tail(fast.stdout + fast.stderr)
+    assert "Task run" not in fast.stdout + fast.stderr  # no Prefect flow ran
+    assert {p.name: file_ids(p) for p in sorted(hidden.iterdir())} == before
+    assert starts_in_log(run) == 1
+
 
 def test_speculators_training_loader_reads_the_output(resumed: Resumed):
     import torch

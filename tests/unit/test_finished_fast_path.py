@@ -93,15 +93,20 @@ def test_a_change_on_disk_turns_it_off(done, change):
 
 
 def test_the_environment_turns_it_off_and_is_not_written(done, monkeypatch):
+    """A variable that reaches Eyrie's libraries or children turns the fast path off; a new shell's own (no child
+    sees it) and a secret (never passed on, never written) do not."""
     config, run = done
+    monkeypatch.setenv("SSH_CLIENT", "10.0.0.9 51234 22")
     monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    assert finished.finished_outputs(config, str(run), "evaluate") == OUTPUTS
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "TORCH_SDPA")
     assert finished.finished_outputs(config, str(run), "evaluate") is None
     with RunFolder(str(run)).lock():
         pass
     assert finished.record(config, str(run), "evaluate", OUTPUTS)
     assert "hf_secret_value" not in (run / finished.RECORD).read_text()
     assert finished.finished_outputs(config, str(run), "evaluate") == OUTPUTS
-    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "TORCH_SDPA")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert finished.finished_outputs(config, str(run), "evaluate") is None
 
 
