@@ -37,7 +37,8 @@ CHECK_SOURCES = (
     "target/drafter.py",
     "target/hub.py",
     "target/labels.py",
-    "stages/evaluate.py",  # the chat-template variant warnings
+    "stages/evaluate/sets.py",  # the evaluation sets read
+    "stages/evaluate/variants.py",  # the chat-template variant warnings
     "vllm/spec.py",
     "vllm/plugin",
     "hidden_states/encoding.py",
