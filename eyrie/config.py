@@ -198,6 +198,14 @@ class TemperatureShare(_Section):
     weight: float = Field(gt=0, description="Its share of the conversations (weights need not sum to 1).")
 
 
+class TemplateShare(_Section):
+    variant: str = Field(
+        min_length=1,
+        description="The name of an `evaluate.template_variants` entry, or `default` (the template's own rendering).",
+    )
+    weight: float = Field(gt=0, description="Its share of the conversations (weights need not sum to 1).")
+
+
 class RegenerateConfig(_Section):
     """The target rewrites every assistant turn before extraction (on-policy data), on the extraction server."""
 
@@ -213,9 +221,18 @@ class RegenerateConfig(_Section):
         description="A per-conversation temperature mix instead of `temperature`: each conversation is answered "
         "at one of these temperatures, drawn by weight from a hash of `seed` and the conversation.",
     )
+    template_mix: list[TemplateShare] | None = Field(
+        None,
+        min_length=1,
+        description="A per-conversation mix of chat-template variants: each conversation is rendered with one "
+        "variant's `chat_template_kwargs` (as evaluation sends them), drawn by weight from a hash of `seed` and the "
+        "conversation; each row records its variant. Unset: the template's default rendering.",
+    )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (1: off), at temperatures above 0.")
     seed: int = Field(
-        0, description="Seeds the temperature draw and each request's sampling, so a re-run samples the same way."
+        0,
+        description="Seeds the temperature and template draws and each request's sampling, so a re-run samples "
+        "the same way.",
     )
     max_tokens: int = Field(
         2048,

@@ -106,6 +106,7 @@ STAGES: dict[str, Inputs] = {
             "data.max_length",
             "regenerate.temperature",
             "regenerate.temperature_mix",
+            "regenerate.template_mix",  # each conversation rendered with its variant's switches
             "regenerate.top_p",
             "regenerate.seed",
             "regenerate.max_tokens",

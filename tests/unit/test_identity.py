@@ -102,6 +102,7 @@ SPECIAL: dict[str, list] = {
     "evaluate.template_variants": [[{"name": "thinking", "chat_template_kwargs": {"enable_thinking": True}}]],
     "promotion.dir": ["/promoted"],
     "regenerate.temperature_mix": [[{"temperature": 0.5, "weight": 1.0}]],
+    "regenerate.template_mix": [[{"variant": "default", "weight": 1.0}]],
     "regenerate.temperature": [0.5],
     # one scheduling-only change (shapes the servers' identity only), one that changes what the target computes
     "extraction.server_args": [["--max-num-seqs", "4"], ["--kv-cache-dtype", "fp8"]],

@@ -34,16 +34,19 @@ Modules, one job each:
 
 from eyrie.stages.regenerate.assemble import assemble
 from eyrie.stages.regenerate.conversation import (
+    DEFAULT_VARIANT,
     Generation,
     Regenerated,
     TurnPlan,
     conversation_fingerprint,
     conversation_temperature,
+    conversation_variant,
     overlap,
     plan_turns,
     regenerate_conversation,
     request_seed,
     shared_tokenizer,
+    template_mix,
 )
 from eyrie.stages.regenerate.plan import RegenerationPlan, shard_key, stage_key
 from eyrie.stages.regenerate.shard import (
@@ -62,6 +65,7 @@ from eyrie.stages.regenerate.shard import (
 from eyrie.stages.regenerate.source import SOURCE_MARKER, extraction_source, record_extraction_source, stage_status
 
 __all__ = [
+    "DEFAULT_VARIANT",
     "Generation",
     "MAX_SERVER_ERROR_SHARE",
     "SERVER_LOSSES",
@@ -74,6 +78,7 @@ __all__ = [
     "assemble",
     "conversation_fingerprint",
     "conversation_temperature",
+    "conversation_variant",
     "extraction_source",
     "has_losses",
     "load_conversations",
@@ -91,4 +96,5 @@ __all__ = [
     "shared_tokenizer",
     "stage_key",
     "stage_status",
+    "template_mix",
 ]

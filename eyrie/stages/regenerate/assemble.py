@@ -32,6 +32,7 @@ def assemble(stage_dir: Path, prepare_dir: Path, shards: list[Shard], keys: dict
     totals: Counter = Counter()
     failed: Counter = Counter()
     temperatures: Counter = Counter()
+    row_variants: list[str] = []  # each dataset row's chat-template variant (regenerate.template_mix)
     examples: dict = {}
     dropped_capped = 0
     warnings: list[str] = []  # each shard's rows lost to server errors: they reach the run's warnings
@@ -60,6 +61,10 @@ def assemble(stage_dir: Path, prepare_dir: Path, shards: list[Shard], keys: dict
                 totals[k] += v
         failed.update(m["stats"]["failed"])
         temperatures.update(m["stats"].get("temperatures", {}))
+        if "template_variant" in table.column_names:
+            row_variants += table.column("template_variant").to_pylist()
+        else:  # written before template mixes: the template's own rendering
+            row_variants += ["default"] * n
         for reason, ex in m["stats"]["examples"].items():
             examples.setdefault(reason, f"{shard.name} {ex}")
         if lost := sum(m["stats"]["failed"].get(r, 0) for r in SERVER_LOSSES):
@@ -103,12 +108,19 @@ def assemble(stage_dir: Path, prepare_dir: Path, shards: list[Shard], keys: dict
         "failed": dict(sorted(failed.items())),
         "examples": examples,
         "temperatures": dict(sorted(temperatures.items())),
+        "template_variants": dict(sorted(Counter(row_variants).items())),  # of the rows used
     }
     stats["tokens"] = int(pc.sum(table.column("seq_len")).as_py())
     stats["loss_tokens"] = int(mask.sum())
     atomic_write_json(stage_dir / "shards.json", out_shards)
     atomic_write_json(stage_dir / "stats.json", stats)
-    files = list_files(stage_dir, [*files_under(stage_dir / "dataset"), stage_dir / "shards.json"])
+    listed = [*files_under(stage_dir / "dataset"), stage_dir / "shards.json"]
+    if getattr(cfg, "template_mix", None):
+        # The dataset keeps prepare's columns: each row's variant beside it, in its order, so the training data
+        # can be compared with evaluation per variant.
+        atomic_write_json(stage_dir / "template_variants.json", row_variants)
+        listed.append(stage_dir / "template_variants.json")
+    files = list_files(stage_dir, listed)
     prepare_manifest = read_json(prepare_dir / "manifest.json") or {}
     manifest = {
         "stage": STAGE,

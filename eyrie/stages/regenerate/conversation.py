@@ -37,7 +37,20 @@ def _sentinels(messages: list[dict], n: int) -> list[str]:
         salt += 1
 
 
-def plan_turns(tokenizer, messages: list[dict]) -> TurnPlan:
+def _render(tokenizer, messages: list[dict], generation_prompt: bool, chat_template_kwargs: dict | None) -> str:
+    """prepare's rendering, with a template variant's switches passed to the template as vLLM's chat endpoint
+    passes a request's `chat_template_kwargs` (extra arguments of `apply_chat_template`)."""
+    if not chat_template_kwargs:
+        return render_text(tokenizer, messages, generation_prompt)
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt, **chat_template_kwargs
+        )
+    except Exception as err:  # as render_text: every template failure is "this row does not render"
+        raise RowError("chat_template_error", str(err)[:200]) from None
+
+
+def plan_turns(tokenizer, messages: list[dict], chat_template_kwargs: dict | None = None) -> TurnPlan:
     """The pieces of the chat template around each assistant turn to regenerate (every one but an opening one,
     which has no prompt: context, as prepare keeps it). Raises RowError when the template does not allow it.
 
@@ -45,7 +58,8 @@ def plan_turns(tokenizer, messages: list[dict]) -> TurnPlan:
     with what the next render puts after answer k's sentinel. That render must keep everything before answer k's own
     turn as it was (the history); how it writes the turn's header in history may differ from the generation prompt
     (a `<think></think>` placeholder, a thinking prompt left out): the row keeps what was sent and generated, and
-    `dropped_history_text` counts such turns."""
+    `dropped_history_text` counts such turns. `chat_template_kwargs`: a template variant's switches (None: the
+    template's default rendering)."""
     turns = [j for j, m in enumerate(messages) if m["role"] == "assistant" and j > 0]
     if not turns:
         raise RowError("empty_assistant_turns", "no assistant turn after a prompt")
@@ -53,9 +67,10 @@ def plan_turns(tokenizer, messages: list[dict]) -> TurnPlan:
     skeleton = [dict(m) for m in messages]
     for j, mark in zip(turns, marks):
         skeleton[j]["content"] = mark
-    prompts = [render_text(tokenizer, skeleton[:j], True) for j in turns]
-    histories = [render_text(tokenizer, skeleton[:j], False) for j in turns]
-    nexts = prompts[1:] + [render_text(tokenizer, skeleton, False)]  # what follows each answer, in a later render
+    kw = chat_template_kwargs
+    prompts = [_render(tokenizer, skeleton[:j], True, kw) for j in turns]
+    histories = [_render(tokenizer, skeleton[:j], False, kw) for j in turns]
+    nexts = prompts[1:] + [_render(tokenizer, skeleton, False, kw)]  # what follows each answer, in a later render
     texts, dropped = [prompts[0]], 0
     for k, (prompt, history, later, mark) in enumerate(zip(prompts, histories, nexts, marks)):
         at = later.find(mark)
@@ -147,19 +162,72 @@ def conversation_fingerprint(messages: list[dict]) -> str:
     return hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _draw(salt: str, weights: list[float]) -> int:
+    """The index drawn by weight from a hash of `salt` (the same salt draws the same index on every run)."""
+    u = int(hashlib.sha256(salt.encode()).hexdigest()[:13], 16) / 16**13
+    total = sum(weights)
+    acc = 0.0
+    for i, w in enumerate(weights):
+        acc += w / total
+        if u < acc:
+            return i
+    return len(weights) - 1
+
+
 def conversation_temperature(cfg: RegenerateConfig, fingerprint: str) -> float:
     """The conversation's temperature: `temperature`, or one of `temperature_mix` drawn by weight from a hash of
     the seed and the conversation (the same conversation gets the same one on every run)."""
     if not cfg.temperature_mix:
         return cfg.temperature
-    u = int(hashlib.sha256(f"{cfg.seed}:{fingerprint}".encode()).hexdigest()[:13], 16) / 16**13
-    total = sum(t.weight for t in cfg.temperature_mix)
-    acc = 0.0
-    for t in cfg.temperature_mix:
-        acc += t.weight / total
-        if u < acc:
-            return t.temperature
-    return cfg.temperature_mix[-1].temperature
+    i = _draw(f"{cfg.seed}:{fingerprint}", [t.weight for t in cfg.temperature_mix])
+    return cfg.temperature_mix[i].temperature
+
+
+DEFAULT_VARIANT = "default"  # the template's own rendering, no switches
+
+
+def conversation_variant(cfg: RegenerateConfig, fingerprint: str) -> str:
+    """The conversation's chat-template variant: `default`, or one of `template_mix` drawn by weight from a hash of
+    the seed and the conversation, apart from the temperature's draw (so the two mixes are independent)."""
+    if not cfg.template_mix:
+        return DEFAULT_VARIANT
+    i = _draw(f"{cfg.seed}:template:{fingerprint}", [t.weight for t in cfg.template_mix])
+    return cfg.template_mix[i].variant
+
+
+def template_mix(config) -> dict[str, dict]:
+    """`regenerate.template_mix`'s variants by name, each its `chat_template_kwargs` as evaluation sends them
+    (`evaluate.template_variants`; `default`: none). Empty when there is no mix. A name no variant declares, a
+    variant named twice in the mix, or a declared variant named `default`, is a ConfigError."""
+    from eyrie.errors import ConfigError
+
+    mix = config.regenerate.template_mix or []
+    if not mix:
+        return {}
+    declared: dict[str, dict] = {}
+    for v in config.evaluate.template_variants:
+        if v.name in declared:
+            raise ConfigError(f"evaluate.template_variants: two variants are named {v.name!r}; name each apart")
+        declared[v.name] = dict(v.chat_template_kwargs)
+    if DEFAULT_VARIANT in declared:
+        raise ConfigError(
+            f"evaluate.template_variants: a variant is named {DEFAULT_VARIANT!r}, which regenerate.template_mix "
+            "reserves for the template's own rendering: rename it"
+        )
+    out: dict[str, dict] = {}
+    for share in mix:
+        if share.variant in out:
+            raise ConfigError(
+                f"regenerate.template_mix names {share.variant!r} twice: give each variant one entry and weight"
+            )
+        if share.variant != DEFAULT_VARIANT and share.variant not in declared:
+            known = ", ".join(repr(n) for n in [DEFAULT_VARIANT, *declared])
+            raise ConfigError(
+                f"regenerate.template_mix: {share.variant!r} is not a template variant; known: {known} "
+                "(declare it in evaluate.template_variants with its chat_template_kwargs)"
+            )
+        out[share.variant] = declared.get(share.variant, {})
+    return out
 
 
 def request_seed(cfg: RegenerateConfig, fingerprint: str, turn: int) -> int:

@@ -6,14 +6,19 @@ from eyrie.config import PipelineConfig
 from eyrie.errors import RegenerationError
 from eyrie.run.folder import RunFolder, read_json
 from eyrie.stages.prepare import Shard, load_shards, tokenizer_fingerprint
+from eyrie.stages.regenerate.conversation import template_mix
 from eyrie.stages.regenerate.shard import STAGE, has_losses, lost_rows, shard_complete, shard_paths
 
 
 def shard_key(template: str, shard: Shard, config: PipelineConfig) -> str:
     """A regenerated shard's identity (`eyrie.run.identity.STAGES["regenerate.shard"]`): the prepared shard's
     content (ids and conversations), the target (weights, tokenizer and generation config files, dtype,
-    output-shaping server arguments), its template, the sampling and the length cap of a row."""
+    output-shaping server arguments), its template (with the switches of each variant `regenerate.template_mix`
+    draws: a variant's `chat_template_kwargs` changed in `evaluate.template_variants` renders other rows), the
+    sampling and the length cap of a row."""
     from eyrie.target.metadata import stage_key as keyed
+
+    switches = template_mix(config)  # raises ConfigError on a name no variant declares
 
     return keyed(
         "regenerate.shard",
@@ -23,7 +28,7 @@ def shard_key(template: str, shard: Shard, config: PipelineConfig) -> str:
             "conversations": shard.conversations,
             "rows": [shard.start, shard.stop],
         },
-        template=template,
+        template={"tokenizer": template, "variants": switches} if switches else template,
     )
 
 
@@ -57,6 +62,7 @@ class RegenerationPlan:
         server = ExtractionPlan(config, run, report, [], node=node)
         self.spec, self.server_dir, self.staging = server.spec, server.server_dir, server.staging
         template = tokenizer_fingerprint(load_tokenizer(config.target))
+        self.variants = template_mix(config)  # what regenerate_shard renders each variant with (`variants`)
         self.keys = {s.name: shard_key(template, s, config) for s in self.shards}
 
     @property

@@ -18,11 +18,13 @@ from eyrie.run.faults import fault_point
 from eyrie.run.folder import atomic_write_bytes, atomic_write_json, read_json, sha256_json
 from eyrie.stages.prepare import RowError, Shard
 from eyrie.stages.regenerate.conversation import (
+    DEFAULT_VARIANT,
     Generation,
     Regenerated,
     TurnPlan,
     conversation_fingerprint,
     conversation_temperature,
+    conversation_variant,
     plan_turns,
     regenerate_conversation,
     request_seed,
@@ -112,15 +114,17 @@ class ShardStats:
     failed: Counter = field(default_factory=Counter)
     examples: dict = field(default_factory=dict)
     temperatures: Counter = field(default_factory=Counter)
+    template_variants: Counter = field(default_factory=Counter)
 
     @classmethod
     def resumed(cls, recorded: dict, retried: int) -> ShardStats:
         """A shard's recorded stats, less the `retried` rows lost to server errors that are about to be sent again
         (their outcome is counted as they come back); the rows kept stay counted."""
-        stats = cls(**{k: v for k, v in recorded.items() if k not in ("failed", "examples", "temperatures")})
+        stats = cls(**{k: v for k, v in recorded.items() if k not in _COUNTERS})
         stats.failed = Counter(recorded["failed"])
         stats.examples = dict(recorded["examples"])
         stats.temperatures = Counter({float(k): v for k, v in recorded["temperatures"].items()})
+        stats.template_variants = Counter(recorded.get("template_variants", {}))
         for reason in SERVER_LOSSES:
             n = min(retried, stats.failed[reason])
             stats.failed[reason] -= n
@@ -149,7 +153,11 @@ class ShardStats:
             "failed": dict(sorted(self.failed.items())),
             "examples": dict(sorted(self.examples.items())),
             "temperatures": {str(k): v for k, v in sorted(self.temperatures.items())},
+            "template_variants": dict(sorted(self.template_variants.items())),
         }
+
+
+_COUNTERS = ("failed", "examples", "temperatures", "template_variants")
 
 
 def rejection_reason(err: RequestRejected) -> str:
@@ -169,6 +177,7 @@ def regenerate_shard(
     cfg: RegenerateConfig,
     max_length: int,
     progress: Callable[[int, int], None] | None = None,
+    variants: dict[str, dict] | None = None,
 ) -> dict:
     """Regenerate every conversation of `shard` and write its rows and manifest; returns the manifest. A row that
     cannot be regenerated is counted by reason; a server that stops answering fails the shard (nothing written).
@@ -176,7 +185,11 @@ def regenerate_shard(
     Rows lost to server errors are named in the manifest (`server_error_rows`): the shard is complete but pending
     (`has_losses`), and the next call with a client sends only those rows again, keeping the rows it has (their
     seeds are per conversation and turn, so the shard ends as it would have without the errors). With no client a
-    complete shard's manifest is returned as it is."""
+    complete shard's manifest is returned as it is.
+
+    `variants`: `regenerate.template_mix`'s variants by name, each its `chat_template_kwargs` (`template_mix`):
+    each conversation is rendered with the one `conversation_variant` draws, and its row records the name."""
+    switches = _variant_switches(cfg, variants)
     rows_path, manifest_path = shard_paths(stage_dir, shard)
     prior: tuple[dict, bytes] | None = None
     if shard_complete(stage_dir, shard, key):
@@ -205,14 +218,17 @@ def regenerate_shard(
     # The template's pieces first, in this thread: a fast tokenizer used from several threads at once can fail
     # ("Already borrowed"), and rendering costs little beside generation.
     plans: dict[int, TurnPlan | RowError] = {}
+    chosen: dict[int, str] = {}
     for offset in offsets:
+        chosen[offset] = conversation_variant(cfg, conversation_fingerprint(conversations[offset]))
         try:
-            plans[offset] = plan_turns(tokenizer, conversations[offset])
+            plans[offset] = plan_turns(tokenizer, conversations[offset], switches[chosen[offset]])
         except RowError as err:
             plans[offset] = err
 
-    def one(offset: int) -> tuple[int, Regenerated | RowError, float, int]:
-        """A conversation's row, or the RowError that names why it has none; its temperature; requests sent."""
+    def one(offset: int) -> tuple[int, Regenerated | RowError, float, str, int]:
+        """A conversation's row, or the RowError that names why it has none; its temperature and template variant;
+        requests sent."""
         fp = conversation_fingerprint(conversations[offset])
         temperature = conversation_temperature(cfg, fp)
         plan = plans[offset]
@@ -247,20 +263,20 @@ def regenerate_shard(
             done[0] += 1
             if progress:
                 progress(done[0], len(offsets))
-        return shard.start + offset, result, temperature, sent[0]
+        return shard.start + offset, result, temperature, chosen[offset], sent[0]
 
     with ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix=f"eyrie-regen-{shard.name}") as pool:
         results = list(pool.map(one, offsets))
     kept = _read_rows(prior[1]) if prior else []
     server_error_rows = []
-    for row, result, temperature, sent in results:
+    for row, result, temperature, variant, sent in results:
         stats.requests += sent
         if isinstance(result, RowError):
             stats.fail(result.reason, row, str(result))
             if result.reason in SERVER_LOSSES:
                 server_error_rows.append(row)
             continue
-        kept.append((row, result, temperature))
+        kept.append((row, result, temperature, variant))
         stats.rows_out += 1
         stats.turns += result.turns
         stats.generated_tokens += result.generated_tokens
@@ -270,6 +286,7 @@ def regenerate_shard(
         stats.truncated += result.truncated
         stats.dropped_history_text += result.dropped_history_text
         stats.temperatures[temperature] += 1
+        stats.template_variants[variant] += 1
     if stats.failed["server_error"] > MAX_SERVER_ERROR_SHARE * max(1, len(conversations)):
         raise RegenerationError(
             f"{shard.name}: {stats.failed['server_error']} of {len(conversations)} conversations failed with server "
@@ -301,10 +318,25 @@ def regenerate_shard(
     return manifest
 
 
-ROW_COLUMNS = ("row", "input_ids", "loss_mask", "length_capped", "truncated", "temperature")
+def _variant_switches(cfg: RegenerateConfig, variants: dict[str, dict] | None) -> dict[str, dict | None]:
+    """Each variant `template_mix` may draw, with the switches it renders with (`default`: none)."""
+    out: dict[str, dict | None] = {DEFAULT_VARIANT: None}
+    for share in cfg.template_mix or []:
+        if share.variant == DEFAULT_VARIANT:
+            continue
+        if not variants or share.variant not in variants:
+            raise RegenerationError(
+                f"regenerate.template_mix draws {share.variant!r} but the shard was given no chat_template_kwargs "
+                f"for it (given: {sorted(variants or {})}): pass `template_mix(config)` as `variants`"
+            )
+        out[share.variant] = dict(variants[share.variant])
+    return out
 
 
-def _read_rows(data: bytes) -> list[tuple[int, Regenerated, float]]:
+ROW_COLUMNS = ("row", "input_ids", "loss_mask", "length_capped", "truncated", "temperature", "template_variant")
+
+
+def _read_rows(data: bytes) -> list[tuple[int, Regenerated, float, str]]:
     """A shard's rows file as `_rows_parquet` wrote it (what a retry keeps; turn and token counts stay in the
     recorded stats)."""
     import io
@@ -312,13 +344,14 @@ def _read_rows(data: bytes) -> list[tuple[int, Regenerated, float]]:
     import pyarrow.parquet as pq
 
     t = pq.read_table(io.BytesIO(data)).to_pydict()
+    t.setdefault("template_variant", [DEFAULT_VARIANT] * len(t["row"]))  # written before template mixes
     return [
-        (row, Regenerated(ids, mask, 0, 0, capped, truncated), temperature)
-        for row, ids, mask, capped, truncated, temperature in zip(*(t[c] for c in ROW_COLUMNS))
+        (row, Regenerated(ids, mask, 0, 0, capped, truncated), temperature, variant)
+        for row, ids, mask, capped, truncated, temperature, variant in zip(*(t[c] for c in ROW_COLUMNS))
     ]
 
 
-def _rows_parquet(kept: list[tuple[int, Regenerated, float]]) -> bytes:
+def _rows_parquet(kept: list[tuple[int, Regenerated, float, str]]) -> bytes:
     import io
 
     import pyarrow as pa
@@ -326,12 +359,13 @@ def _rows_parquet(kept: list[tuple[int, Regenerated, float]]) -> bytes:
 
     table = pa.table(
         {
-            "row": pa.array([row for row, _, _ in kept], pa.int64()),
-            "input_ids": pa.array([r.input_ids for _, r, _ in kept], pa.list_(pa.int64())),
-            "loss_mask": pa.array([r.loss_mask for _, r, _ in kept], pa.list_(pa.int64())),
-            "length_capped": pa.array([r.length_capped for _, r, _ in kept], pa.bool_()),
-            "truncated": pa.array([r.truncated for _, r, _ in kept], pa.bool_()),
-            "temperature": pa.array([t for _, _, t in kept], pa.float64()),
+            "row": pa.array([k[0] for k in kept], pa.int64()),
+            "input_ids": pa.array([k[1].input_ids for k in kept], pa.list_(pa.int64())),
+            "loss_mask": pa.array([k[1].loss_mask for k in kept], pa.list_(pa.int64())),
+            "length_capped": pa.array([k[1].length_capped for k in kept], pa.bool_()),
+            "truncated": pa.array([k[1].truncated for k in kept], pa.bool_()),
+            "temperature": pa.array([k[2] for k in kept], pa.float64()),
+            "template_variant": pa.array([k[3] for k in kept], pa.string()),
         }
     )
     buf = io.BytesIO()
