@@ -55,6 +55,9 @@ class RegenerationPlan:
 
         self.config = config
         self.run = run
+        # What regenerate_shard renders each variant with (its `variants`); first, so a name no variant declares is
+        # refused before anything else is done.
+        self.variants = template_mix(config)
         self.dir = run.stage(STAGE)
         self.shards = load_shards(run.prepare)
         if not self.shards:
@@ -62,7 +65,6 @@ class RegenerationPlan:
         server = ExtractionPlan(config, run, report, [], node=node)
         self.spec, self.server_dir, self.staging = server.spec, server.server_dir, server.staging
         template = tokenizer_fingerprint(load_tokenizer(config.target))
-        self.variants = template_mix(config)  # what regenerate_shard renders each variant with (`variants`)
         self.keys = {s.name: shard_key(template, s, config) for s in self.shards}
 
     @property
