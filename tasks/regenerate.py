@@ -11,7 +11,14 @@ from eyrie.config import PipelineConfig
 from eyrie.errors import RegenerationError
 from eyrie.run.folder import read_json
 from eyrie.stages.prepare import Shard
-from eyrie.stages.regenerate import assemble, regenerate_shard, shard_complete, shard_paths, shared_tokenizer
+from eyrie.stages.regenerate import (
+    assemble,
+    regenerate_shard,
+    shard_complete,
+    shard_paths,
+    shared_tokenizer,
+    template_mix,
+)
 from eyrie.vllm.client import ServerClient
 from tasks.caching import keyed_task, stage_task
 
@@ -62,6 +69,7 @@ def regenerate_shard_task(job: RegenerateShardJob, base_url: str | None, config:
         cfg,
         config.data.max_length,
         progress=progress,
+        variants=template_mix(config),
     )
     s = manifest["stats"]
     log.info(
