@@ -131,12 +131,14 @@ class Pipeline:
 
 
 def pipeline_config(source: str, drafters: Path) -> dict:
-    """configs/demo.yaml, changed only where the test must: the data source and its held-out share (sizes from the
-    demo's own), the test servers' settings, every held-out prompt evaluated, the draft-token sweep and promotion."""
+    """configs/demo.yaml, changed only where the test must: the data source, its held-out share (sizes from the
+    demo's own) and its shards, the test servers' settings, every held-out prompt evaluated, the draft-token sweep
+    and promotion."""
     config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
     config["name"] = "pipeline"
     config["target"]["model"] = str(build_tiny_target(config["target"]["tiny"]))
-    config["data"].update(source=source, max_samples=None, eval_fraction=EVAL_FRACTION)
+    # Shards of 32 (the demo's 64 give two): regeneration runs two at a time, and its kill needs a third in flight.
+    config["data"].update(source=source, max_samples=None, eval_fraction=EVAL_FRACTION, shard_size=32)
     config["extraction"].update(startup_timeout_s=900, request_timeout_s=120, server_args=list(VLLM_SERVER_ARGS))
     config["evaluate"].update(
         num_prompts=SNAPSHOT_2,  # every held-out prompt

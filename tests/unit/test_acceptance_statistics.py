@@ -1,4 +1,4 @@
-"""Acceptance as vLLM serves it, with its uncertainty (eyrie/stages/evaluate.py), and the promotion decisions made
+"""Acceptance as vLLM serves it, with its uncertainty (eyrie/stages/evaluate/), and the promotion decisions made
 on it (eyrie/stages/promote.py): per-request counts from vLLM's response metrics, pooled vs mean-of-per-request
 figures with intervals, the paired comparison, a useless drafter never promoted, and the promotion folder locked
 across the decision and the swap."""
