@@ -545,13 +545,17 @@ def test_retraining_is_gated_against_the_current_drafter_on_the_same_prompts(pip
     decision = json.loads((pipeline.drafters / "history.jsonl").read_text().splitlines()[-1])
     assert decision["current_before"] == str(retrained.base)
     assert decision["current_acceptance_length"] == current["acceptance_length"]
-    assert decision["promoted"] == (trained["acceptance_length"] >= current["acceptance_length"])
+    # The rule's own verdict (a paired comparison on the same prompts, eyrie.stages.promote.decide) on the figures
+    # the run measured and recorded.
+    from eyrie.stages.promote import decide
+
+    candidate = {**trained, "versus": decision["comparisons"], "served_under": decision["served_under"]}
+    rival = {**current, "served_under": decision["current_served_under"]}
+    assert (decision["promoted"], decision["reason"]) == decide(candidate, rival)
     now = (pipeline.drafters / "current").resolve()
     export = read_json(pipeline.run / "export" / "manifest.json")
-    expected_current, expected_line = (
-        (export["key"], "promoted:") if decision["promoted"] else (retrained.base.name, "not promoted: acceptance")
-    )
-    assert now.name == expected_current and expected_line in retrained.out
+    assert now.name == (export["key"] if decision["promoted"] else retrained.base.name)
+    assert f"{'promoted' if decision['promoted'] else 'not promoted'}: {decision['reason']}" in retrained.out
     print(
         f"retraining: new {trained['acceptance_length']} vs current {current['acceptance_length']} "
         f"(the current one scored {retrained.base_result['acceptance_length']} on the first snapshot's prompts): "
