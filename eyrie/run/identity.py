@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -345,8 +345,9 @@ SCHEDULING_ENV = frozenset(
 )
 
 
-def output_server_args(args: list[str]) -> list[str]:
-    """`server_args` without the scheduling-only flags (and their values): what changes outputs."""
+def output_server_args(args: list[str], dropped: Collection[str] = SCHEDULING_FLAGS) -> list[str]:
+    """`server_args` without the scheduling-only flags (or the `dropped` ones) and their values: what changes
+    outputs."""
     out: list[str] = []
     skip_value = False
     for i, a in enumerate(args):
@@ -354,7 +355,7 @@ def output_server_args(args: list[str]) -> list[str]:
             skip_value = False
             continue
         flag = a.split("=", 1)[0]
-        if flag in SCHEDULING_FLAGS:
+        if flag in dropped:
             # `--flag value` takes the next item unless it is a flag itself (or the value came with `=`)
             nxt = args[i + 1] if i + 1 < len(args) else None
             skip_value = "=" not in a and nxt is not None and not nxt.startswith("-")

@@ -39,24 +39,9 @@ def installed_vllm_version() -> str | None:
         return None
 
 
-def without_reporting_flags(args: list[str]) -> list[str]:
-    out: list[str] = []
-    skip = False
-    for i, a in enumerate(args):
-        if skip:
-            skip = False
-            continue
-        if a.split("=", 1)[0] in REPORTING_FLAGS:
-            nxt = args[i + 1] if i + 1 < len(args) else None
-            skip = "=" not in a and nxt is not None and not nxt.startswith("-")
-            continue
-        out.append(a)
-    return out
-
-
 def serving_arguments(spec) -> dict:
     """The spec's arguments that shape what the server computes (not its host, port, key, memory or scheduling)."""
-    from eyrie.run.identity import output_server_args, output_server_env
+    from eyrie.run.identity import SCHEDULING_FLAGS, output_server_args, output_server_env
 
     return {
         "dtype": spec.dtype,
@@ -64,7 +49,7 @@ def serving_arguments(spec) -> dict:
         "tensor_parallel_size": spec.tensor_parallel_size,
         "enforce_eager": spec.enforce_eager,
         "num_speculative_tokens": spec.num_speculative_tokens if spec.drafter else None,
-        "server_args": without_reporting_flags(output_server_args(spec.server_args)),
+        "server_args": output_server_args(spec.server_args, SCHEDULING_FLAGS | set(REPORTING_FLAGS)),
         "server_env": output_server_env(spec.server_env),
     }
 
