@@ -278,8 +278,14 @@ def test_a_recorded_warm_start_base_since_deleted_is_refused_before_anything_loa
     with pytest.raises(PreflightError, match="no longer exists"):
         run_preflight(config, run.root, serve=False, prepare_key="prepare-key")
 
-    assert check_recorded_base(config, run.root, "other-data") == []  # the run records its own base
-    assert check_recorded_base(config, run.root, None) == []  # before prepare: the data is not known yet
+    assert (
+        check_recorded_base(config.promotion, config.train, config.regenerate, run.root, "other-data") == []
+    )  # the run records its own base
+    assert (
+        check_recorded_base(config.promotion, config.train, config.regenerate, run.root, None) == []
+    )  # before prepare: the data is not known yet
     (base).mkdir(parents=True)
     (base / "config.json").write_text("{}")
-    assert check_recorded_base(config, run.root, "prepare-key") == []  # restored
+    assert (
+        check_recorded_base(config.promotion, config.train, config.regenerate, run.root, "prepare-key") == []
+    )  # restored

@@ -21,17 +21,21 @@ def _config(**sections):
     return parse_config({**BASE, **sections})
 
 
+def _train_target(config):
+    return config.train, config.target
+
+
 def test_train_devices_beyond_the_gpus_present_are_refused():
-    assert check_train_devices(_config(train={"devices": 8}), gpus=8) == []
-    [msg] = check_train_devices(_config(train={"devices": 8}), gpus=4)
+    assert check_train_devices(*_train_target(_config(train={"devices": 8})), gpus=8) == []
+    [msg] = check_train_devices(*_train_target(_config(train={"devices": 8})), gpus=4)
     assert "train.devices 8 need 8 GPUs, but 4 are visible" in msg
     # Online, the extraction server keeps its GPUs while the trainer runs.
     online = _config(train={"devices": 4, "hidden_states": "online"}, target={"model": "m", "tensor_parallel_size": 8})
-    [msg] = check_train_devices(online, gpus=8)
+    [msg] = check_train_devices(online.train, online.target, gpus=8)
     assert "need 12 GPUs, but 8 are visible" in msg and "online" in msg
-    assert check_train_devices(_config(train={"device": "cpu", "devices": 1}), gpus=0) == []
+    assert check_train_devices(*_train_target(_config(train={"device": "cpu", "devices": 1})), gpus=0) == []
     # A host with no GPU at all (a login node checking a GPU config) is not judged: the GPU node's preflight is.
-    assert check_train_devices(_config(train={"device": "cuda", "devices": 8}), gpus=0) == []
+    assert check_train_devices(*_train_target(_config(train={"device": "cuda", "devices": 8})), gpus=0) == []
 
 
 def test_train_devices_are_counted_on_this_machine(tiny_llama, tmp_path, monkeypatch):
@@ -100,11 +104,14 @@ def test_dev_shm_too_small_for_online_samples_in_flight_is_refused(tmp_path, mon
     per_sample = 8192 * 4 * 7168 * 2  # Kimi-K2.5's width, four captured layers: 448 MiB a sample
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=per_sample * 31))
-    [msg] = check_online_tmpfs(online, tmp_path / "run", 4, 7168)
+    [msg] = check_online_tmpfs(online.train, online.data, online.extraction, tmp_path / "run", 4, 7168)
     assert "32 samples of up to 448 MiB" in msg and "EYRIE_ONLINE_TMPFS" in msg
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=per_sample * 33))
-    assert check_online_tmpfs(online, tmp_path / "run", 4, 7168) == []
-    assert check_online_tmpfs(_config(), tmp_path / "run", 4, 7168) == []  # offline: no tmpfs used
+    assert check_online_tmpfs(online.train, online.data, online.extraction, tmp_path / "run", 4, 7168) == []
+    offline = _config()
+    assert (
+        check_online_tmpfs(offline.train, offline.data, offline.extraction, tmp_path / "run", 4, 7168) == []
+    )  # offline: no tmpfs used
 
 
 def test_a_model_class_whose_module_fails_to_import_is_named_with_the_error(tmp_path, monkeypatch):

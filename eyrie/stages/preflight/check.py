@@ -48,7 +48,8 @@ from eyrie.vllm.loading import load_warnings, weights_folder
 
 def check_target(config: PipelineConfig, serve: bool) -> PreflightReport:
     """The verdict on the target, the installed vLLM and the config (the part that imports vLLM and loads the
-    tokenizer): what it found and every failure. Keyed (`eyrie.stages.preflight.verdict`) on everything it reads."""
+    tokenizer): what it found and every failure. Keyed (`eyrie.stages.preflight.verdict`) on everything it reads.
+    The whole config: it checks every section its verdict's key holds (`VERDICTS["preflight"]`)."""
     import vllm
 
     cfg = read_target_config(config.target)
@@ -91,7 +92,11 @@ def check_target(config: PipelineConfig, serve: bool) -> PreflightReport:
             f"vocab.draft_vocab_size {config.vocab.draft_vocab_size} is larger than the target's "
             f"vocabulary ({vocab}): set it to at most {vocab}"
         )
-    failures += check_context(config, cfg) + check_parallelism(config, text) + (check_serving(cfg) if serve else [])
+    failures += (
+        check_context(config.data.max_length, config.max_model_len, cfg)
+        + check_parallelism(config.target, text)
+        + (check_serving(cfg) if serve else [])
+    )
     tok = None
     try:
         tok = load_tokenizer(config.target)
@@ -127,7 +132,7 @@ def check_target(config: PipelineConfig, serve: bool) -> PreflightReport:
     mask = config.train.mask_token_id
     report.target_facts["mask_token_id"] = mask if mask is not None or tok is None else mask_token_id(tok, vocab)
     if probe.path != "unsupported":  # a refused class is the one problem worth reading; its metadata may be odd
-        failures += check_drafter_inputs(config, cfg, report)
+        failures += check_drafter_inputs(config.target, config.train.num_layers, cfg, report)
     report.failures = failures
     return report
 
@@ -140,9 +145,9 @@ def run_preflight(
     serve: bool = True,
     prepare_key: str | None = None,
 ) -> PreflightReport:
-    """Every check that needs no weights; the report lists every failure found, not only the first. `serve`: the
-    run goes on to export and evaluation (vLLM serves target + drafter), so check that too. `prepare_key` (after
-    prepare): the warm-start base recorded for this data is checked too.
+    """Every check that needs no weights, of the whole config; the report lists every failure found, not only the
+    first. `serve`: the run goes on to export and evaluation (vLLM serves target + drafter), so check that too.
+    `prepare_key` (after prepare): the warm-start base recorded for this data is checked too.
 
     The verdict on the target, vLLM and the config is a keyed result: a run folder holding a passing verdict under
     the same key (`eyrie.stages.preflight.verdict`) reuses it and imports no vLLM. The node's checks run every time."""
@@ -156,14 +161,16 @@ def run_preflight(
     report.revisions = {"target": config.target.revision, "data": config.data.revision}
     report.hidden_states = config.train.hidden_states
     aux_ids, hidden = report.aux_layer_ids, report.hidden_size
-    failures += check_train_devices(config)
+    failures += check_train_devices(config.train, config.target)
     failures += check_lock_filesystem(run_dir)
-    failures += check_online_tmpfs(config, run_dir, len(report.captured_layer_ids), hidden)
+    failures += check_online_tmpfs(
+        config.train, config.data, config.extraction, run_dir, len(report.captured_layer_ids), hidden
+    )
     if config.promotion.dir and config.promotion.warm_start:
         current = current_version(Path(config.promotion.dir))
         if current is not None:
             failures += check_base(current, verifier_name(config.target.model), config.vocab.draft_vocab_size, aux_ids)
-    failures += check_recorded_base(config, run_dir, prepare_key)
+    failures += check_recorded_base(config.promotion, config.train, config.regenerate, run_dir, prepare_key)
     try:  # the evaluation prompt files, read every time (their content is not in the verdict's key)
         evaluation_sets(config)
     except ConfigError as err:
@@ -175,7 +182,7 @@ def run_preflight(
         report.estimated_bytes = hidden_state_bytes(tokens, len(report.captured_layer_ids), hidden, 1 if fp8 else 2)
         run_dir.mkdir(parents=True, exist_ok=True)
         report.free_bytes = shutil.disk_usage(run_dir).free
-        todo = bytes_still_to_write(config, report.estimated_bytes, RunFolder(run_dir).hidden_states)
+        todo = bytes_still_to_write(config.train, report.estimated_bytes, RunFolder(run_dir).hidden_states)
         need = todo + int(config.extraction.min_free_disk_gib * 2**30)
         if need > report.free_bytes:
             failures.append(

@@ -100,7 +100,9 @@ def _blame(message: str, server_args: list[str]) -> list[str]:
 
 def check_server_arguments(config: PipelineConfig, captured: list[int], serve: bool) -> tuple[list[str], list[str]]:
     """Every argument Eyrie would start vLLM with (its own and extraction.server_args), parsed by the installed
-    vLLM's own parser: for the extraction server and, when `serve`, the target-plus-drafter one. Failures, warnings."""
+    vLLM's own parser: for the extraction server and, when `serve`, the target-plus-drafter one. Failures, warnings.
+    The whole config: it builds the servers' specs (`eyrie.vllm.spec.ServerSpec.for_extraction`/`for_serving`),
+    which read the fields `eyrie.run.identity`'s server declarations name across sections."""
     import vllm
 
     from eyrie.vllm.spec import ServerSpec

@@ -8,7 +8,7 @@ import re
 import shutil
 from pathlib import Path
 
-from eyrie.config import PipelineConfig
+from eyrie.config import DataConfig, ExtractionConfig, TargetConfig, TrainConfig
 
 
 def hidden_state_bytes(tokens: int, num_captured: int, hidden_size: int, dtype_bytes: int = 2) -> int:
@@ -16,11 +16,11 @@ def hidden_state_bytes(tokens: int, num_captured: int, hidden_size: int, dtype_b
     return tokens * (num_captured * hidden_size * dtype_bytes + 8)
 
 
-def bytes_still_to_write(config: PipelineConfig, estimated_bytes: int, hidden_dir: Path) -> int:
+def bytes_still_to_write(train: TrainConfig, estimated_bytes: int, hidden_dir: Path) -> int:
     """What the disk check asks for: the estimated hidden states less those already on disk (a re-run of a half
     finished extraction, or a finished one, needs only the rest); nothing with online hidden states, which go
     through tmpfs and never reach the run folder."""
-    if config.train.hidden_states == "online":
+    if train.hidden_states == "online":
         return 0
     have = 0
     stack = [hidden_dir]
@@ -44,18 +44,18 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def check_train_devices(config: PipelineConfig, gpus: int | None = None) -> list[str]:
+def check_train_devices(train: TrainConfig, target: TargetConfig, gpus: int | None = None) -> list[str]:
     """train.devices no larger than the GPUs present, when training runs on GPUs; online, the extraction server's
     GPUs beside the trainer's too. A host with no GPU at all is not judged: preflight of a GPU config runs from a
     login node too, and the GPU node's preflight (each run's own) decides."""
     gpus = gpu_count() if gpus is None else gpus
-    t = config.train
+    t = train
     if t.device == "cpu" or gpus == 0:
         return []
     need, what = t.devices, f"train.devices {t.devices}"
     if t.hidden_states == "online":  # the server stays up, on GPUs of its own, while the trainer runs
-        need += config.target.tensor_parallel_size
-        what += f" + target.tensor_parallel_size {config.target.tensor_parallel_size} (online: the server stays up)"
+        need += target.tensor_parallel_size
+        what += f" + target.tensor_parallel_size {target.tensor_parallel_size} (online: the server stays up)"
     if need > gpus:
         return [
             f"{what} need {need} GPUs, but {gpus} are visible here: lower train.devices (or the tensor "
@@ -120,10 +120,12 @@ def check_lock_filesystem(run_dir: Path, mounts: str | None = None) -> list[str]
     ]
 
 
-def check_online_tmpfs(config: PipelineConfig, run_dir: Path, captured: int, hidden: int) -> list[str]:
+def check_online_tmpfs(
+    train: TrainConfig, data: DataConfig, extraction: ExtractionConfig, run_dir: Path, captured: int, hidden: int
+) -> list[str]:
     """Online training keeps the requests in flight as files on tmpfs: it must hold them all at the longest sample
     (every request of extraction.concurrency, twice: those written and not yet read beside those being written)."""
-    if config.train.hidden_states != "online" or not captured or not hidden:
+    if train.hidden_states != "online" or not captured or not hidden:
         return []
     from eyrie.hidden_states.staging import staging_dir
 
@@ -133,12 +135,12 @@ def check_online_tmpfs(config: PipelineConfig, run_dir: Path, captured: int, hid
     except OSError:
         return [f"online hidden states go through {base}, which does not exist: create it, or set $EYRIE_ONLINE_TMPFS"]
     per_sample = hidden_state_bytes(
-        config.data.max_length, captured, hidden, 1 if config.extraction.hidden_states_dtype == "float8_e4m3fn" else 2
+        data.max_length, captured, hidden, 1 if extraction.hidden_states_dtype == "float8_e4m3fn" else 2
     )
-    need = 2 * config.extraction.concurrency * per_sample
+    need = 2 * extraction.concurrency * per_sample
     if need > free:
         return [
-            f"online training keeps up to {2 * config.extraction.concurrency} samples of up to "
+            f"online training keeps up to {2 * extraction.concurrency} samples of up to "
             f"{per_sample / 2**20:.0f} MiB in flight on {base}, {need / 2**30:.2f} GiB, but it has "
             f"{free / 2**30:.2f} GiB free: enlarge it (`mount -o remount,size=... {base}`), point $EYRIE_ONLINE_TMPFS "
             "at a larger tmpfs, or lower extraction.concurrency or data.max_length"

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyrie.config import PipelineConfig
+from eyrie.config import TargetConfig
 from eyrie.stages.preflight.report import PreflightReport
 from eyrie.target.drafter import draft_layer_config
 from eyrie.target.metadata import (
@@ -164,14 +164,15 @@ def _first(cfg: dict, *keys: str) -> int:
     return next((cfg[k] for k in keys if cfg.get(k)), 0)
 
 
-def check_context(config: PipelineConfig, cfg: dict) -> list[str]:
-    """Extraction sends each prepared sample (up to data.max_length tokens) and asks for one token more."""
+def check_context(max_length: int, max_model_len: int, cfg: dict) -> list[str]:
+    """Extraction sends each prepared sample (up to data.max_length tokens) and asks for one token more;
+    `max_model_len` is the one vLLM is started with (`PipelineConfig.max_model_len`)."""
     failures = []
-    need, have = config.data.max_length + 1, config.max_model_len
+    need, have = max_length + 1, max_model_len
     if have < need:
         failures.append(
             f"target.max_model_len {have} leaves no room for a sample of data.max_length "
-            f"{config.data.max_length} tokens plus the one token extraction generates (vLLM answers "
+            f"{max_length} tokens plus the one token extraction generates (vLLM answers "
             f"'max_tokens must be at least 1'): set target.max_model_len to at least {need}, or unset it"
         )
     limit = context_limit(cfg)
@@ -183,9 +184,9 @@ def check_context(config: PipelineConfig, cfg: dict) -> list[str]:
     return failures
 
 
-def check_parallelism(config: PipelineConfig, text: dict) -> list[str]:
+def check_parallelism(target: TargetConfig, text: dict) -> list[str]:
     """vLLM shards attention heads over the tensor-parallel ranks: the heads must divide evenly."""
-    tp = config.target.tensor_parallel_size
+    tp = target.tensor_parallel_size
     heads = _first(text, "num_attention_heads", "n_head")
     kv = text.get("num_key_value_heads") or heads
     failures = []
@@ -215,12 +216,12 @@ def check_serving(cfg: dict) -> list[str]:
     return []
 
 
-def check_drafter_inputs(config: PipelineConfig, cfg: dict, report: PreflightReport) -> list[str]:
+def check_drafter_inputs(target: TargetConfig, num_layers: int, cfg: dict, report: PreflightReport) -> list[str]:
     """What the train and export stages need from the target, decided now: the embedding, final norm and head
     the drafter borrows (present in the checkpoint), and the drafter's own decoder layer config."""
     failures = []
     try:
-        borrowed = resolve_borrowed_weights(config.target, cfg, checkpoint_tensor_names(config.target))
+        borrowed = resolve_borrowed_weights(target, cfg, checkpoint_tensor_names(target))
         report.target_facts["verifier_weights"] = borrowed.speculators_names()
         report.final_norm = borrowed.norm_class
         if "rms" not in borrowed.norm_class.lower():
@@ -232,11 +233,10 @@ def check_drafter_inputs(config: PipelineConfig, cfg: dict, report: PreflightRep
     except TargetError as err:
         failures.append(str(err))
     try:
-        draft_layer_config(config.target, config.train.num_layers)
+        draft_layer_config(target, num_layers)
     except Exception as err:
         failures.append(
-            f"the drafter's decoder layer cannot be shaped from {config.target.model}'s config "
-            f"({type(err).__name__}: {err})"
+            f"the drafter's decoder layer cannot be shaped from {target.model}'s config ({type(err).__name__}: {err})"
         )
     return failures
 

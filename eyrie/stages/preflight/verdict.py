@@ -57,6 +57,7 @@ def checks_identity() -> str:
 
 
 def verdict_key(config: PipelineConfig, serve: bool) -> str:
+    """The verdict's key: the whole config, since its declaration (`VERDICTS["preflight"]`) keys whole sections."""
     decl = VERDICTS["preflight"]
     files = {kind: file_identity(kind, config.target) for kind in decl.files}
     environment = {name: os.environ.get(name) for name in ENVIRONMENT}

@@ -13,19 +13,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eyrie.config import PipelineConfig
+from eyrie.config import PromotionConfig, RegenerateConfig, TrainConfig
 from eyrie.run.folder import RunFolder, read_json, sha256_json
 
 RECORD = "warm_start.json"  # in the train folder (flows/pipeline.py passes `run.train / "warm_start.json"`)
 
 
-def data_id_on_disk(run: RunFolder, config: PipelineConfig, prepare_key: str) -> str | None:
+def data_id_on_disk(run: RunFolder, train: TrainConfig, regenerate: RegenerateConfig, prepare_key: str) -> str | None:
     """The data id the pipeline gives `choose_base` (`sha256_json([prepare key, extraction keys])`), rebuilt from
     the shard manifests on disk for the shards extraction reads; None when a shard has no manifest (its extraction
     has not run with these shards, so no earlier record can be for them) or the run is online (no manifests)."""
-    if config.train.hidden_states == "online":
+    if train.hidden_states == "online":
         return None
-    source = run.stage("regenerate") if config.regenerate.enabled else run.prepare
+    source = run.stage("regenerate") if regenerate.enabled else run.prepare
     shards = read_json(source / "shards.json")
     if not isinstance(shards, list) or not shards:
         return None
@@ -38,9 +38,16 @@ def data_id_on_disk(run: RunFolder, config: PipelineConfig, prepare_key: str) ->
     return sha256_json([prepare_key, keys])
 
 
-def check_recorded_base(config: PipelineConfig, run_dir: Path, prepare_key: str | None) -> list[str]:
-    """A warm-start base this run would take from the record and that no longer exists: refused, with the fix."""
-    if not (config.promotion.dir and config.promotion.warm_start) or prepare_key is None:
+def check_recorded_base(
+    promotion: PromotionConfig,
+    train: TrainConfig,
+    regenerate: RegenerateConfig,
+    run_dir: Path,
+    prepare_key: str | None,
+) -> list[str]:
+    """A warm-start base this run would take from the record and that no longer exists: refused, with the fix.
+    `train` and `regenerate`: which data the run's id is made of (`data_id_on_disk`)."""
+    if not (promotion.dir and promotion.warm_start) or prepare_key is None:
         return []
     run = RunFolder(run_dir)
     path = run.train / RECORD
@@ -50,11 +57,11 @@ def check_recorded_base(config: PipelineConfig, run_dir: Path, prepare_key: str 
     base = Path(record["base"])
     if (base / "config.json").is_file():
         return []
-    if record.get("data") != data_id_on_disk(run, config, prepare_key):
+    if record.get("data") != data_id_on_disk(run, train, regenerate, prepare_key):
         return []  # recorded for other data: this run records its own base
     return [
         f"the warm-start base {base}, which an earlier run of this data chose and recorded in {path}, no longer "
         "exists (a pruned promotion folder?): restore it to train as that run did, or delete "
-        f"{path} to warm-start from the current drafter ({config.promotion.dir}/current; training then starts "
+        f"{path} to warm-start from the current drafter ({promotion.dir}/current; training then starts "
         "again under a new key), or set promotion.warm_start: false to train from scratch"
     ]
