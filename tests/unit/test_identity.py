@@ -318,11 +318,11 @@ def test_a_changed_plateau_rule_keeps_the_checkpoints_and_decides_again(tmp_path
         (save / str(epoch)).mkdir(parents=True)
         (save / str(epoch) / VALIDATION).write_text(json.dumps({"full_acc_0_epoch": acc}))
     (save / PLATEAU).write_text(json.dumps({"epoch": 2, "best_epoch": 1}))
-    adopt_lineage(tmp_path, new_key, new)
+    adopt_lineage(tmp_path, new_key, new.train)
     moved = tmp_path / new_key / "checkpoints"
     assert (moved / "2" / VALIDATION).exists() and not (tmp_path / old_key).exists()  # nothing is trained again
     assert not (moved / PLATEAU).exists()  # patience 2: no plateau yet, training goes on from epoch 2
-    adopt_lineage(tmp_path, old_key, old)  # and back: the plateau at epoch 2 again
+    adopt_lineage(tmp_path, old_key, old.train)  # and back: the plateau at epoch 2 again
     assert json.loads((tmp_path / old_key / "checkpoints" / PLATEAU).read_text())["epoch"] == 2
 
 

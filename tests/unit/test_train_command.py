@@ -97,10 +97,10 @@ def test_a_resume_across_a_device_change_warns(tmp_path):
     work = tmp_path / "work"
     (work / "checkpoints").mkdir(parents=True)
     config = parse_config(config_dict(tmp_path / "t", train={"devices": 8}))
-    assert resume_notes(config, work, "cuda") == []  # the first launch records its settings
-    assert resume_notes(config, work, "cuda") == []
+    assert resume_notes(config.train, work, "cuda") == []  # the first launch records its settings
+    assert resume_notes(config.train, work, "cuda") == []
     fewer = parse_config(config_dict(tmp_path / "t", train={"devices": 7}))
-    (note,) = resume_notes(fewer, work, "cuda")
+    (note,) = resume_notes(fewer.train, work, "cuda")
     assert "train.devices 8 -> 7" in note
 
 

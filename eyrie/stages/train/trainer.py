@@ -16,7 +16,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from eyrie.config import PipelineConfig
+from eyrie.config import PipelineConfig, TrainConfig
 from eyrie.errors import EyrieError
 from eyrie.hidden_states.staging import clean, leftover_bytes, on_tmpfs
 from eyrie.run.environment import child_environment
@@ -34,9 +34,9 @@ from eyrie.stages.train.validation import PLATEAU, epoch_validation, history, li
 from eyrie.target.metadata import stage_key
 
 
-def resolve_device(config: PipelineConfig) -> str:
-    if config.train.device != "auto":
-        return config.train.device
+def resolve_device(train: TrainConfig) -> str:
+    if train.device != "auto":
+        return train.device
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -50,7 +50,8 @@ def train_key(
     the storage layout), `warm_start` the base drafter, by its content. Devices, logging, checkpoint frequency and
     thresholds are not in it: a change of them resumes (`resume_notes`). The key is the lineage's 16 characters
     and 8 of the stop rule's (`STAGES["train.stop"]`): a changed plateau rule keeps the lineage's checkpoints
-    (`adopt_lineage`) and decides again which one ships."""
+    (`adopt_lineage`) and decides again which one ships. The whole config: the key is computed from the
+    declaration's dotted paths."""
     lineage = stage_key("train", config, drafter=warm_start, data=list(data_keys), vocab=vocab_key, aux=list(aux_ids))
     return lineage + stage_key("train.stop", config, lineage=lineage)[:8]
 
@@ -58,7 +59,7 @@ def train_key(
 LINEAGE_CHARS = 16
 
 
-def adopt_lineage(out_dir: Path, key: str, config: PipelineConfig, log=print) -> None:
+def adopt_lineage(out_dir: Path, key: str, train: TrainConfig, log=print) -> None:
     """Before training into `out_dir/key`: the checkpoints of the same lineage made under another stop rule move
     here (no epoch is trained again), and the plateau is decided again under this rule from their saved
     validation (`decide_plateau`)."""
@@ -74,16 +75,16 @@ def adopt_lineage(out_dir: Path, key: str, config: PipelineConfig, log=print) ->
         return
     os.replace(same[-1], work)
     log(f"train: the plateau rule changed; training continues from the checkpoints of {same[-1].name}")
-    decide_plateau(work / "checkpoints", config)
+    decide_plateau(work / "checkpoints", train)
 
 
-def decide_plateau(save_path: Path, config: PipelineConfig) -> None:
+def decide_plateau(save_path: Path, train: TrainConfig) -> None:
     """The plateau under the current rule, from the saved epochs' validation: the first epoch it would have
     stopped at (PLATEAU written), or none (PLATEAU removed: training goes on)."""
     from eyrie.stages.train.validation import plateaued, predicted_acceptance_length
 
     (save_path / PLATEAU).unlink(missing_ok=True)
-    t = config.train
+    t = train
     if not t.stop_on_plateau:
         return
     scores: dict[int, float] = {}
@@ -102,10 +103,10 @@ APPROXIMATE_ON_RESUME = ("devices", "device")
 RESUME_SETTINGS = "settings.json"  # beside the checkpoints: the APPROXIMATE_ON_RESUME settings they were made with
 
 
-def resume_notes(config: PipelineConfig, work: Path, device: str) -> list[str]:
+def resume_notes(train: TrainConfig, work: Path, device: str) -> list[str]:
     """Warnings for a resume across a change that makes it approximate (a GPU died: fewer devices deal the data
     out differently from the saved step on); records the current settings for the next resume."""
-    now = {"devices": config.train.devices if device == "cuda" else 1, "device": device}
+    now = {"devices": train.devices if device == "cuda" else 1, "device": device}
     path = work / RESUME_SETTINGS
     before = read_json(path)
     notes = []
@@ -140,7 +141,9 @@ def run_training(
     log=print,
     server_url: str | None = None,
 ) -> dict:
-    """Train (or resume) into `out_dir/<key>`; returns the stage manifest naming the final checkpoint.
+    """Train (or resume) into `out_dir/<key>`; returns the stage manifest naming the final checkpoint. The whole
+    config: the trainer's command and environment (`eyrie.stages.train.command`) read the target, vocab, extraction,
+    train and promotion sections.
 
     With `train.hidden_states: online`, `server_url` is the extraction server's (up, serving the captured layers)
     and `data.hidden_dir` its tmpfs storage path: the trainer asks it for every sample (eyrie.stages.train.online)."""
@@ -149,11 +152,11 @@ def run_training(
     online = config.train.hidden_states == "online"
     if online and not server_url:  # before anything is written under out_dir
         raise EyrieError("train.hidden_states is online, but no extraction server was given to train from")
-    adopt_lineage(out_dir, key, config, log)
+    adopt_lineage(out_dir, key, config.train, log)
     work = out_dir / key
     save_path = work / "checkpoints"
-    device = resolve_device(config)
-    notes = resume_notes(config, work, device)
+    device = resolve_device(config.train)
+    notes = resume_notes(config.train, work, device)
     for note in notes:
         log(f"warning: {note}")
     spe = steps_per_epoch(seq_lens, config.train.max_seq_len, 1 - config.train.val_fraction)
@@ -186,7 +189,7 @@ def run_training(
     if plateau:  # stopped on a plateau before its manifest was written: nothing left to train
         log(f"training stopped on a validation plateau at epoch {plateau.get('epoch')}; not relaunched")
         return _train_manifest(
-            config, out_dir, key, save_path, device, work / "train.log", resumed_from, data.data_dir, notes
+            config.train, out_dir, key, save_path, device, work / "train.log", resumed_from, data.data_dir, notes
         )
     state = read_json(resumed_from / "training_state.json") if resumed_from else None
     log(
@@ -211,11 +214,11 @@ def run_training(
             f"training exited with code {rc}; checkpoints so far are kept in {save_path} and the "
             f"next run resumes from them. End of {log_path}:\n{tail}"
         )
-    return _train_manifest(config, out_dir, key, save_path, device, log_path, resumed_from, data.data_dir, notes)
+    return _train_manifest(config.train, out_dir, key, save_path, device, log_path, resumed_from, data.data_dir, notes)
 
 
 def _train_manifest(
-    config: PipelineConfig,
+    train: TrainConfig,
     out_dir: Path,
     key: str,
     save_path: Path,
@@ -233,17 +236,17 @@ def _train_manifest(
     if plateau and plateau.get("best_epoch") is not None and is_whole(save_path / str(plateau["best_epoch"])):
         final = save_path / str(plateau["best_epoch"])  # the plateau's last epochs were no better
     state = read_json(final / "training_state.json") or {}
-    improving = None if plateau else still_improving(rows, config.train.still_improving_warning)
+    improving = None if plateau else still_improving(rows, train.still_improving_warning)
     manifest = {
         "stage": "train",
         "key": key,
         "checkpoint": str(final),
         "device": device,
-        "epochs": config.train.epochs,
+        "epochs": train.epochs,
         "global_step": state.get("global_step"),
         "resumed_from": str(resumed_from) if resumed_from else None,
         # Counted over the draft starts vLLM makes (what the train/serve gap compares): once, here, not per run.
-        "val_metrics": like_for_like_metrics(epoch_validation(final), data_dir, config.train.val_fraction),
+        "val_metrics": like_for_like_metrics(epoch_validation(final), data_dir, train.val_fraction),
         "stopped_on_plateau": plateau,
         "warnings": [*(notes or []), *([improving] if improving else [])],
         "log": str(log_path),
@@ -256,13 +259,15 @@ def _train_manifest(
 
 def untrained_key(config: PipelineConfig, vocab_key: str, aux_ids: list[int]) -> str:
     """What an untrained drafter is made of (`eyrie.run.identity.STAGES["untrained"]`): the target (its config and
-    the tensors it borrows), the draft vocabulary, the captured layers, and the drafter's own shape and seed."""
+    the tensors it borrows), the draft vocabulary, the captured layers, and the drafter's own shape and seed. The
+    whole config: the key is computed from the declaration's dotted paths."""
     return stage_key("untrained", config, vocab=vocab_key, aux=list(aux_ids))
 
 
 def untrained_drafter(config: PipelineConfig, out_dir: Path, key: str, data: TrainingData) -> Path:
     """A freshly initialised drafter of the same shape (speculators' --dry-run): the evaluation baseline, kept
-    under its key (`untrained_key`), so a changed target, vocabulary or drafter shape gets a new one."""
+    under its key (`untrained_key`), so a changed target, vocabulary or drafter shape gets a new one. The whole
+    config: speculators' command (`eyrie.stages.train.command.training_command`) reads it across sections."""
     path = out_dir / f"untrained-{key}"
     if (path / "model.safetensors").exists():
         return path
