@@ -43,10 +43,11 @@ NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 ZOMBIE_AUTOMATION = "Crash zombie flows"
 FAILED_RUN_AUTOMATION = "Eyrie GPU run failed"
 NOTIFY_BLOCK_ENV = "EYRIE_NOTIFY_BLOCK"
-# prefect.yaml sets PREFECT_FLOWS_HEARTBEAT_FREQUENCY=60 for flow runs (Prefect 3.7's default is 180 s): a run is
-# declared a zombie after about ten missed heartbeats, or three at the default frequency. Prefect's docs pair 30 s
-# heartbeats with 90 s; a window shorter than the frequency would crash every healthy run.
-ZOMBIE_WITHIN = timedelta(minutes=10)
+# The zombie window is `definitions.zombie_after_s` of prefect.yaml, the flow runs' heartbeat frequency its
+# `PREFECT_FLOWS_HEARTBEAT_FREQUENCY` (Prefect 3.7: at least 30 s, default 180 s). Prefect's docs pair 30 s heartbeats
+# with 90 s: the window must hold at least this many heartbeats, or a late one crashes a healthy run.
+MIN_HEARTBEATS_PER_WINDOW = 3
+MIN_HEARTBEAT_S = 30
 
 
 class SetupError(RuntimeError):
@@ -84,6 +85,32 @@ def gpu_nodes(path: Path = PREFECT_FILE) -> list[str]:
     return nodes
 
 
+def zombie_window(path: Path = PREFECT_FILE) -> timedelta:
+    """How long a flow run may go without a heartbeat before the zombie automation marks it CRASHED
+    (`definitions.zombie_after_s`), checked against the heartbeat frequency the file gives the flow runs."""
+    import yaml
+
+    defs = (yaml.safe_load(path.read_text()) or {}).get("definitions") or {}
+    env = ((defs.get("work_pool") or {}).get("job_variables") or {}).get("env") or {}
+    freq, window = env.get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY"), defs.get("zombie_after_s")
+    try:
+        freq_s, window_s = int(freq), int(window)
+    except (TypeError, ValueError):
+        raise SetupError(
+            f"{path}: `definitions.work_pool.job_variables.env.PREFECT_FLOWS_HEARTBEAT_FREQUENCY` ({freq!r}) and "
+            f"`definitions.zombie_after_s` ({window!r}) must be whole seconds: the flow runs' heartbeats and how "
+            "long a run may miss them before it is marked CRASHED"
+        ) from None
+    if freq_s < MIN_HEARTBEAT_S or window_s < MIN_HEARTBEATS_PER_WINDOW * freq_s:
+        raise SetupError(
+            f"{path}: heartbeats every {freq_s} s and `zombie_after_s: {window_s}`: Prefect's heartbeats are at "
+            f"least {MIN_HEARTBEAT_S} s apart, and the window must hold at least {MIN_HEARTBEATS_PER_WINDOW} of "
+            f"them (here >= {MIN_HEARTBEATS_PER_WINDOW * max(freq_s, MIN_HEARTBEAT_S)} s), or a late heartbeat "
+            "marks a healthy run CRASHED"
+        )
+    return timedelta(seconds=window_s)
+
+
 def load_prefect_file(path: Path = PREFECT_FILE) -> tuple[list[str], list[dict[str, Any]]]:
     """The GPU nodes and the deployments of prefect.yaml, validated the way `prefect deploy` reads them, plus Eyrie's
     own checks. `prefect deploy` prints a warning and deploys nothing when the file does not validate; here that is
@@ -96,6 +123,7 @@ def load_prefect_file(path: Path = PREFECT_FILE) -> tuple[list[str], list[dict[s
     from eyrie.errors import ConfigError
 
     nodes = gpu_nodes(path)
+    zombie_window(path)
     pools = work_pools(nodes)
     try:
         model = PrefectYamlModel.model_validate(yaml.safe_load(path.read_text()))
@@ -139,8 +167,9 @@ def load_prefect_file(path: Path = PREFECT_FILE) -> tuple[list[str], list[dict[s
     return nodes, deployments
 
 
-def zombie_automation():
-    """Prefect's "Crash zombie flows" automation (docs: v3/advanced/detect-zombie-flows), with a wider window."""
+def zombie_automation(within: timedelta | None = None):
+    """Prefect's "Crash zombie flows" automation (docs: v3/advanced/detect-zombie-flows), with the window of
+    prefect.yaml (`zombie_window`) unless `within` is given."""
     from prefect.client.schemas.objects import StateType
     from prefect.events.actions import ChangeFlowRunState
     from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
@@ -160,7 +189,7 @@ def zombie_automation():
             for_each={"prefect.resource.id"},
             posture=Posture.Proactive,
             threshold=1,
-            within=ZOMBIE_WITHIN,
+            within=zombie_window() if within is None else within,
         ),
         actions=[
             ChangeFlowRunState(state=StateType.CRASHED, message="Flow run marked as crashed due to missing heartbeats.")
@@ -338,7 +367,7 @@ async def setup(
             raise SetupError(f"cannot reach the Prefect API at {client.api_url}: {err}")
         pools = work_pools(nodes)
         await ensure_work_pools(client, pools, change, log)
-        await ensure_automation(client, zombie_automation(), change)
+        await ensure_automation(client, zombie_automation(zombie_window(prefect_file)), change)
         if notify_block:
             await ensure_automation(client, failed_run_automation(await notify_block_id(client, notify_block)), change)
         else:  # an automation made earlier stays: an operator may have set it up by hand
