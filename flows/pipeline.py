@@ -202,7 +202,12 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         # The train manifest's validation is counted over the draft starts vLLM makes
         # (eyrie.stages.train.validation.like_for_like).
         evaluation = report_task(
-            results, str(run.evaluate), trained["val_metrics"], config.evaluate.max_train_serve_gap
+            results,
+            str(run.evaluate),
+            trained["val_metrics"],
+            config.evaluate.max_train_serve_gap,
+            training_data=str(data_dir),  # its chat-template variants beside evaluation's
+            val_fraction=config.train.val_fraction,
         )
         if sweep:
             evaluate_max = config.evaluate.max_tokens

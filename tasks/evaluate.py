@@ -19,13 +19,18 @@ from eyrie.stages.evaluate import (
     baseline_warnings,
     by_category,
     compare_drafters,
+    coverage_markdown,
+    coverage_table,
     draft_token_report,
+    evaluated_variants,
     evaluation_markdown,
     gap_warning,
     measure,
     measure_throughput,
     plot_draft_tokens,
     train_serve_gap,
+    training_variants,
+    variant_coverage,
     variant_set_name,
     with_per_request_metrics,
 )
@@ -237,7 +242,16 @@ def statistics_rows(results: list[dict]) -> list[dict]:
 
 
 @eyrie_task("report")
-def report_task(results: list[dict], out_dir: str, val_metrics: dict | None, max_gap: float) -> dict:
+def report_task(
+    results: list[dict],
+    out_dir: str,
+    val_metrics: dict | None,
+    max_gap: float,
+    training_data: str | None = None,
+    val_fraction: float = 0.0,
+) -> dict:
+    """The evaluation's tables, warnings and run-summary section. `training_data`: the folder training read (its
+    dataset and, regenerated with a template mix, each row's chat-template variant), for the variant coverage."""
     rows = [
         {
             "drafter": r["label"],
@@ -273,6 +287,16 @@ def report_task(results: list[dict], out_dir: str, val_metrics: dict | None, max
     comparisons = compare_drafters(summary)
     trained["versus"] = comparisons
     warnings = baseline_warnings(summary, comparisons)
+    coverage = None
+    if training_data:  # the training data's chat-template variants against evaluation's (issue 25 item 4)
+        coverage = variant_coverage(training_variants(Path(training_data), val_fraction), evaluated_variants(trained))
+        warnings += coverage["warnings"]
+        create_table_artifact(
+            coverage_table(coverage),
+            key="template-variants",
+            description="chat-template variants: share of the training data and of the evaluation prompts, and "
+            "the trained drafter's acceptance on each" + (f" ({coverage['note']})" if coverage.get("note") else ""),
+        )
     gap = train_serve_gap(val_metrics, trained["per_position_acceptance"], max_gap, trained["drafts"])
     create_table_artifact(
         gap["rows"], key="train-serve-gap", description="validation accuracy vs acceptance in vLLM, per position"
@@ -290,7 +314,8 @@ def report_task(results: list[dict], out_dir: str, val_metrics: dict | None, max
         "warnings": warnings,
         # The run summary's acceptance section (flows/pipeline.py puts it in the run-summary artifact): pooled and
         # mean-of-per-request acceptance with intervals, per position, per evaluation set and prompt category.
-        "markdown": evaluation_markdown(summary),
+        "markdown": evaluation_markdown(summary) + (coverage_markdown(coverage) if coverage else []),
+        "template_variants": coverage,
     }
     atomic_write_json(Path(out_dir) / "manifest.json", manifest)
     return manifest
