@@ -35,22 +35,28 @@ def open_run(config: PipelineConfig, run: RunFolder, serve: bool = False) -> Ope
     removed = remove_staging(run.root, skip=run.write_once_folders)
     if removed:
         log.info(f"removed {removed} temporary files left by an interrupted run")
-    ensure_target(config)
+    ensure_target(config.target)
     # Hub revisions pinned to the commits they point at now: every stage keys on those, and a weekly run against a
     # moved `main` retrains (the pinned config is in the run's parameters and preflight.json). A retry of this flow
     # run reuses the commits its first attempt pinned (eyrie/target/pins.py): a `main` moved meanwhile changes no key.
     flow_run_id = str(runtime.flow_run.id) if runtime.flow_run.id else None
-    config, reused = pin_for_flow_run(
-        config, run.root, flow_run_id, not is_local_target(config.target), is_hub_source(config.data)
+    pinned, reused = pin_for_flow_run(
+        config.target,
+        config.data,
+        run.root,
+        flow_run_id,
+        not is_local_target(config.target),
+        is_hub_source(config.data),
     )
+    config = config.model_copy(update=pinned._asdict())
     if config.target.revision or config.data.revision:
         how = "as this flow run's first attempt pinned them" if reused else "pinned"
         log.info(f"hub revisions {how}: target {config.target.revision}, data {config.data.revision}")
     preflight_task(config, str(run.root), serve=serve)  # seconds, before anything expensive
     # The tokenizer's and the data's fingerprints remembered in the run folder under what determines them: a
     # re-run loads no tokenizer (seconds: transformers' import) while nothing it depends on changed.
-    prepare_stage_key = compute_prepare_key(config, str(run.root / "fingerprints.json"))
-    prepared = prepare_task(config, str(run.prepare), prepare_stage_key)
+    prepare_stage_key = compute_prepare_key(config.target, config.data, str(run.root / "fingerprints.json"))
+    prepared = prepare_task(config.target, config.data, str(run.prepare), prepare_stage_key)
     report = preflight_task(
         config, str(run.root), tokens=prepared["stats"]["tokens"], serve=serve, prepare_key=prepare_stage_key
     )

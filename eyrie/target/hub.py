@@ -9,8 +9,9 @@ change exactly when a commit does, and the run's config records which commits it
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
-from eyrie.config import PipelineConfig
+from eyrie.config import DataConfig, TargetConfig
 from eyrie.errors import ConfigError
 
 
@@ -35,15 +36,19 @@ def hub_commit(repo_id: str, repo_type: str, revision: str | None) -> str:
     return sha
 
 
-def pin_revisions(config: PipelineConfig, is_hub_target: bool, is_hub_data: bool) -> PipelineConfig:
-    """`config` with its hub target's and hub dataset's revisions replaced by the commits they resolve to."""
-    updates: dict[str, object] = {}
+class Pinned(NamedTuple):
+    """The target and data sections with their hub revisions pinned (`PipelineConfig.model_copy(update=
+    pinned._asdict())` puts them back in a run's config)."""
+
+    target: TargetConfig
+    data: DataConfig
+
+
+def pin_revisions(target: TargetConfig, data: DataConfig, is_hub_target: bool, is_hub_data: bool) -> Pinned:
+    """`target` and `data` with a hub target's and hub dataset's revisions replaced by the commits they resolve
+    to."""
     if is_hub_target:
-        updates["target"] = config.target.model_copy(
-            update={"revision": hub_commit(config.target.model, "model", config.target.revision)}
-        )
+        target = target.model_copy(update={"revision": hub_commit(target.model, "model", target.revision)})
     if is_hub_data:
-        updates["data"] = config.data.model_copy(
-            update={"revision": hub_commit(config.data.source, "dataset", config.data.revision)}
-        )
-    return config.model_copy(update=updates) if updates else config
+        data = data.model_copy(update={"revision": hub_commit(data.source, "dataset", data.revision)})
+    return Pinned(target, data)

@@ -12,28 +12,34 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eyrie.config import PipelineConfig
+from eyrie.config import DataConfig, TargetConfig
 from eyrie.run.folder import atomic_write_json, read_json
-from eyrie.target.hub import pin_revisions
+from eyrie.target.hub import Pinned, pin_revisions
 
 PINS = "revisions.json"
 
 
-def _asked(config: PipelineConfig, is_hub_target: bool, is_hub_data: bool) -> dict:
+def _asked(target: TargetConfig, data: DataConfig, is_hub_target: bool, is_hub_data: bool) -> dict:
     return {
-        "target": [config.target.model, config.target.revision] if is_hub_target else None,
-        "data": [config.data.source, config.data.revision] if is_hub_data else None,
+        "target": [target.model, target.revision] if is_hub_target else None,
+        "data": [data.source, data.revision] if is_hub_data else None,
     }
 
 
 def pin_for_flow_run(
-    config: PipelineConfig, run_root: Path, flow_run_id: str | None, is_hub_target: bool, is_hub_data: bool
-) -> tuple[PipelineConfig, bool]:
-    """`config` with its hub revisions pinned: to the commits this flow run pinned before (a retry), else to the
-    commits they point at now (recorded for the retries). Returns (config, whether the pins were reused)."""
+    target: TargetConfig,
+    data: DataConfig,
+    run_root: Path,
+    flow_run_id: str | None,
+    is_hub_target: bool,
+    is_hub_data: bool,
+) -> tuple[Pinned, bool]:
+    """`target` and `data` with their hub revisions pinned: to the commits this flow run pinned before (a retry),
+    else to the commits they point at now (recorded for the retries). Returns (them, whether the pins were
+    reused)."""
     if not (is_hub_target or is_hub_data):
-        return config, False
-    asked = _asked(config, is_hub_target, is_hub_data)
+        return Pinned(target, data), False
+    asked = _asked(target, data, is_hub_target, is_hub_data)
     record = read_json(run_root / PINS)
     if (
         flow_run_id
@@ -42,13 +48,12 @@ def pin_for_flow_run(
         and record.get("asked") == asked
     ):
         commits = record.get("commits") or {}
-        updates: dict[str, object] = {}
         if is_hub_target:
-            updates["target"] = config.target.model_copy(update={"revision": commits["target"]})
+            target = target.model_copy(update={"revision": commits["target"]})
         if is_hub_data:
-            updates["data"] = config.data.model_copy(update={"revision": commits["data"]})
-        return config.model_copy(update=updates), True
-    pinned = pin_revisions(config, is_hub_target, is_hub_data)
+            data = data.model_copy(update={"revision": commits["data"]})
+        return Pinned(target, data), True
+    pinned = pin_revisions(target, data, is_hub_target, is_hub_data)
     if flow_run_id:
         commits = {
             "target": pinned.target.revision if is_hub_target else None,

@@ -55,11 +55,11 @@ def test_a_moving_main_changes_the_key_and_the_rows(hub_dataset):
 def test_a_run_pins_the_commit_main_points_at(hub_dataset, tmp_path):
     repo, point_main_at = hub_dataset
     config = parse_config(config_dict(tmp_path / "target", source=repo))
-    pinned = pin_revisions(config, is_hub_target=False, is_hub_data=True)
+    pinned = pin_revisions(config.target, config.data, is_hub_target=False, is_hub_data=True)
     assert pinned.data.revision == COMMIT_A and config.data.revision is None
     assert pinned.target == config.target
     point_main_at(COMMIT_B)
-    assert pin_revisions(config, False, True).data.revision == COMMIT_B
+    assert pin_revisions(config.target, config.data, False, True).data.revision == COMMIT_B
 
 
 def test_an_unknown_revision_is_a_clear_error(hub_dataset):

@@ -10,6 +10,7 @@ from prefect import flow
 
 from eyrie.config import parse_config
 from eyrie.run.folder import RunFolder, read_json
+from eyrie.target.hub import Pinned
 from eyrie.target.pins import PINS, pin_for_flow_run
 from flows.opening import open_run
 
@@ -54,16 +55,16 @@ def test_pins_are_reused_only_by_the_same_flow_run_asking_the_same(tmp_path, mon
     monkeypatch.setattr(
         pins,
         "pin_revisions",
-        lambda c, t, d: c.model_copy(update={"data": c.data.model_copy(update={"revision": next(commit)})}),
+        lambda target, data, t, d: Pinned(target, data.model_copy(update={"revision": next(commit)})),
     )
-    first, reused = pin_for_flow_run(config, tmp_path, "run-a", False, True)
+    first, reused = pin_for_flow_run(config.target, config.data, tmp_path, "run-a", False, True)
     assert (first.data.revision, reused) == ("1" * 40, False)
-    again, reused = pin_for_flow_run(config, tmp_path, "run-a", False, True)
+    again, reused = pin_for_flow_run(config.target, config.data, tmp_path, "run-a", False, True)
     assert (again.data.revision, reused) == ("1" * 40, True)
-    other, _ = pin_for_flow_run(config, tmp_path, "run-b", False, True)
+    other, _ = pin_for_flow_run(config.target, config.data, tmp_path, "run-b", False, True)
     assert other.data.revision == "2" * 40
     branch = config.model_copy(update={"data": config.data.model_copy(update={"revision": "dev"})})
-    assert pin_for_flow_run(branch, tmp_path, "run-b", False, True)[0].data.revision == "3" * 40
+    assert pin_for_flow_run(branch.target, branch.data, tmp_path, "run-b", False, True)[0].data.revision == "3" * 40
     (tmp_path / PINS).unlink()
-    assert pin_for_flow_run(config, tmp_path, None, False, True)[0].data.revision == "4" * 40
+    assert pin_for_flow_run(config.target, config.data, tmp_path, None, False, True)[0].data.revision == "4" * 40
     assert not (tmp_path / PINS).exists()
