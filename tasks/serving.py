@@ -11,30 +11,47 @@ from prefect.artifacts import create_table_artifact
 
 from eyrie.run.folder import run_server_folders
 from eyrie.vllm import phases
-from eyrie.vllm.client import ServerClient
+from eyrie.vllm.client import ServerClient, watch_first_answer
 from eyrie.vllm.process import VllmServer
 from eyrie.vllm.spec import ServerSpec
 from tasks.caching import eyrie_task
 
 
+def _start_artifact(folder: Path, state: dict) -> None:
+    measured = state["phases"]
+    create_table_artifact(
+        key="server-start",
+        table=[{"phase": k, "seconds": round(v, 1)} for k, v in measured.items()],
+        description=f"Start-up of the vLLM server in {folder} ({state.get('kind')}): {phases.summary(measured)}",
+    )
+
+
 def serve(spec: ServerSpec, folder: Path, timeout_s: float) -> ServerClient:
     """Start (or reuse) the server recorded in `folder`, logging to the task's run log; a server this call started
-    leaves where its start-up went (weights, compile, CUDA graphs...) as a table artifact."""
+    leaves where its start-up went (weights, compile, CUDA graphs...) as a table artifact. Its first answer once
+    ready, to any client of this process, is recorded beside those phases (`watch_first_answer`); the table with it
+    is left again when the server is stopped."""
     server = VllmServer(folder)
     asked = time.time()
     client = server.ensure(spec, timeout_s, log=get_run_logger().info)
+    watch_first_answer(client.base_url, server.state_path)
     state = server.state or {}
     if state.get("phases") and state.get("ready_at", 0) >= asked:
-        create_table_artifact(
-            key="server-start",
-            table=[{"phase": k, "seconds": round(v, 1)} for k, v in state["phases"].items()],
-            description=f"Start-up of the vLLM server in {folder} ({spec.kind}): {phases.summary(state['phases'])}",
-        )
+        _start_artifact(folder, state)
     return client
 
 
+def _stopping(folder: Path) -> VllmServer:
+    """Before a stop: the start's table again, now with its first request, if this server answered one."""
+    server = VllmServer(folder)
+    state = server.state
+    if state and phases.first_answer_recorded(state) and server.owns(state):
+        _start_artifact(folder, state)
+    return server
+
+
 def stop(folder: Path) -> None:
-    VllmServer(folder).stop(log=get_run_logger().info)
+    _stopping(folder).stop(log=get_run_logger().info)
 
 
 @eyrie_task("start-server", retries=1, retry_delay_seconds=5)
@@ -45,7 +62,7 @@ def start_server_task(spec: ServerSpec, folder: str, startup_timeout_s: float) -
 
 @eyrie_task("stop-server")
 def stop_server_task(folder: str) -> bool:
-    return VllmServer(Path(folder)).stop(log=get_run_logger().info)
+    return _stopping(Path(folder)).stop(log=get_run_logger().info)
 
 
 def unused_servers(run_root: Path, keep: list[Path]) -> list[Path]:

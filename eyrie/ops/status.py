@@ -132,6 +132,9 @@ def server_status(server: VllmServer) -> str:
         measured = state.get("phases") or phases.phases(_log(server), state["ready_at"])
         where = phases.summary(measured)  # empty when the log names no phase (not vLLM's, or worded otherwise)
         started = f"; started in {measured['total']:.0f} s: {where}" if where and "total" in measured else ""
+        started = started or (f"; {where}" if where else "")
+        if started and not phases.first_answer_recorded(state):  # recorded by Eyrie's client when it comes
+            started += f"; no request answered in the {time.time() - state['ready_at']:.0f} s since it became ready"
         return f"running pid {pid} at {url}{started}"
     return f"not answering: pid {pid} is alive but {url}/health failed repeatedly"
 

@@ -3,18 +3,66 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import requests
 
 from eyrie.errors import ExtractionError, RequestRejected, ServerUnavailable
+from eyrie.run.folder import atomic_write_json, read_json
+from eyrie.vllm import phases
 from eyrie.vllm.plugin import SKIP_HIDDEN_STATES
 from eyrie.vllm.spec import GENERATION_CACHE_SALT
 
 if TYPE_CHECKING:
     pass  # typing.Self is 3.11+; the package supports 3.10
+
+
+class FirstAnswer:
+    """Records once, in a server's `server.json`, when it first answered a request after it became ready: the
+    `first request` and `ready to first answer` phases (`eyrie.vllm.phases.with_first_answer`). vLLM's log has no
+    request lines, so the client that sent the request is the one that knows. Called after every answer; after the
+    first it costs one attribute read."""
+
+    def __init__(self, state_path: Path):
+        self.state_path = Path(state_path)
+        self.done = False
+        self._lock = threading.Lock()
+
+    def __call__(self, sent_at: float, answered_at: float) -> None:
+        if self.done:
+            return
+        with self._lock:
+            if self.done:
+                return
+            state = read_json(self.state_path)
+            if not isinstance(state, dict):  # stopped, or never recorded: nothing to add to
+                self.done = True
+                return
+            updated = phases.with_first_answer(state, sent_at, answered_at)
+            if updated is None:
+                self.done = phases.first_answer_recorded(state)  # recorded by another client; else try the next
+                return
+            try:
+                atomic_write_json(self.state_path, updated)
+            except OSError:  # advisory, as the other phases (a full disk must not fail a request that was answered)
+                pass
+            self.done = True
+
+
+_WATCHED: dict[str, FirstAnswer] = {}  # base URL -> the server.json its first answer goes to, in this process
+
+
+def watch_first_answer(base_url: str, state_path: Path) -> FirstAnswer:
+    """From now on, the first answer any ServerClient of this process gets from `base_url` after the server became
+    ready is recorded in `state_path` (the clients that extraction and regeneration build from the URL alone
+    included). Called where the server is started or reused (tasks/serving.py)."""
+    recorder = FirstAnswer(state_path)
+    _WATCHED[base_url] = recorder
+    return recorder
 
 
 class ServerClient:
@@ -28,6 +76,11 @@ class ServerClient:
         self.session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=connections))
         if api_key:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
+
+    def _answered(self, sent_at: float) -> None:
+        """After each answered request: the server's first answer once ready is recorded (`watch_first_answer`)."""
+        if (recorder := _WATCHED.get(self.base_url)) is not None:
+            recorder(sent_at, time.time())
 
     @staticmethod
     def _extract_body(token_ids: list[int]) -> dict[str, Any]:
@@ -50,8 +103,11 @@ class ServerClient:
         return path
 
     def extract(self, token_ids: list[int], timeout_s: float) -> str:
+        sent = time.time()
         r = self.session.post(self.base_url + "/v1/completions", json=self._extract_body(token_ids), timeout=timeout_s)
         ok = r.status_code == 200
+        if ok:
+            self._answered(sent)
         return self._hidden_states_path(r.status_code, "" if ok else r.text, r.json() if ok else None, token_ids)
 
     @contextlib.asynccontextmanager
@@ -67,6 +123,7 @@ class ServerClient:
         ) as session:
 
             async def extract(token_ids: list[int], timeout_s: float) -> str:
+                sent = time.time()
                 async with session.post(
                     self.base_url + "/v1/completions",
                     json=self._extract_body(token_ids),
@@ -74,7 +131,10 @@ class ServerClient:
                 ) as r:
                     ok = r.status == 200
                     text = "" if ok else await r.text()
-                    return self._hidden_states_path(r.status, text, await r.json() if ok else None, token_ids)
+                    out = await r.json() if ok else None
+                    if ok:
+                        self._answered(sent)
+                    return self._hidden_states_path(r.status, text, out, token_ids)
 
             yield extract
 
@@ -110,6 +170,7 @@ class ServerClient:
         for attempt in range(retries + 1):
             if attempt:
                 time.sleep(min(2.0**attempt, 30.0))
+            sent = time.time()
             try:
                 r = self.session.post(self.base_url + "/v1/completions", json=body, timeout=timeout_s)
             except requests.RequestException as err:
@@ -120,6 +181,7 @@ class ServerClient:
                 continue
             if r.status_code != 200:
                 raise RequestRejected(r.status_code, r.text)
+            self._answered(sent)
             choice = r.json()["choices"][0]
             if choice.get("prompt_token_ids") not in (None, token_ids):
                 raise ServerUnavailable("vLLM echoed different prompt token ids than were sent")
@@ -135,8 +197,10 @@ class ServerClient:
 
     def chat(self, messages: list[dict], max_tokens: int, timeout_s: float = 600) -> dict:
         body: dict[str, Any] = {"model": "target", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
+        sent = time.time()
         r = self.session.post(self.base_url + "/v1/chat/completions", json=body, timeout=timeout_s)
         r.raise_for_status()
+        self._answered(sent)
         return r.json()
 
     def metrics(self) -> str:

@@ -12,7 +12,11 @@ phases' own durations. The phases, in the order a start goes through them:
 - `engine init`: vLLM's own "init engine (profile, create kv cache, warmup model) took X s", of which `compile`
   (its "(compilation: X s)" or "torch.compile took X s in total") and `CUDA graphs` ("Graph capturing finished in
   X secs"), the rest being the memory profile, the KV cache and the warm-up;
-- `API server`: from the engine's end to the first answered health probe (`ready_at` in server.json).
+- `API server`: from the engine's end to the first answered health probe (`ready_at` in server.json);
+- `first request`: the latency of the first request the server answered once ready (a first request pays for what
+  vLLM leaves to it: lazily compiled kernels, allocator growth, cold caches), and `ready to first answer`: from ready
+  to that answer. vLLM's log has no request lines, so these are recorded by Eyrie's client when that answer comes
+  (`with_first_answer`, through `eyrie.vllm.client.watch_first_answer`), beside the others in server.json.
 
 Only the last start in the log is read (a server folder's log holds every start). A phase whose lines are missing
 (an older or newer vLLM worded them otherwise) is left out rather than guessed.
@@ -32,7 +36,19 @@ ENGINE_INIT = re.compile(r"init engine \(profile, create kv cache, warmup model\
 COMPILE = (re.compile(r"\(compilation: ([\d.]+) s"), re.compile(r"torch\.compile took ([\d.]+) s in total"))
 GRAPHS = re.compile(r"Graph capturing finished in ([\d.]+) secs")
 
-PHASES = ("imports", "engine start", "weights", "engine init", "compile", "CUDA graphs", "API server", "total")
+FIRST_REQUEST, FIRST_ANSWER = "first request", "ready to first answer"
+AFTER_READY = (FIRST_REQUEST, FIRST_ANSWER)  # after the start's `total`, not part of it
+PHASES = (
+    "imports",
+    "engine start",
+    "weights",
+    "engine init",
+    "compile",
+    "CUDA graphs",
+    "API server",
+    "total",
+    *AFTER_READY,
+)
 
 
 def _stamp(year: str, month_day_time: str) -> float:
@@ -91,26 +107,55 @@ def phases(log_text: str, ready_at: float | None = None) -> dict[str, float]:
     return out
 
 
+def with_first_answer(state: dict, sent_at: float, answered_at: float) -> dict | None:
+    """`state` (a server.json) with the first answer after ready among its phases: `first request` (that request's
+    latency, `answered_at - sent_at`) and `ready to first answer`. None when there is nothing to record: the server
+    is not ready yet, its first answer is recorded already, or this request was sent before it became ready (an
+    answer of the start before, or of a wait that raced the health probe)."""
+    ready = state.get("ready_at")
+    measured = dict(state.get("phases") or {})
+    if not ready or FIRST_REQUEST in measured or sent_at < ready or answered_at < sent_at:
+        return None
+    measured[FIRST_REQUEST] = answered_at - sent_at
+    measured[FIRST_ANSWER] = answered_at - ready
+    return {**state, "phases": measured}
+
+
+def first_answer_recorded(state: dict | None) -> bool:
+    return bool(state) and FIRST_REQUEST in ((state or {}).get("phases") or {})
+
+
+def _seconds(name: str, value: float) -> str:
+    return f"{value:.1f}" if name in AFTER_READY else f"{value:.0f}"
+
+
 def table(measured: dict[str, float]) -> str:
     """A markdown table of the phases, with each one's share of the total."""
     total = measured.get("total")
     rows = ["| phase | seconds | share |", "|---|---:|---:|"]
     for name in PHASES:
         if name in measured:
-            share = f"{measured[name] / total:.0%}" if total else ""
+            share = f"{measured[name] / total:.0%}" if total and name not in AFTER_READY else ""
             label = f"  of which {name}" if name in ("compile", "CUDA graphs") else name
-            rows.append(f"| {label} | {measured[name]:.0f} | {share} |")
+            rows.append(f"| {label} | {_seconds(name, measured[name])} | {share} |")
     return "\n".join(rows)
 
 
 def summary(measured: dict[str, float]) -> str:
-    """One line: `weights 1581 s, engine init 212 s (compile 95 s, CUDA graphs 40 s), ...`."""
+    """One line: `weights 1581 s, engine init 212 s (compile 95 s, CUDA graphs 40 s), ...; first request 2.1 s,
+    answered 30.5 s after ready`."""
     parts = []
     for name in PHASES:
-        if name in measured and name not in ("compile", "CUDA graphs", "total"):
+        if name in measured and name not in ("compile", "CUDA graphs", "total", *AFTER_READY):
             part = f"{name} {measured[name]:.0f} s"
             if name == "engine init":
                 inner = [f"{n} {measured[n]:.0f} s" for n in ("compile", "CUDA graphs") if n in measured]
                 part += f" ({', '.join(inner)})" if inner else ""
             parts.append(part)
-    return ", ".join(parts)
+    line = ", ".join(parts)
+    if FIRST_REQUEST in measured:
+        after = f"first request {measured[FIRST_REQUEST]:.1f} s"
+        if FIRST_ANSWER in measured:
+            after += f", answered {measured[FIRST_ANSWER]:.1f} s after ready"
+        line = f"{line}; {after}" if line else after
+    return line
