@@ -29,7 +29,8 @@ this builds a synthetic run folder in the layout Eyrie's stages write, then meas
           host time per step and collector pauses every 25 steps, and with `--profile START,STEPS` a
           torch.profiler window analysed by `analyse_trace` (GPU busy and idle, kernel time by kind, host syncs,
           the largest idle gaps and what the training thread did meanwhile; the trace comes back gzipped).
-          `--off NAME` turns off one of eyrie.stages.train.entry's GPU switches (GPU_FEED, SYNC_FREE_METRICS, ...).
+          `--off NAME` turns off one of eyrie.stages.train.entry's GPU switches (GPU_FEED, SYNC_FREE_METRICS, ...),
+          `--on NAME` turns one on (DEFERRED_MASK_COMPILE, ONE_KV_LENGTH), `--cold` empties the compile caches first.
           `--optimizer` sets `train.optimizer`; everything else is the preset's. `--inmem` swaps speculators' data
           loaders for one pinned batch served from memory (same trainer, model and optimizer): the trainer without
           its loader. A second launch on the same run folder is a retry: torch.compile's cache
@@ -195,6 +196,12 @@ def main() -> None:
     p.add_argument("--profile", default="", help="START,STEPS: a torch.profiler window from step START")
     p.add_argument(
         "--off", action="append", default=[], help="an eyrie.stages.train.entry switch to turn off (GPU_FEED, ...)"
+    )
+    p.add_argument("--on", action="append", default=[], help="a switch to turn on (DEFERRED_MASK_COMPILE, ...)")
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="eyrie: empty every compile cache first (<run>/train/compile-cache, ~/.triton, /tmp/torchinductor_*)",
     )
     # ab
     p.add_argument("--ab-run", default="runs/gpu-ab/run")

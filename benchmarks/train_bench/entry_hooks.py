@@ -103,6 +103,9 @@ def _bench_entry(argv: list[str]) -> None:
     for name in opts.get("off", []):
         assert isinstance(getattr(switches, name), bool), name
         setattr(switches, name, False)
+    for name in opts.get("on", []):
+        assert isinstance(getattr(switches, name), bool), name
+        setattr(switches, name, True)
     if switches.FORKSERVER_WORKERS and os.environ.get("EYRIE_TRAIN_DEVICE") != "cpu":
         workers._start_worker_server()  # where main() starts it, before the heavy imports (again there: a no-op)
     if os.environ.get("EYRIE_TRAIN_DEVICE") != "cpu":

@@ -79,6 +79,7 @@ def cmd_eyrie(args, optimizer: str | None = None) -> dict:
         bench = {
             "inmem": args.inmem,
             "off": args.off,
+            "on": getattr(args, "on", []),
             "out": str(Path(args.log_dir).resolve()),
             "name": f"eyrie_{optimizer}{'_' + args.tag if args.tag else ''}",
         }
@@ -90,6 +91,10 @@ def cmd_eyrie(args, optimizer: str | None = None) -> dict:
         info["loader"] = "one pinned batch from memory (speculators' loaders replaced)"
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # eyrie.stages.train.entry's default: <run>/train/compile-cache
     compile_cache = root / "train" / "compile-cache"
+    if getattr(args, "cold", False):  # a first launch on a fresh node: nothing compiled anywhere
+        for cache in [compile_cache, Path.home() / ".triton", *Path("/tmp").glob("torchinductor_*")]:
+            shutil.rmtree(cache, ignore_errors=True)
+        info["cold"] = True
     cache_files_before = sum(1 for _ in compile_cache.rglob("*")) if compile_cache.exists() else 0
     log_path = Path(args.log_dir) / f"train_{optimizer}{'_' + args.tag if args.tag else ''}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
