@@ -88,7 +88,7 @@ def _regenerate(
 def assemble(config: PipelineConfig, run: RunFolder, plan: RegenerationPlan) -> dict:
     """Assemble every regenerated shard into the stage's dataset (the pipeline after its shards, a fan-out's parent
     once every node is done). Read after the shards ran: `plan.key` counts the rows they lost."""
-    manifest = assemble_task(str(plan.dir), str(run.prepare), plan.shards, plan.keys, plan.key, config)
+    manifest = assemble_task(str(plan.dir), str(run.prepare), plan.shards, plan.keys, plan.key, config.regenerate)
     # Its warnings (rows lost to server errors) reach the run's summary even when the assembly is a cache hit.
     warnings = manifest.get("warnings", [])
     return {"key": plan.key, "dataset": str(plan.dir / "dataset"), "stats": manifest["stats"], "warnings": warnings}

@@ -7,7 +7,7 @@ from pathlib import Path
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
-from eyrie.config import PipelineConfig
+from eyrie.config import PipelineConfig, RegenerateConfig
 from eyrie.errors import RegenerationError
 from eyrie.run.folder import read_json
 from eyrie.stages.prepare import Shard
@@ -69,7 +69,7 @@ def regenerate_shard_task(job: RegenerateShardJob, base_url: str | None, config:
         cfg,
         config.data.max_length,
         progress=progress,
-        variants=template_mix(config),
+        variants=template_mix(config.regenerate, config.evaluate),
     )
     s = manifest["stats"]
     log.info(
@@ -84,9 +84,9 @@ def regenerate_shard_task(job: RegenerateShardJob, base_url: str | None, config:
 
 @stage_task("regenerate-assemble", manifest="{stage_dir}/manifest.json", retries=1)
 def assemble_task(
-    stage_dir: str, prepare_dir: str, shards: list[Shard], keys: dict[str, str], key: str, config: PipelineConfig
+    stage_dir: str, prepare_dir: str, shards: list[Shard], keys: dict[str, str], key: str, regenerate: RegenerateConfig
 ) -> dict:
-    manifest = assemble(Path(stage_dir), Path(prepare_dir), shards, keys, key, config.regenerate)
+    manifest = assemble(Path(stage_dir), Path(prepare_dir), shards, keys, key, regenerate)
     stats = manifest["stats"]
     rows = [{"measure": k, "value": v} for k, v in stats.items() if not isinstance(v, dict)]
     rows += [{"measure": f"failed: {k}", "value": v} for k, v in stats["failed"].items()]

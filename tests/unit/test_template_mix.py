@@ -40,6 +40,10 @@ TEMPLATE = (
 VARIANTS = [{"name": "thinking", "chat_template_kwargs": THINK}, {"name": "plain", "chat_template_kwargs": {"x": 1}}]
 
 
+def _mix(config: PipelineConfig) -> dict[str, dict]:
+    return template_mix(config.regenerate, config.evaluate)
+
+
 @pytest.fixture(scope="module")
 def target_dir():
     return build_tiny_target("tiny-llama-chat")
@@ -92,16 +96,16 @@ def test_a_variant_renders_with_its_switches(tok):
 
 
 def test_a_name_no_variant_declares_is_refused(target_dir):
-    assert template_mix(config_for(target_dir, MIX)) == {"default": {}, "thinking": THINK}
-    assert template_mix(config_for(target_dir)) == {}
+    assert _mix(config_for(target_dir, MIX)) == {"default": {}, "thinking": THINK}
+    assert _mix(config_for(target_dir)) == {}
     with pytest.raises(
         ConfigError, match=r"'thinkin' is not a template variant; known: 'default', 'thinking', 'plain'"
     ):
-        template_mix(config_for(target_dir, [{"variant": "thinkin", "weight": 1}]))
+        _mix(config_for(target_dir, [{"variant": "thinkin", "weight": 1}]))
     with pytest.raises(ConfigError, match="twice"):
-        template_mix(config_for(target_dir, [{"variant": "plain", "weight": 1}, {"variant": "plain", "weight": 2}]))
+        _mix(config_for(target_dir, [{"variant": "plain", "weight": 1}, {"variant": "plain", "weight": 2}]))
     with pytest.raises(ConfigError, match="reserves"):
-        template_mix(config_for(target_dir, MIX, variants=[{"name": "default", "chat_template_kwargs": THINK}]))
+        _mix(config_for(target_dir, MIX, variants=[{"name": "default", "chat_template_kwargs": THINK}]))
     # The shard key is where the plan meets the config: refused there too, before any request.
     with pytest.raises(ConfigError, match="not a template variant"):
         shard_key("tpl", None, config_for(target_dir, [{"variant": "nope", "weight": 1}]))
@@ -146,7 +150,7 @@ def test_each_row_is_rendered_with_and_records_its_variant(tmp_path, target_dir,
     prepare_dir = tmp_path / "prepare"
     prepare(config.target, config.data, prepare_dir)
     shards = load_shards(prepare_dir)
-    variants = template_mix(config)
+    variants = _mix(config)
     stage = tmp_path / "regen"
     keys = {s.name: f"k{s.index}" for s in shards}
     client = RecordingClient(tok)

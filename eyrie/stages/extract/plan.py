@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from eyrie.config import RegenerateConfig
 from eyrie.errors import DiskFullError, ExtractionError
 from eyrie.hidden_states.check import record_context
 from eyrie.hidden_states.packs import PACKED
@@ -37,10 +38,10 @@ def shard_key(content: str, config) -> str:
     return keyed("extract.layout", config, content=content)
 
 
-def source_folder(run, config) -> Path:
+def source_folder(run, regenerate: RegenerateConfig) -> Path:
     """The folder whose dataset and shards extraction reads: regenerate's when the config regenerates, else
     prepare's (`eyrie.stages.regenerate.extraction_source` also checks that regenerate's is current)."""
-    return run.stage("regenerate") if config.regenerate.enabled else run.prepare
+    return run.stage("regenerate") if regenerate.enabled else run.prepare
 
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class ExtractionPlan:
 
         self.run = run
         self.shards = shards
-        self.source = Path(source) if source is not None else source_folder(run, config)
+        self.source = Path(source) if source is not None else source_folder(run, config.regenerate)
         self.finished_from_disk: list[str] = []  # shards `pending` found whole on disk and gave their manifest
         self.server_dir = server_folder(run.extract, node)
         self.captured_ids = report.captured_layer_ids

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from eyrie.config import RegenerateConfig
+from eyrie.config import EvaluateConfig, RegenerateConfig
 from eyrie.stages.prepare import RowError, render_text
 
 
@@ -195,17 +195,17 @@ def conversation_variant(cfg: RegenerateConfig, fingerprint: str) -> str:
     return cfg.template_mix[i].variant
 
 
-def template_mix(config) -> dict[str, dict]:
+def template_mix(regenerate: RegenerateConfig, evaluate: EvaluateConfig) -> dict[str, dict]:
     """`regenerate.template_mix`'s variants by name, each its `chat_template_kwargs` as evaluation sends them
     (`evaluate.template_variants`; `default`: none). Empty when there is no mix. A name no variant declares, a
     variant named twice in the mix, or a declared variant named `default`, is a ConfigError."""
     from eyrie.errors import ConfigError
 
-    mix = config.regenerate.template_mix or []
+    mix = regenerate.template_mix or []
     if not mix:
         return {}
     declared: dict[str, dict] = {}
-    for v in config.evaluate.template_variants:
+    for v in evaluate.template_variants:
         if v.name in declared:
             raise ConfigError(f"evaluate.template_variants: two variants are named {v.name!r}; name each apart")
         declared[v.name] = dict(v.chat_template_kwargs)

@@ -15,10 +15,11 @@ def shard_key(template: str, shard: Shard, config: PipelineConfig) -> str:
     content (ids and conversations), the target (weights, tokenizer and generation config files, dtype,
     output-shaping server arguments), its template (with the switches of each variant `regenerate.template_mix`
     draws: a variant's `chat_template_kwargs` changed in `evaluate.template_variants` renders other rows), the
-    sampling and the length cap of a row."""
+    sampling and the length cap of a row. The whole config: the key is computed from the declaration's dotted
+    paths."""
     from eyrie.target.metadata import stage_key as keyed
 
-    switches = template_mix(config)  # raises ConfigError on a name no variant declares
+    switches = template_mix(config.regenerate, config.evaluate)  # raises ConfigError on a name no variant declares
 
     return keyed(
         "regenerate.shard",
@@ -37,7 +38,8 @@ def stage_key(
 ) -> str:
     """The assembled output's identity: its shards' keys and what assembly keeps. `lost`: the rows each shard lost
     to server errors (left out of its rows file until a later run retries them), so an assembly made without them
-    is not reused once they are back (None: it lost some, unnamed); a shard that lost none keys as its key alone."""
+    is not reused once they are back (None: it lost some, unnamed); a shard that lost none keys as its key alone.
+    The whole config: the key is computed from the declaration's dotted paths."""
     from eyrie.target.metadata import stage_key as keyed
 
     lost = lost or {}
@@ -47,7 +49,8 @@ def stage_key(
 
 class RegenerationPlan:
     """The shards to regenerate (prepare's), their keys, and the server: the extraction server itself, with the
-    very spec extraction starts (so the target loads once for both stages)."""
+    very spec extraction starts (so the target loads once for both stages). The whole config: the keys and the
+    server's spec (`eyrie.vllm.spec.ServerSpec.for_extraction`) are computed from identity's dotted paths."""
 
     def __init__(self, config: PipelineConfig, run: RunFolder, report, node: str | None = None):
         from eyrie.stages.extract import ExtractionPlan
@@ -57,7 +60,7 @@ class RegenerationPlan:
         self.run = run
         # What regenerate_shard renders each variant with (its `variants`); first, so a name no variant declares is
         # refused before anything else is done.
-        self.variants = template_mix(config)
+        self.variants = template_mix(config.regenerate, config.evaluate)
         self.dir = run.stage(STAGE)
         self.shards = load_shards(run.prepare)
         if not self.shards:

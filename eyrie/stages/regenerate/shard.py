@@ -327,7 +327,7 @@ def _variant_switches(cfg: RegenerateConfig, variants: dict[str, dict] | None) -
         if not variants or share.variant not in variants:
             raise RegenerationError(
                 f"regenerate.template_mix draws {share.variant!r} but the shard was given no chat_template_kwargs "
-                f"for it (given: {sorted(variants or {})}): pass `template_mix(config)` as `variants`"
+                f"for it (given: {sorted(variants or {})}): pass `template_mix(regenerate, evaluate)` as `variants`"
             )
         out[share.variant] = dict(variants[share.variant])
     return out

@@ -20,7 +20,7 @@ def extraction_source(run: RunFolder, config: PipelineConfig | None = None) -> P
     if config is None:
         recorded = (read_json(run.extract / SOURCE_MARKER) or {}).get("stage")
         return run.stage(recorded) if recorded in (STAGE, "prepare") else run.prepare
-    stage_dir = source_folder(run, config)  # the folder extraction's plan reads
+    stage_dir = source_folder(run, config.regenerate)  # the folder extraction's plan reads
     if stage_dir == run.prepare:
         return stage_dir
     m = read_json(stage_dir / "manifest.json")
