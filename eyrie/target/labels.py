@@ -19,6 +19,14 @@ says. `label_approximations` names each difference, read from the target's class
   does not change the labels, but the drafter's input is not what the target sees.
 
 Preflight reports them (`label_warnings`) before anything loads.
+
+`label_plan` decides which of them the trainer applies (eyrie/stages/train/patches/target_transform.py, from the
+same detection, so preflight and the trainer agree): the target's own final norm module in place of speculators'
+RMSNorm, the head's bias added to the label logits, and the logit transform the target's own forward applies after
+its head (scaling, soft-capping: probed numerically by `probe_logits`, not read from a name). The embedding scale is
+not applied: vLLM's EAGLE-3 drafter embeds its input tokens with an unscaled table (the target's shared
+embedding, whose scale lives in the target's forward), so the unscaled table in training is what serving feeds it.
+`label_report` is preflight's split of them into warnings (approximations left) and info lines ("applied: ...").
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ class Approximation:
     what: str  # short name: head bias, final norm, logit soft-capping, logit scaling, embedding scale
     source: str  # where it was read: `config.final_logit_softcapping`, `GPTNeoXForCausalLM.embed_out.bias`...
     detail: str  # what the target does that the labels do not
+    applied: str = ""  # how the trainer applies the target's own transform instead ("": it does not)
 
     def message(self) -> str:
         return f"{self.what} ({self.source}): {self.detail}"
@@ -234,3 +243,162 @@ def label_warnings(target, cfg: dict) -> list[str]:
         "lower than validation predicts by what this costs; the train/serve gap in the evaluation report measures it"
         for a in label_approximations(model)
     ]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the trainer applies
+
+
+@dataclass
+class LogitTransform:
+    """What the target's forward does to its head's output: `cap * tanh(scale * raw / cap)`, or `scale * raw`
+    when `cap` is None (a logit scale, or Granite's division, is a scale; Gemma-2's soft-cap is scale 1, cap c)."""
+
+    scale: float = 1.0
+    cap: float | None = None
+
+    def __call__(self, raw):
+        if self.cap is None:
+            return raw * self.scale
+        import torch
+
+        return self.cap * torch.tanh(raw * (self.scale / self.cap))
+
+    def describe(self) -> str:
+        if self.cap is None:
+            return f"logits * {self.scale:.6g}"
+        inner = "logits" if self.scale == 1.0 else f"{self.scale:.6g} * logits"
+        return f"{self.cap:.6g} * tanh({inner} / {self.cap:.6g})"
+
+
+def _child_parent(model, module) -> tuple[object, str, str] | None:
+    for name, m in model.named_modules():
+        if m is module and name:
+            parent_name, _, attr = name.rpartition(".")
+            return model.get_submodule(parent_name) if parent_name else model, attr, name
+    return None
+
+
+def probe_logits(model) -> LogitTransform | None:
+    """The transform the target's own forward applies after its head, measured: the decoder is stubbed to return
+    a probe vector as its hidden state and the head replaced by the identity, so the CausalLM's forward returns
+    f(probe) for the values fed. Identity gives LogitTransform(1.0); a scale or a tanh soft-cap (with a scale
+    inside) is recognised by its shape; anything else, or a forward that cannot run this way, gives None. `model`
+    may be on the meta device (only the forward's code after the decoder runs); it is left as it was."""
+    import torch
+    from torch import nn
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    where = _child_parent(model, head) if head is not None else None
+    if decoder is None or where is None:
+        return None
+    parent, attr, _ = where
+    t = torch.cat([torch.tensor([1e-2, -1e-2]), torch.linspace(-60.0, 60.0, 121), torch.tensor([1e4, -1e4])]).reshape(
+        1, 1, -1
+    )
+
+    def stub(*args, **kwargs):
+        return BaseModelOutputWithPast(last_hidden_state=t)
+
+    decoder.forward = stub
+    setattr(parent, attr, nn.Identity())
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=False)
+        y = (out.logits if hasattr(out, "logits") else out[0]).double().flatten()
+    except Exception:  # noqa: BLE001 - a forward that cannot run stubbed is not probed
+        return None
+    finally:
+        del decoder.forward
+        setattr(parent, attr, head)
+    x = t.double().flatten()
+    if y.shape != x.shape or not torch.isfinite(y).all():
+        return None
+    scale = float(y[0] / x[0])
+    if torch.allclose(y, scale * x, rtol=1e-4, atol=1e-6):
+        return LogitTransform(1.0 if abs(scale - 1) < 1e-5 else scale)
+    cap = float(y[-2])
+    if cap > 0 and torch.allclose(y, cap * torch.tanh(x * (scale / cap)), rtol=1e-4, atol=1e-5):
+        return LogitTransform(1.0 if abs(scale - 1) < 1e-5 else scale, cap)
+    return None
+
+
+@dataclass
+class LabelPlan:
+    """What the trainer applies so the labels are the target's own distribution: the final norm module to apply
+    as the target's own (its name in the target), the head whose bias is added (its name), the logit transform,
+    and every approximation, each with `applied` set where the plan covers it."""
+
+    norm: str | None
+    head: str | None
+    logits: LogitTransform | None
+    approximations: list[Approximation]
+
+
+LOGIT_KINDS = ("logit soft-capping", "logit scaling")
+
+
+def label_plan(model) -> LabelPlan:
+    """`label_approximations(model)` and what the trainer applies of them (eyrie/stages/train/patches/
+    target_transform.py builds it from the target's own files in the trainer process)."""
+    from eyrie.target.metadata import _final_norm
+
+    found = label_approximations(model)
+    norm = head = None
+    for a in found:
+        if a.what == "final norm":
+            final = _final_norm(model)
+            if final is not None:
+                norm = final[0]
+                a.applied = (
+                    f"the labels apply the target's own final norm ({type(final[1]).__name__}, its tensors read "
+                    "from the checkpoint) in place of speculators' RMSNorm"
+                )
+        elif a.what == "head bias":
+            where = _child_parent(model, model.get_output_embeddings())
+            if where is not None:
+                head = where[2]
+                a.applied = "the labels add the head's bias (its draft-vocabulary rows) to the verifier logits"
+    probed = probe_logits(model)
+    logits = probed if probed is not None and (probed.scale != 1.0 or probed.cap is not None) else None
+    if logits is not None:
+        applied = (
+            f"the labels apply the target's logit transform, {logits.describe()} (measured from the target's "
+            "own forward), before their softmax"
+        )
+        named = [a for a in found if a.what in LOGIT_KINDS]
+        if not named:
+            kind = LOGIT_KINDS[0] if logits.cap is not None else LOGIT_KINDS[1]
+            named = [
+                Approximation(
+                    kind,
+                    f"{type(model).__name__}.forward",
+                    f"the target's logits are {logits.describe()}; the labels are the head's raw logits",
+                )
+            ]
+            found.append(named[0])
+        for a in named:
+            a.applied = applied
+    return LabelPlan(norm, head, logits, found)
+
+
+def label_report(target, cfg: dict) -> tuple[list[str], list[str]]:
+    """Preflight's lines for the target's label approximations: (warnings: each approximation the trainer cannot
+    apply, as `label_warnings` words it; infos: "applied: ..." for each one it applies)."""
+    from eyrie.target.metadata import _meta_model
+
+    try:
+        model = _meta_model(target, cfg)
+    except Exception:  # noqa: BLE001 - resolve_borrowed_weights reports it
+        return [], []
+    plan = label_plan(model)
+    warnings = [
+        f"the drafter's training labels approximate {target.model}: {a.message()}. Acceptance in vLLM will be "
+        "lower than validation predicts by what this costs; the train/serve gap in the evaluation report measures it"
+        for a in plan.approximations
+        if not a.applied
+    ]
+    infos = [f"applied: {a.what} ({a.source}): {a.applied}" for a in plan.approximations if a.applied]
+    return warnings, infos

@@ -1,0 +1,220 @@
+"""Issue 25 item 8: the drafter's training labels apply the target's own transform
+(eyrie/stages/train/patches/target_transform.py). For tiny targets of real transformers classes with each
+approximation (a head bias, a LayerNorm final norm, an offset RMSNorm, a soft-cap, a logit scale), a real speculators
+EAGLE-3 drafter is built by its own `from_training_args` (Eyrie's verifier-weight loader in place, as the trainer
+runs it), its forward is run with the target's final hidden state, and the label distribution its loss receives is
+compared with the target's own next-token distribution from transformers, restricted to the draft vocabulary:
+equal to float tolerance with the patch, different without it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eyrie.config import TargetConfig
+from eyrie.target.tiny.families import build_gemma2, build_gpt_neox
+
+DRAFT_VOCAB = 96
+
+
+def _build(path, config_name: str, model_name: str, drop=(), **fields):
+    import transformers
+
+    from eyrie.target.tiny.families import _build as build
+
+    build(path, 0, getattr(transformers, config_name), getattr(transformers, model_name), fields, {}, drop=drop)
+
+
+# Each family: its builder and the approximations it carries (all applied by the trainer).
+FAMILIES = {
+    # a head bias and a LayerNorm final norm with a bias
+    "phi": (
+        lambda p: _build(p, "PhiConfig", "PhiForCausalLM", drop=("head_dim",), partial_rotary_factor=0.5),
+        {"head bias", "final norm"},
+    ),
+    "gpt-neox": (build_gpt_neox, {"final norm"}),  # a LayerNorm final norm (weight and bias), untied head
+    "gemma": (lambda p: _build(p, "GemmaConfig", "GemmaForCausalLM"), {"final norm"}),  # (1 + weight) RMSNorm alone
+    "gemma2": (build_gemma2, {"final norm", "logit soft-capping"}),  # offset RMSNorm and a final soft-cap
+    "granite": (
+        lambda p: _build(p, "GraniteConfig", "GraniteForCausalLM", logits_scaling=4.0),
+        {"logit scaling"},
+    ),  # logits divided by a scale
+    "cohere": (
+        lambda p: _build(p, "CohereConfig", "CohereForCausalLM", logit_scale=0.25),
+        {"final norm", "logit scaling"},
+    ),  # logits multiplied by a scale; a LayerNorm without bias
+}
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("targets")
+    built = {}
+    for name, (build, _) in FAMILIES.items():
+        build(root / name)
+        built[name] = root / name
+    return built
+
+
+@pytest.fixture
+def speculators_restored(monkeypatch):
+    """speculators' loader and Eagle3DraftModel as they were, after the test (the patches are process-wide)."""
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.utils import loading
+
+    monkeypatch.setattr(loading, "load_model_layers", loading.load_model_layers)
+    monkeypatch.setattr(Eagle3DraftModel, "load_verifier_weights", Eagle3DraftModel.load_verifier_weights)
+    monkeypatch.delenv("EYRIE_TARGET_TRANSFORM", raising=False)
+
+
+def _drafter(path, t2d, d2t):
+    from speculators.models.eagle3.core import Eagle3DraftModel
+
+    from eyrie.target.drafter import draft_layer_config
+
+    return Eagle3DraftModel.from_training_args(
+        verifier_config=draft_layer_config(TargetConfig(model=str(path)), 1),
+        t2d=t2d,
+        d2t=d2t,
+        target_layer_ids=[2, 4, 5],
+        verifier_name_or_path=str(path),
+        draft_vocab_size=DRAFT_VOCAB,
+        norm_before_residual=True,
+        ttt_steps=1,
+        draft_attn_impl="sdpa",
+    ).float()
+
+
+def _target_run(path, ids):
+    """The target's final hidden state (what the final norm receives: the residual stream extraction captures) and
+    its own next-token logits, by transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from eyrie.target.metadata import _final_norm
+
+    target = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    seen = {}
+    norm = _final_norm(target)[1]
+    norm.register_forward_pre_hook(lambda m, args: seen.update(h=args[0].detach()))  # returns None: no change
+    with torch.no_grad():
+        logits = target(input_ids=ids).logits
+    return seen["h"], logits
+
+
+def _labels(drafter, h, ids, monkeypatch):
+    """The label logits the drafter's loss receives when its forward runs with the final hidden state `h`."""
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3 import core
+
+    seen = {}
+    compute = core.compute_metrics
+
+    def capture(logits, targets, *args, **kwargs):
+        seen["targets"] = targets.detach()
+        return compute(logits, targets, *args, **kwargs)
+
+    monkeypatch.setattr(core, "compute_metrics", capture)
+    n = ids.shape[1]
+    with torch.no_grad():
+        drafter(
+            hidden_states=torch.randn(1, n, 3 * h.shape[-1]),
+            input_ids=ids,
+            document_ids=torch.zeros(1, n, dtype=torch.long),
+            loss_mask=torch.ones(1, n, dtype=torch.bool),
+            verifier_last_hidden_states=h,
+            ttt_steps=1,
+            loss_config=resolve_loss_config("kl_div", "eager"),  # as the trainer runs (--loss-implementation eager)
+        )
+    return seen["targets"]
+
+
+def _vocab(path):
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randperm(vocab, generator=gen)[:DRAFT_VOCAB].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    return vocab, t2d, ids - torch.arange(DRAFT_VOCAB)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_labels_are_the_targets_own_distribution(targets, family, speculators_restored, monkeypatch):
+    from eyrie.stages.train.patches.target_transform import _apply_target_transform
+    from eyrie.stages.train.patches.verifier import _load_verifier_weights_by
+    from eyrie.target.labels import label_report
+    from eyrie.target.metadata import resolve_borrowed_weights
+
+    path = targets[family]
+    cfg = json.loads((path / "config.json").read_text())
+    target = TargetConfig(model=str(path))
+    _load_verifier_weights_by(resolve_borrowed_weights(target, cfg).speculators_names())
+    vocab, t2d, d2t = _vocab(path)
+    ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(2))
+    h, logits = _target_run(path, ids)
+    want = torch.softmax(logits[..., t2d], dim=-1)  # the target's distribution over the draft vocabulary
+
+    before = _drafter(path, t2d, d2t)
+    plain = _labels(before, h, ids, monkeypatch)
+    _apply_target_transform()
+    drafter = _drafter(path, t2d, d2t)
+    patched = _labels(drafter, h, ids, monkeypatch)
+
+    got = torch.softmax(patched, dim=-1)
+    assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), (got - want).abs().max()
+    assert (torch.softmax(plain, dim=-1) - want).abs().max() > 1e-3  # speculators' own labels are not the target's
+
+    # Preflight and the trainer agree: what the trainer applied is preflight's "applied:" lines, and nothing of
+    # these approximations is left a warning.
+    warnings, applied = label_report(target, cfg)
+    assert {line.split(": ", 2)[1].split(" (", 1)[0] for line in applied} == FAMILIES[family][1]
+    assert not [w for w in warnings if "embedding scale" not in w], warnings
+
+    # Only the labels changed: the drafter holds, saves and exports exactly speculators' tensors, with the values
+    # speculators gave them (`verifier_norm.weight` stays the target's raw final-norm weight, never saved).
+    state, plain_state = drafter.state_dict(), before.state_dict()
+    assert set(state) == set(plain_state)
+    for name in ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"):
+        assert torch.equal(state[name], plain_state[name]), name
+
+
+def test_a_switch_off_leaves_speculators_labels(targets, speculators_restored, monkeypatch):
+    """EYRIE_TARGET_TRANSFORM=0 (train.target_transform: false): the labels are speculators' own."""
+    from speculators.models.eagle3.core import Eagle3DraftModel
+
+    from eyrie.stages.train.patches.target_transform import TargetNorm, _apply_target_transform
+    from eyrie.stages.train.patches.verifier import _load_verifier_weights_by
+    from eyrie.target.metadata import resolve_borrowed_weights
+
+    path = targets["gpt-neox"]
+    cfg = json.loads((path / "config.json").read_text())
+    _load_verifier_weights_by(resolve_borrowed_weights(TargetConfig(model=str(path)), cfg).speculators_names())
+    monkeypatch.setenv("EYRIE_TARGET_TRANSFORM", "0")
+    load = Eagle3DraftModel.load_verifier_weights
+    _apply_target_transform()
+    assert Eagle3DraftModel.load_verifier_weights is load
+    _, t2d, d2t = _vocab(path)
+    assert not isinstance(_drafter(path, t2d, d2t).verifier_norm, TargetNorm)
+
+
+def test_a_tensor_the_labels_need_missing_from_the_checkpoint_is_named(targets, tmp_path, speculators_restored):
+    """A head bias the class has but the checkpoint lacks: a clear error naming the tensor and the way out."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from eyrie.stages.train.patches.target_transform import apply_target_transform
+    from eyrie.stages.train.patches.verifier import _load_verifier_weights_by
+    from eyrie.target.metadata import resolve_borrowed_weights
+
+    path = tmp_path / "phi"
+    shutil.copytree(targets["phi"], path)
+    weights = load_file(str(path / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if k != "lm_head.bias"}, str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    _load_verifier_weights_by(resolve_borrowed_weights(TargetConfig(model=str(path)), cfg).speculators_names())
+    _, t2d, d2t = _vocab(path)
+    drafter = _drafter(path, t2d, d2t)
+    with pytest.raises(ValueError, match=r"`lm_head.bias`.*EYRIE_TARGET_TRANSFORM=0"):
+        apply_target_transform(drafter, path)
