@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -11,18 +12,27 @@ from typing import Any
 from eyrie.stages.evaluate.intervals import request_statistics
 
 _SAMPLE = re.compile(r"^(vllm:spec_decode_[a-z_]+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$")
+# Requests the server finished (every finish reason, every engine): vLLM records it with the same step's
+# spec-decode counts (`PrometheusStatLogger.record`), so counters that count a request finished include its drafts.
+_FINISHED = re.compile(r"^vllm:request_success(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$")
+SETTLE_TIMEOUT_S = 10.0  # the longest a read waits for the server's metrics to count the requests it answered
+SETTLE_POLL_S = 0.02
 
 
 def spec_counters(metrics_text: str) -> dict:
-    """Sum vLLM's spec-decode counters over engines: drafts, draft_tokens, accepted, per_pos {i: n}."""
+    """Sum vLLM's spec-decode counters over engines: drafts, draft_tokens, accepted, per_pos {i: n}; `finished`:
+    the requests it finished (None when its metrics do not count them)."""
     per_pos: dict[int, float] = {}
-    out: dict[str, Any] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": per_pos}
+    out: dict[str, Any] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": per_pos, "finished": None}
     names = {
         "vllm:spec_decode_num_drafts": "drafts",
         "vllm:spec_decode_num_draft_tokens": "draft_tokens",
         "vllm:spec_decode_num_accepted_tokens": "accepted",
     }
     for line in metrics_text.splitlines():
+        if done := _FINISHED.match(line.strip()):
+            out["finished"] = (out["finished"] or 0.0) + float(done.group(2))
+            continue
         m = _SAMPLE.match(line.strip())
         if not m or line.startswith("#"):
             continue
@@ -97,26 +107,70 @@ def _counts_between(before: dict, after: dict) -> dict:
     }
 
 
+def settled_counters(client, since: dict, answered: int, timeout_s: float = SETTLE_TIMEOUT_S) -> dict:
+    """The server's counters once its metrics count the `answered` requests answered since `since` as finished.
+    vLLM answers a request as soon as its last output is queued and records that step's counts afterwards (in the
+    same pass of its output loop today; in a background thread, an API server of several processes, or a chunked
+    output batch, later): counters read at once may lack the request's last drafts, which the next read then gives
+    to the next request. A server whose metrics count no finished requests is read as it is; past `timeout_s` the
+    read is returned with `settled` False."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = spec_counters(client.metrics())
+        if since.get("finished") is None or now["finished"] is None or now["finished"] >= since["finished"] + answered:
+            return {**now, "settled": True}
+        if time.monotonic() >= deadline:
+            return {**now, "settled": False}
+        time.sleep(SETTLE_POLL_S)
+
+
+def _alone(client, prompts: list[list[dict]], max_tokens: int, before: dict, outs: list[dict], after: dict):
+    """The prompts after the first (`outs` holds its answer, `after` the counters once it finished), each sent alone
+    between two settled reads of the counters: each request's counts, and the counters after the last."""
+    requests = [_counts_between(before, after)]
+    for p in prompts[len(outs) :]:
+        outs.append(client.chat(p, max_tokens))
+        now = settled_counters(client, after, 1)
+        requests.append(_counts_between(after, now))
+        after = {**now, "settled": now["settled"] and after["settled"]}
+    return requests, after
+
+
 def measure(client, prompts: list[list[dict]], max_tokens: int, concurrency: int = 8) -> dict:
     """Send every prompt (greedy) and return the acceptance figures for exactly this traffic: the pooled counters,
-    each request's own counts (`requests`, in prompt order) and their statistics (`request_statistics`)."""
+    each request's own counts (`requests`, in prompt order) and their statistics (`request_statistics`).
+
+    The first prompt goes alone: whether its answer carries vLLM's per-request counts decides how the rest go.
+    With them, the rest go `concurrency` at a time. Without them (a vLLM without per-request metrics, or a server
+    started without the flag), every prompt is sent alone between two reads of the counters, and the pooled figure
+    is taken over that same traffic: the per-request counts are then parts of the pooled ones, never of a second
+    pass that, batched otherwise or hitting the prefix cache, generates other tokens. Every read waits until the
+    server's metrics count the answered requests finished (`settled_counters`)."""
     before = spec_counters(client.metrics())
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        outs = list(pool.map(lambda p: client.chat(p, max_tokens), prompts))
-    after = spec_counters(client.metrics())
+    outs: list[dict] = []
+    requests: list[dict] = []
+    source = "vllm per-request metrics"
+    after = {**before, "settled": True}
+    if prompts:
+        outs.append(client.chat(prompts[0], max_tokens))
+        after = settled_counters(client, before, 1)
+        if request_counts(outs[0]) is not None:
+            with ThreadPoolExecutor(max_workers=concurrency) as pool:
+                outs += list(pool.map(lambda p: client.chat(p, max_tokens), prompts[1:]))
+            after = settled_counters(client, after, len(prompts) - 1)
+            found = [request_counts(o) for o in outs]
+            requests = [r for r in found if r is not None]
+        if len(requests) < len(outs):  # no per-request counts (or not in every answer): all alone, one pass
+            source = "counters around each prompt sent alone"
+            if requests:  # some answers had them: measured again, every figure from the new pass
+                before, outs = after, [client.chat(prompts[0], max_tokens)]
+                after = settled_counters(client, before, 1)
+            requests, after = _alone(client, prompts, max_tokens, before, outs, after)
     result = acceptance(before, after)
     result["prompts"] = len(prompts)
     result["completion_tokens"] = sum(o["usage"]["completion_tokens"] for o in outs)
-    found = [request_counts(o) for o in outs]
-    requests = [r for r in found if r is not None]
-    source = "vllm per-request metrics"
-    if len(requests) < len(found):
-        # This vLLM gives no per-request figures: each prompt again, alone, between two reads of the counters.
-        requests, source = [], "counters around each prompt sent alone"
-        for p in prompts:
-            b = spec_counters(client.metrics())
-            client.chat(p, max_tokens)
-            requests.append(_counts_between(b, spec_counters(client.metrics())))
+    if not after.get("settled", True):
+        result["counters_settled"] = False  # a read gave up waiting: the split between requests may be off
     result["requests"] = requests
     result["requests_source"] = source
     result["statistics"] = request_statistics(requests)
