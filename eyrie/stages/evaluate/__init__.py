@@ -11,8 +11,8 @@ lengths (what one user's request sees on average; vllm #42508 is the two taken f
 counts come from vLLM's per-request speculative-decoding metrics in each response (`--per-request-spec-decode-
 metrics summary`, added to the server's arguments where the installed vLLM has it), else from the counters read
 around each prompt sent alone (then the pooled figure is that same traffic's; `measure`), each read once the
-server's metrics count the answered requests finished (`settled_counters`). The pooled interval is the ratio estimator's (the delta method over requests), not a
-binomial over drafts: drafts of one request are not independent.
+server's metrics count the answered requests finished (`settled_counters`). The pooled interval is the ratio
+estimator's (the delta method over requests), not a binomial over drafts: drafts of one request are not independent.
 
 Two drafters measured on the same prompts are compared pairwise (`paired_difference`): the difference of their
 pooled acceptance lengths with the standard error of that difference over the prompts, which is what promotion
