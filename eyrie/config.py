@@ -283,6 +283,13 @@ class TrainConfig(_Section):
         "A/B in the README: higher validation accuracy at every epoch on the demo, and at Kimi-K2.5 dimensions "
         "Muon's optimizer step (~175 ms) doubles the step time.",
     )
+    target_transform: bool = Field(
+        True,
+        description="Make the drafter's training labels with the target's own transform where speculators' "
+        "approximate it (the target's own final norm, a head bias, logit scaling or soft-capping: "
+        "docs/design/labels.md); preflight names each as applied. false: speculators' labels (an RMSNorm with the "
+        "final-norm weight and a head without bias), as before.",
+    )
     log_every_steps: int = Field(
         50,
         ge=1,

@@ -150,6 +150,7 @@ STAGES: dict[str, Inputs] = {
             "train.mask_token_id",
             "train.seed",
             "train.optimizer",
+            "train.target_transform",  # the labels: the target's own transform, or speculators' approximation
             "vocab.draft_vocab_size",
             "promotion.warm_start_lr_scale",
         ),

@@ -164,7 +164,16 @@ def _die_with_parent() -> None:
 
 def trainer_environment(config: PipelineConfig, device: str, online: bool) -> dict[str, str]:
     """The trainer's environment: an allow-list of the flow's (eyrie/run/environment.py: no Prefect key, no hub
-    token), the device, and, online, the variable extraction.api_key_env names (its client reads the server's key
+    token), the device, whether the labels apply the target's own transform, and, online, the variable extraction.api_key_env names (its client reads the server's key
     there)."""
     key_env = [config.extraction.api_key_env] if online and config.extraction.api_key_env else []
-    return child_environment({"EYRIE_TRAIN_DEVICE": device, "PYTHONUNBUFFERED": "1"}, passed=key_env)
+    return child_environment(
+        {
+            "EYRIE_TRAIN_DEVICE": device,
+            "PYTHONUNBUFFERED": "1",
+            # train.target_transform: the labels made with the target's own transform, or speculators' own
+            # (eyrie/stages/train/patches/target_transform.py reads it)
+            "EYRIE_TARGET_TRANSFORM": "1" if config.train.target_transform else "0",
+        },
+        passed=key_env,
+    )
