@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import DEMO_DATA
 
-import eyrie.stages.prepare as prep
+import eyrie.stages.prepare.key as prep
 from eyrie.config import DataConfig, TargetConfig
 
 
