@@ -81,7 +81,7 @@ def stop_unused_servers_task(run_dir: str, keep: list[str], stage: str) -> list[
     other hosts are never signalled (`VllmServer.stop`). Returns the folders whose server was stopped."""
     log = get_run_logger()
     stopped = [
-        str(f) for f in unused_servers(Path(run_dir), [Path(k) for k in keep]) if VllmServer(f).stop(log=log.info)
+        str(f) for f in unused_servers(Path(run_dir), [Path(k) for k in keep]) if _stopping(f).stop(log=log.info)
     ]
     if stopped:
         log.warning(f"before {stage}: stopped {len(stopped)} server(s) of this run that it does not use: {stopped}")
