@@ -17,6 +17,9 @@ from eyrie.config import TargetConfig
 from eyrie.target.tiny.families import build_gemma2, build_gpt_neox
 
 DRAFT_VOCAB = 96
+# Where the labels are made: the CPU here; on a machine with a GPU also CUDA, the GPU trainer's path (speculators
+# compiles the drafter's forward there, and the drafter attends with flex attention).
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
 def _build(path, config_name: str, model_name: str, drop=(), **fields):
@@ -69,22 +72,26 @@ def speculators_restored(monkeypatch):
     monkeypatch.delenv("EYRIE_TARGET_TRANSFORM", raising=False)
 
 
-def _drafter(path, t2d, d2t):
+def _drafter(path, t2d, d2t, device="cpu"):
     from speculators.models.eagle3.core import Eagle3DraftModel
 
     from eyrie.target.drafter import draft_layer_config
 
-    return Eagle3DraftModel.from_training_args(
-        verifier_config=draft_layer_config(TargetConfig(model=str(path)), 1),
-        t2d=t2d,
-        d2t=d2t,
-        target_layer_ids=[2, 4, 5],
-        verifier_name_or_path=str(path),
-        draft_vocab_size=DRAFT_VOCAB,
-        norm_before_residual=True,
-        ttt_steps=1,
-        draft_attn_impl="sdpa",
-    ).float()
+    return (
+        Eagle3DraftModel.from_training_args(
+            verifier_config=draft_layer_config(TargetConfig(model=str(path)), 1),
+            t2d=t2d,
+            d2t=d2t,
+            target_layer_ids=[2, 4, 5],
+            verifier_name_or_path=str(path),
+            draft_vocab_size=DRAFT_VOCAB,
+            norm_before_residual=True,
+            ttt_steps=1,
+            draft_attn_impl="sdpa" if device == "cpu" else "simple_flex_attention",
+        )
+        .float()
+        .to(device)
+    )
 
 
 def _target_run(path, ids):
@@ -116,18 +123,18 @@ def _labels(drafter, h, ids, monkeypatch):
         return compute(logits, targets, *args, **kwargs)
 
     monkeypatch.setattr(core, "compute_metrics", capture)
-    n = ids.shape[1]
+    n, device = ids.shape[1], drafter.verifier_lm_head.weight.device
     with torch.no_grad():
         drafter(
-            hidden_states=torch.randn(1, n, 3 * h.shape[-1]),
-            input_ids=ids,
-            document_ids=torch.zeros(1, n, dtype=torch.long),
-            loss_mask=torch.ones(1, n, dtype=torch.bool),
-            verifier_last_hidden_states=h,
+            hidden_states=torch.randn(1, n, 3 * h.shape[-1], device=device),
+            input_ids=ids.to(device),
+            document_ids=torch.zeros(1, n, dtype=torch.long, device=device),
+            loss_mask=torch.ones(1, n, dtype=torch.bool, device=device),
+            verifier_last_hidden_states=h.to(device),
             ttt_steps=1,
             loss_config=resolve_loss_config("kl_div", "eager"),  # as the trainer runs (--loss-implementation eager)
         )
-    return seen["targets"]
+    return seen["targets"].cpu()
 
 
 def _vocab(path):
@@ -139,8 +146,9 @@ def _vocab(path):
     return vocab, t2d, ids - torch.arange(DRAFT_VOCAB)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_the_labels_are_the_targets_own_distribution(targets, family, speculators_restored, monkeypatch):
+def test_the_labels_are_the_targets_own_distribution(targets, family, device, speculators_restored, monkeypatch):
     from eyrie.stages.train.patches.target_transform import _apply_target_transform
     from eyrie.stages.train.patches.verifier import _load_verifier_weights_by
     from eyrie.target.labels import label_report
@@ -155,10 +163,10 @@ def test_the_labels_are_the_targets_own_distribution(targets, family, speculator
     h, logits = _target_run(path, ids)
     want = torch.softmax(logits[..., t2d], dim=-1)  # the target's distribution over the draft vocabulary
 
-    before = _drafter(path, t2d, d2t)
+    before = _drafter(path, t2d, d2t, device)
     plain = _labels(before, h, ids, monkeypatch)
     _apply_target_transform()
-    drafter = _drafter(path, t2d, d2t)
+    drafter = _drafter(path, t2d, d2t, device)
     patched = _labels(drafter, h, ids, monkeypatch)
 
     got = torch.softmax(patched, dim=-1)
