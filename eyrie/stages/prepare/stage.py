@@ -19,25 +19,20 @@ from eyrie.stages.prepare.conversation import normalize, tokenize_conversation
 from eyrie.stages.prepare.dataset import _save_dataset
 from eyrie.stages.prepare.key import prepare_key
 from eyrie.stages.prepare.plan import is_eval, plan_shards
-from eyrie.stages.prepare.rows import RowError
+from eyrie.stages.prepare.rows import RowError, RowStats
 from eyrie.stages.prepare.source import iter_rows
 from eyrie.target.metadata import load_tokenizer
 
 
 @dataclass
-class PrepareStats:
+class PrepareStats(RowStats):
     rows_read: int = 0
     rows_used: int = 0
     rows_eval: int = 0
-    truncated: int = 0
-    tokens: int = 0
-    loss_tokens: int = 0
     dropped: Counter = field(default_factory=Counter)
-    examples: dict = field(default_factory=dict)
 
     def drop(self, err: RowError, row_no: int) -> None:
-        self.dropped[err.reason] += 1
-        self.examples.setdefault(err.reason, f"row {row_no}: {err}")
+        self.refuse(self.dropped, err.reason, f"row {row_no}: {err}")
 
     def as_dict(self) -> dict:
         return {
@@ -80,9 +75,7 @@ def prepare(target: TargetConfig, data: DataConfig, out_dir: Path, key: str | No
         masks.append(row_mask)
         lines.append((json.dumps({"messages": messages}, ensure_ascii=False) + "\n").encode())
         stats.rows_used += 1
-        stats.truncated += truncated
-        stats.tokens += len(row_ids)
-        stats.loss_tokens += sum(row_mask)
+        stats.keep(row_ids, row_mask, truncated)
         freq.update(t for t, m in zip(row_ids, row_mask) if m)
     if not ids:
         reasons = ", ".join(f"{k}: {v}" for k, v in stats.dropped.most_common()) or "the source is empty"

@@ -16,7 +16,8 @@ from eyrie.config import RegenerateConfig
 from eyrie.errors import RegenerationError, RequestRejected, ServerUnavailable
 from eyrie.run.faults import fault_point
 from eyrie.run.folder import atomic_write_bytes, atomic_write_json, read_json, sha256_json
-from eyrie.stages.prepare import RowError, Shard
+from eyrie.stages.prepare.plan import Shard
+from eyrie.stages.prepare.rows import RowError, RowStats
 from eyrie.stages.regenerate.conversation import (
     DEFAULT_VARIANT,
     Generation,
@@ -100,19 +101,15 @@ def conversations_digest(rows: list[list[dict]]) -> str:
 
 
 @dataclass
-class ShardStats:
+class ShardStats(RowStats):
     rows_in: int = 0
     rows_out: int = 0
     turns: int = 0
     generated_tokens: int = 0
-    tokens: int = 0
-    loss_tokens: int = 0
     length_capped: int = 0
-    truncated: int = 0
     dropped_history_text: int = 0
     requests: int = 0
     failed: Counter = field(default_factory=Counter)
-    examples: dict = field(default_factory=dict)
     temperatures: Counter = field(default_factory=Counter)
     template_variants: Counter = field(default_factory=Counter)
 
@@ -135,8 +132,7 @@ class ShardStats:
         return stats
 
     def fail(self, reason: str, row: int, detail: str) -> None:
-        self.failed[reason] += 1
-        self.examples.setdefault(reason, f"row {row}: {detail}"[:300])
+        self.refuse(self.failed, reason, f"row {row}: {detail}"[:300])
 
     def as_dict(self) -> dict:
         return {
@@ -280,10 +276,8 @@ def regenerate_shard(
         stats.rows_out += 1
         stats.turns += result.turns
         stats.generated_tokens += result.generated_tokens
-        stats.tokens += len(result.input_ids)
-        stats.loss_tokens += sum(result.loss_mask)
+        stats.keep(result.input_ids, result.loss_mask, result.truncated)
         stats.length_capped += result.length_capped
-        stats.truncated += result.truncated
         stats.dropped_history_text += result.dropped_history_text
         stats.temperatures[temperature] += 1
         stats.template_variants[variant] += 1
