@@ -28,7 +28,8 @@ def verifier_source(target: TargetConfig, borrowed: dict[str, str]) -> str:
     """Where the trainer reads the verifier from (its config, tokenizer and the embedding, norm and head it
     borrows): a local target's folder; a hub target's snapshot at the commit its revision resolves to (the run
     pins it: the hidden states came from that commit), holding its small files and only the weight files of the
-    borrowed tensors. speculators, given a hub id, would read every file from the default branch."""
+    borrowed tensors and of their modules' other tensors (a norm's or a head's bias, which the labels apply).
+    speculators, given a hub id, would read every file from the default branch."""
     from eyrie.target.metadata import is_local_target
 
     if is_local_target(target):
@@ -42,7 +43,10 @@ def verifier_source(target: TargetConfig, borrowed: dict[str, str]) -> str:
     try:
         index = hf_hub_download(target.model, "model.safetensors.index.json", revision=commit, local_files_only=offline)
         weight_map = json.loads(Path(index).read_text())["weight_map"]
-        shards = sorted({weight_map[n] for n in borrowed.values() if n in weight_map})
+        # The borrowed tensors' shards, and those of their modules' other tensors (a final norm's or a head's
+        # bias: the labels apply them, eyrie/stages/train/patches/target_transform.py).
+        modules = tuple(n.rsplit(".", 1)[0] + "." for n in borrowed.values())
+        shards = sorted({f for n, f in weight_map.items() if n in borrowed.values() or n.startswith(modules)})
     except Exception:  # no index: one weight file
         shards = ["model.safetensors"]
     return snapshot_download(
@@ -164,7 +168,8 @@ def _die_with_parent() -> None:
 
 def trainer_environment(config: PipelineConfig, device: str, online: bool) -> dict[str, str]:
     """The trainer's environment: an allow-list of the flow's (eyrie/run/environment.py: no Prefect key, no hub
-    token), the device, whether the labels apply the target's own transform, and, online, the variable extraction.api_key_env names (its client reads the server's key
+    token), the device, whether the labels apply the target's own transform, and, online, the variable
+    extraction.api_key_env names (its client reads the server's key
     there)."""
     key_env = [config.extraction.api_key_env] if online and config.extraction.api_key_env else []
     return child_environment(

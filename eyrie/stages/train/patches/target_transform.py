@@ -99,6 +99,11 @@ def _read(
                 f"(looked for it and for one tensor sharing its dotted tail); set {ENV}=0 "
                 "(train.target_transform: false) to train with speculators' labels"
             )
+        if not files[key].is_file():
+            raise ValueError(
+                f"the target's labels need its tensor `{key}`, in {files[key].name}, which is not in {path}: "
+                "fetch the target's weight files whole"
+            )
         with safe_open(str(files[key]), framework="pt") as opened:
             out[name] = opened.get_tensor(key).float()
     return out
