@@ -112,6 +112,10 @@ def _bench_entry(argv: list[str]) -> None:
         # as main() does before its imports: importing speculators sets TORCHINDUCTOR_CACHE_DIR to /tmp's default
         # when it is unset, and main()'s own call after the imports below would then leave it there
         entry._compile_cache_beside(entry._option(argv, "--save-path"))
+        if switches.WARM_COMPILE_WORKERS:  # where main() starts them, before the heavy imports (again there: a no-op)
+            from eyrie.stages.train.patches.compile import _warm_compile_workers
+
+            _warm_compile_workers()
     import torch
 
     _mark("torch imported")

@@ -77,6 +77,10 @@ def main(argv: list[str]) -> None:
         if switches.FORKSERVER_WORKERS:
             _start_worker_server()
         _compile_cache_beside(_option(argv, "--save-path"))
+        if switches.WARM_COMPILE_WORKERS:
+            from eyrie.stages.train.patches.compile import _warm_compile_workers
+
+            _warm_compile_workers()
     names = _pop_option(argv, "--eyrie-verifier-weights")
     if names:
         _load_verifier_weights_by(json.loads(names))

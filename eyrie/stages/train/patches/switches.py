@@ -19,3 +19,5 @@ DEFERRED_MASK_COMPILE = False
 # every TTT step's attention at one padded key length, one compile for all (one_kv_length.py): off until the
 # background mask compile's race with FX tracing is fixed (docs/stages/train.md, Start-up) and its tokens/s measured
 ONE_KV_LENGTH = False
+# Inductor's compile workers started before the heavy imports instead of at the first compiled frame (compile.py)
+WARM_COMPILE_WORKERS = False
