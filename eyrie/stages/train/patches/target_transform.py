@@ -45,6 +45,8 @@ class TargetNorm(nn.Module):
     it loads and never saves) and the norm's other tensors as non-persistent buffers. Computed in float32, returned
     in the input's dtype."""
 
+    target_module: nn.Module
+
     def __init__(self, module: nn.Module, tensors: dict[str, torch.Tensor], like: torch.Tensor):
         super().__init__()
         object.__setattr__(self, "target_module", module)
