@@ -16,10 +16,10 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from eyrie.config import PipelineConfig
 from eyrie.errors import ExtractionError
 from eyrie.run.folder import RunFolder, node_name
-from eyrie.stages.extract import ExtractionPlan
+from eyrie.stages.extract.plan import ExtractionPlan
 from eyrie.stages.preflight import PreflightReport
 from eyrie.stages.prepare import load_shards
-from eyrie.stages.regenerate import extraction_source, record_extraction_source
+from eyrie.stages.regenerate.source import extraction_source, record_extraction_source
 from flows.cancel import stop_on_cancellation
 from flows.sharded import ShardedStage, ShardServer, run_sharded_stage
 from flows.shares import node_share
@@ -58,7 +58,8 @@ def _extract(
         raise ExtractionError(f"{source / 'shards.json'} lists no shards: run the {source.name} stage first")
     if shards is not None:
         plan.select(shards)
-    # Stat only for unchanged files: a cached run reads no hidden-state bytes (see eyrie.stages.extract.shard_complete).
+    # Stat only for unchanged files: a cached run reads no hidden-state bytes
+    # (see eyrie.stages.extract.manifest.shard_complete).
     rehash = config.extraction.verify_checksums
     pending = {s.name for s in plan.pending(rehash)}
     log.info(

@@ -13,7 +13,7 @@ from eyrie.config import PipelineConfig
 from eyrie.errors import RegenerationError
 from eyrie.run.folder import RunFolder, node_name
 from eyrie.stages.preflight import PreflightReport
-from eyrie.stages.regenerate import RegenerationPlan
+from eyrie.stages.regenerate.plan import RegenerationPlan
 from flows.cancel import stop_on_cancellation
 from flows.sharded import ShardedStage, ShardServer, run_sharded_stage
 from flows.shares import node_share

@@ -8,7 +8,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from eyrie.errors import DiskFullError
-from eyrie.stages.extract import extract_shard
+from eyrie.stages.extract.shard import extract_shard
 from eyrie.stages.prepare import Shard
 from eyrie.vllm.client import ServerClient
 from tasks.caching import keyed_task

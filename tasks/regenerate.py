@@ -11,14 +11,9 @@ from eyrie.config import PipelineConfig, RegenerateConfig
 from eyrie.errors import RegenerationError
 from eyrie.run.folder import read_json
 from eyrie.stages.prepare import Shard
-from eyrie.stages.regenerate import (
-    assemble,
-    regenerate_shard,
-    shard_complete,
-    shard_paths,
-    shared_tokenizer,
-    template_mix,
-)
+from eyrie.stages.regenerate.assemble import assemble
+from eyrie.stages.regenerate.conversation import shared_tokenizer, template_mix
+from eyrie.stages.regenerate.shard import regenerate_shard, shard_complete, shard_paths
 from eyrie.vllm.client import ServerClient
 from tasks.caching import keyed_task, stage_task
 

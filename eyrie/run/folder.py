@@ -1,7 +1,10 @@
-"""The run folder: layout, atomic writes, manifests, fingerprints and the run lock.
+"""The run folder's layout: its stamp and the folder it adopts, the stages' folders, the hidden-state file names, the
+servers' folders (per node), the files a server's answer may name, and the clean-up of interrupted writes.
 
-Every stage writes into its own folder and closes it with a manifest written last (atomic rename). The manifest on
-disk is the truth; Prefect's cache is only the fast path.
+Every stage writes into its own folder and closes it with a manifest written last (atomic rename,
+`eyrie.run.files`). The manifest on disk is the truth; Prefect's cache is only the fast path. The run lock and the
+share locks are `eyrie.run.lock`'s (mixed into `RunFolder`). The crash-safe writes, locks and fingerprints this module
+re-exports are `eyrie.run.files`'s and `eyrie.run.lock`'s; import them from there.
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ class RunFolder(RunFolderLocks):
     def write_once_folders(self) -> tuple[Path, ...]:
         """Folders whose files only ever arrive whole, by rename: no atomic write (no temporary file of ours) happens
         in them, so `remove_staging` need not walk them. Hidden states are renamed in from the extraction server's
-        staging folder, which `eyrie.stages.extract.clean_staging` cleans."""
+        staging folder, which `eyrie.stages.extract.answered.clean_staging` cleans."""
         return (self.hidden_states,)
 
     @property

@@ -15,8 +15,8 @@ import requests
 from conftest import REPO, register_server_folder, stop_server, write_config
 
 from eyrie.errors import RunFolderError
-from eyrie.run.folder import RunFolder, read_json
-from eyrie.stages.extract import load_checked, sample_path
+from eyrie.run.folder import RunFolder, read_json, sample_path
+from eyrie.stages.extract.checks import load_checked
 from eyrie.stages.prepare import load_dataset_rows, load_shards
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.usefixtures("flow_api")]
@@ -57,7 +57,7 @@ def check_every_route_refuses_strangers(base: str, run: Path) -> None:
     the routes outside that list (/metrics, the docs) answer 401 without the key; and with it, a request whose
     `request_id`, X-Request-Id and `hidden_states_path` point outside the run still gets a file the connector named,
     in its staging folder."""
-    from eyrie.stages.extract import _wait_and_release
+    from eyrie.stages.extract.answered import _wait_and_release
 
     auth = {"Authorization": f"Bearer {SECRET}"}
     schema = requests.get(base + "/openapi.json", headers=auth, timeout=10).json()
@@ -234,7 +234,7 @@ def test_disk_full_mid_shard_is_a_clear_error_and_loses_nothing(tmp_path, tiny_l
     finished = {p.stem: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (extract / "shards").glob("*.json")}
     assert 0 < len(finished) < len(shards), finished
     # What finished before the disk filled is intact (checksums), and no partial file passes as a sample.
-    from eyrie.stages.extract import shard_complete
+    from eyrie.stages.extract.manifest import shard_complete
 
     keys = {p.stem: read_json(p)["key"] for p in (extract / "shards").glob("*.json")}
     for name in finished:

@@ -23,7 +23,7 @@ import pytest
 from conftest import REPO, register_server_folder, stop_server, write_config
 
 from eyrie.run.folder import RunFolder
-from eyrie.stages.extract import load_checked
+from eyrie.stages.extract.checks import load_checked
 from eyrie.vllm.process import VllmServer, _alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.usefixtures("flow_api")]

@@ -31,7 +31,10 @@ from eyrie.hidden_states.encoding import (
     quantize,
     reader_arguments,
 )
-from eyrie.stages.extract import ExtractionPlan, check_sample, extract_shard, load_checked, sample_path
+from eyrie.run.folder import sample_path
+from eyrie.stages.extract.checks import check_sample, load_checked
+from eyrie.stages.extract.plan import ExtractionPlan
+from eyrie.stages.extract.shard import extract_shard
 from eyrie.stages.prepare import Shard
 
 LAYERS, HIDDEN = 4, 64

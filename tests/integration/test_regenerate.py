@@ -18,7 +18,9 @@ from eyrie.config import PipelineConfig
 from eyrie.errors import RegenerationError
 from eyrie.run.folder import RunFolder, read_json
 from eyrie.stages.prepare import _render, iter_eval_prompts, load_dataset_rows, load_shards, prepare
-from eyrie.stages.regenerate import RegenerationPlan, shard_paths, shared_tokenizer
+from eyrie.stages.regenerate.conversation import shared_tokenizer
+from eyrie.stages.regenerate.plan import RegenerationPlan
+from eyrie.stages.regenerate.shard import shard_paths
 from eyrie.vllm.client import ServerClient
 from eyrie.vllm.process import VllmServer
 

@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from test_extraction_correctness import MESSAGES, REL_TOL, _hf_reference, _rel_err
 
 from eyrie.config import parse_config
-from eyrie.stages.extract import _wait_and_release, load_checked
+from eyrie.stages.extract.answered import _wait_and_release
+from eyrie.stages.extract.checks import load_checked
 from eyrie.stages.preflight import run_preflight
 from eyrie.stages.prepare import tokenize_conversation
 from eyrie.vllm.plugin import HIDE_EAGLE3

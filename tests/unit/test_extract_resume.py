@@ -17,7 +17,9 @@ import eyrie.stages.extract.shard
 from eyrie.config import PipelineConfig
 from eyrie.hidden_states.packs import PACKED, pack_name
 from eyrie.run.folder import RunFolder, read_json, sample_path
-from eyrie.stages.extract import ExtractionPlan, extract_shard, shard_complete
+from eyrie.stages.extract.manifest import shard_complete
+from eyrie.stages.extract.plan import ExtractionPlan
+from eyrie.stages.extract.shard import extract_shard
 from eyrie.stages.preflight import PreflightReport
 from eyrie.stages.prepare import load_shards
 

@@ -16,16 +16,12 @@ from safetensors.torch import save_file
 
 from eyrie.config import DataConfig, TargetConfig
 from eyrie.errors import ExtractionError
-from eyrie.run.folder import atomic_write_json
-from eyrie.stages.extract import (
-    check_sample,
-    clean_staging,
-    extract_shard,
-    load_checked,
-    sample_path,
-    shard_complete,
-    shard_key,
-)
+from eyrie.run.folder import atomic_write_json, sample_path
+from eyrie.stages.extract.answered import clean_staging
+from eyrie.stages.extract.checks import check_sample, load_checked
+from eyrie.stages.extract.manifest import shard_complete
+from eyrie.stages.extract.plan import shard_key
+from eyrie.stages.extract.shard import extract_shard
 from eyrie.stages.prepare import load_dataset_rows, load_shards, prepare
 from eyrie.vllm.plugin import CONNECTOR_NAME
 from eyrie.vllm.spec import ServerSpec
@@ -175,7 +171,7 @@ def test_clean_staging_removes_orphans(tmp_path):
 
 def test_shard_key_covers_layers_rows_and_layout(prepared, tiny_llama):
     from eyrie.config import parse_config
-    from eyrie.stages.extract import content_key
+    from eyrie.stages.extract.plan import content_key
 
     config = parse_config({"target": {"model": str(tiny_llama)}, "data": {"source": str(prepared)}})
     shard = load_shards(prepared)[0]
@@ -481,7 +477,7 @@ def test_every_file_and_its_folder_reach_the_disk_before_the_manifest(prepared, 
         rec, p = m["files"][str(idx)], sample_path(hidden, idx)
         assert rec["sha256"] == eyrie.stages.extract.shard.sha256_file(p) and rec[
             "stat"
-        ] == eyrie.stages.extract.stat_record(p.stat())
+        ] == eyrie.stages.extract.manifest.stat_record(p.stat())
 
 
 class CountingClient(FakeClient):
@@ -642,7 +638,7 @@ def test_server_client_extracts_on_one_asyncio_session(prepared, tmp_path, fake_
 
 
 def test_checked_record_is_load_checked_and_file_record_in_one_read(tmp_path):
-    from eyrie.stages.extract import checked_record, file_record
+    from eyrie.stages.extract.manifest import checked_record, file_record
 
     ids = [5, 6, 7, 8]
     p = tmp_path / "a.safetensors"
@@ -662,7 +658,7 @@ def test_a_disk_full_when_the_manifest_is_written_is_a_disk_full_error(prepared,
 
     import eyrie.stages.extract
     from eyrie.errors import DiskFullError
-    from eyrie.stages.extract import checked_record
+    from eyrie.stages.extract.manifest import checked_record
 
     def full(*_a, **_k):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -176,7 +176,7 @@ def test_a_live_server_is_not_restarted_and_kept_after_failure_when_asked():
 
 
 def test_a_regeneration_shard_complete_on_disk_needs_no_server(tmp_path):
-    from eyrie.stages.regenerate import shard_paths
+    from eyrie.stages.regenerate.shard import shard_paths
     from tasks.regenerate import RegenerateShardJob, regenerate_shard_task
 
     shard = shards(1)[0]

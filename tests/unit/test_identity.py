@@ -19,10 +19,10 @@ from eyrie.config import PipelineConfig, parse_config
 from eyrie.run.identity import NOT_SHAPING, OUTPUT_PICKS, STAGES, output_server_args, output_server_env
 from eyrie.stages.evaluate import draft_tokens_key, evaluate_key
 from eyrie.stages.export import export_key
-from eyrie.stages.extract import content_key, shard_key
+from eyrie.stages.extract.plan import content_key, shard_key
 from eyrie.stages.prepare import Shard, prepare_key
-from eyrie.stages.regenerate import shard_key as regenerate_shard_key
-from eyrie.stages.regenerate import stage_key as regenerate_stage_key
+from eyrie.stages.regenerate.plan import shard_key as regenerate_shard_key
+from eyrie.stages.regenerate.plan import stage_key as regenerate_stage_key
 from eyrie.stages.train.trainer import LINEAGE_CHARS, train_key, untrained_key
 from eyrie.stages.vocab import vocab_key
 from eyrie.target.metadata import stage_key

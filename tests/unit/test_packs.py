@@ -25,7 +25,9 @@ from eyrie.ops.status import run_status
 from eyrie.ops.verify import verify_run
 from eyrie.run.faults import InjectedFault
 from eyrie.run.folder import RunFolder, sample_path
-from eyrie.stages.extract import drop_unpacked, extract_shard, shard_complete, shard_key
+from eyrie.stages.extract.manifest import drop_unpacked, shard_complete
+from eyrie.stages.extract.plan import shard_key
+from eyrie.stages.extract.shard import extract_shard
 from eyrie.stages.prepare import load_dataset_rows, load_shards
 
 

@@ -17,7 +17,9 @@ import eyrie.stages.regenerate.shard as regen
 from eyrie.errors import RequestRejected
 from eyrie.run.folder import RunFolder, atomic_write_json, read_json
 from eyrie.stages.prepare import load_shards
-from eyrie.stages.regenerate import RegenerationPlan, assemble, regenerate_shard, shard_paths, stage_key
+from eyrie.stages.regenerate.assemble import assemble
+from eyrie.stages.regenerate.plan import RegenerationPlan, stage_key
+from eyrie.stages.regenerate.shard import regenerate_shard, shard_paths
 
 BOOM = {"boom": RequestRejected(500, "Internal Server Error")}
 

@@ -20,20 +20,17 @@ from eyrie.config import PipelineConfig, RegenerateConfig
 from eyrie.errors import RegenerationError, RequestRejected, ServerUnavailable
 from eyrie.run.folder import RunFolder, atomic_write_json
 from eyrie.stages.prepare import RowError, load_dataset_rows, load_seq_lens, load_shards, prepare
-from eyrie.stages.regenerate import (
+from eyrie.stages.regenerate.assemble import assemble
+from eyrie.stages.regenerate.conversation import (
     Generation,
-    assemble,
     conversation_temperature,
-    extraction_source,
     overlap,
     plan_turns,
-    record_extraction_source,
     regenerate_conversation,
-    regenerate_shard,
-    shard_key,
-    shard_paths,
-    stage_key,
 )
+from eyrie.stages.regenerate.plan import shard_key, stage_key
+from eyrie.stages.regenerate.shard import regenerate_shard, shard_paths
+from eyrie.stages.regenerate.source import extraction_source, record_extraction_source
 from eyrie.target.metadata import load_tokenizer
 from eyrie.vllm.client import ServerClient
 from eyrie.vllm.plugin import SKIP_HIDDEN_STATES

@@ -31,7 +31,7 @@ from eyrie.run.folder import (
     temporary_file,
     within,
 )
-from eyrie.stages.extract import extract_shard
+from eyrie.stages.extract.shard import extract_shard
 from eyrie.stages.prepare import load_shards
 
 LAYERS, HIDDEN = 4, 8

@@ -17,18 +17,16 @@ from conftest import DEMO_DATA, build_tiny_target
 from eyrie.config import PipelineConfig, RegenerateConfig, TargetConfig
 from eyrie.errors import ConfigError, RegenerationError
 from eyrie.stages.prepare import load_shards, prepare
-from eyrie.stages.regenerate import (
+from eyrie.stages.regenerate.assemble import assemble
+from eyrie.stages.regenerate.conversation import (
     DEFAULT_VARIANT,
-    assemble,
     conversation_temperature,
     conversation_variant,
     plan_turns,
-    regenerate_shard,
-    shard_key,
-    shard_paths,
     template_mix,
 )
-from eyrie.stages.regenerate.shard import load_conversations
+from eyrie.stages.regenerate.plan import shard_key
+from eyrie.stages.regenerate.shard import load_conversations, regenerate_shard, shard_paths
 from eyrie.target.metadata import load_tokenizer
 
 THINK = {"enable_thinking": True}
@@ -163,7 +161,7 @@ def test_each_row_is_rendered_with_and_records_its_variant(tmp_path, target_dir,
         assert Counter(t["template_variant"]) == Counter(m["stats"]["template_variants"])
         conversations = load_conversations(prepare_dir, s)
         for row, ids, variant in zip(t["row"], t["input_ids"], t["template_variant"]):
-            from eyrie.stages.regenerate import conversation_fingerprint
+            from eyrie.stages.regenerate.conversation import conversation_fingerprint
 
             assert variant == conversation_variant(
                 config.regenerate, conversation_fingerprint(conversations[row - s.start])

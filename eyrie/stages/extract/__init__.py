@@ -13,42 +13,27 @@ Modules, one job each:
 - `manifest`: the files' records and the shard manifest, `shard_complete`;
 - `window`: the requests in flight to one server, shared by the shards extracting from it;
 - `answered`: the connector's files (its writer's lock, writeback, staging).
+
+Import from the modules. The package re-exports only what callers outside the stages still import from it
+(the fan-out, the pipeline and the sharded-stage skeleton, benchmarks, the lead's tests).
 """
 
-from eyrie.run.folder import sample_path  # where the stage's files are (read by its tests and benchmarks)
-from eyrie.stages.extract.answered import _wait_and_release, clean_staging, start_writeback
-from eyrie.stages.extract.checks import all_finite, check_sample, load_checked
-from eyrie.stages.extract.manifest import (
-    checked_record,
-    drop_unpacked,
-    file_record,
-    shard_complete,
-    stat_record,
-    stat_trusted,
-    write_manifest,
-)
-from eyrie.stages.extract.plan import ExtractionPlan, content_key, online_plan, shard_key, source_folder
+from eyrie.run.folder import sample_path
+from eyrie.stages.extract.answered import _wait_and_release, clean_staging
+from eyrie.stages.extract.checks import load_checked
+from eyrie.stages.extract.manifest import file_record, write_manifest
+from eyrie.stages.extract.plan import ExtractionPlan, online_plan, shard_key
 from eyrie.stages.extract.shard import extract_shard
 
 __all__ = [
     "ExtractionPlan",
     "_wait_and_release",
-    "all_finite",
-    "check_sample",
-    "checked_record",
     "clean_staging",
-    "content_key",
-    "drop_unpacked",
     "extract_shard",
     "file_record",
     "load_checked",
     "online_plan",
     "sample_path",
-    "shard_complete",
     "shard_key",
-    "source_folder",
-    "start_writeback",
-    "stat_record",
-    "stat_trusted",
     "write_manifest",
 ]

@@ -40,7 +40,7 @@ def shard_key(content: str, config) -> str:
 
 def source_folder(run, regenerate: RegenerateConfig) -> Path:
     """The folder whose dataset and shards extraction reads: regenerate's when the config regenerates, else
-    prepare's (`eyrie.stages.regenerate.extraction_source` also checks that regenerate's is current)."""
+    prepare's (`eyrie.stages.regenerate.source.extraction_source` also checks that regenerate's is current)."""
     return run.stage("regenerate") if regenerate.enabled else run.prepare
 
 

@@ -30,71 +30,21 @@ Modules, one job each:
 - `conversation`: one conversation's template pieces, sampling and turn loop;
 - `assemble`: the shards as one dataset;
 - `source`: which folder extraction reads, and `eyrie status`'s line.
+
+Import from the modules. The package re-exports only what callers outside it still import from it (status, verify,
+the fan-out, the pipeline, benchmarks).
 """
 
-from eyrie.stages.regenerate.assemble import assemble
-from eyrie.stages.regenerate.conversation import (
-    DEFAULT_VARIANT,
-    Generation,
-    Regenerated,
-    TurnPlan,
-    conversation_fingerprint,
-    conversation_temperature,
-    conversation_variant,
-    overlap,
-    plan_turns,
-    regenerate_conversation,
-    request_seed,
-    shared_tokenizer,
-    template_mix,
-)
-from eyrie.stages.regenerate.plan import RegenerationPlan, shard_key, stage_key
-from eyrie.stages.regenerate.shard import (
-    MAX_SERVER_ERROR_SHARE,
-    SERVER_LOSSES,
-    STAGE,
-    ShardStats,
-    has_losses,
-    load_conversations,
-    lost_rows,
-    regenerate_shard,
-    rejection_reason,
-    shard_complete,
-    shard_paths,
-)
-from eyrie.stages.regenerate.source import SOURCE_MARKER, extraction_source, record_extraction_source, stage_status
+from eyrie.stages.regenerate.conversation import shared_tokenizer
+from eyrie.stages.regenerate.plan import RegenerationPlan
+from eyrie.stages.regenerate.shard import regenerate_shard, shard_paths
+from eyrie.stages.regenerate.source import extraction_source, stage_status
 
 __all__ = [
-    "DEFAULT_VARIANT",
-    "Generation",
-    "MAX_SERVER_ERROR_SHARE",
-    "SERVER_LOSSES",
-    "Regenerated",
     "RegenerationPlan",
-    "SOURCE_MARKER",
-    "STAGE",
-    "ShardStats",
-    "TurnPlan",
-    "assemble",
-    "conversation_fingerprint",
-    "conversation_temperature",
-    "conversation_variant",
     "extraction_source",
-    "has_losses",
-    "load_conversations",
-    "lost_rows",
-    "overlap",
-    "plan_turns",
-    "record_extraction_source",
-    "regenerate_conversation",
     "regenerate_shard",
-    "rejection_reason",
-    "request_seed",
-    "shard_complete",
-    "shard_key",
     "shard_paths",
     "shared_tokenizer",
-    "stage_key",
     "stage_status",
-    "template_mix",
 ]

@@ -53,7 +53,7 @@ class RegenerationPlan:
     server's spec (`eyrie.vllm.spec.ServerSpec.for_extraction`) are computed from identity's dotted paths."""
 
     def __init__(self, config: PipelineConfig, run: RunFolder, report, node: str | None = None):
-        from eyrie.stages.extract import ExtractionPlan
+        from eyrie.stages.extract.plan import ExtractionPlan
         from eyrie.target.metadata import load_tokenizer
 
         self.config = config

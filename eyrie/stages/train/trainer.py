@@ -46,7 +46,7 @@ def train_key(
     config: PipelineConfig, data_keys: list[str], vocab_key: str, aux_ids: list[int], warm_start: str | None = None
 ) -> str:
     """The checkpoints' lineage (`eyrie.run.identity.STAGES["train"]`): what determines the weights. `data_keys`
-    are the hidden states' content keys (`eyrie.stages.extract.content_key`; the same online and offline, whatever
+    are the hidden states' content keys (`eyrie.stages.extract.plan.content_key`; the same online and offline, whatever
     the storage layout), `warm_start` the base drafter, by its content. Devices, logging, checkpoint frequency and
     thresholds are not in it: a change of them resumes (`resume_notes`). The key is the lineage's 16 characters
     and 8 of the stop rule's (`STAGES["train.stop"]`): a changed plateau rule keeps the lineage's checkpoints
