@@ -7,8 +7,9 @@ conversations, row-aligned with the dataset, for the regenerate stage), `eval_pr
 conversations for evaluation) and `stats.json` (rows used and dropped by reason). No model weights are loaded.
 
 The package, by job: `source` (reading rows, the source's fingerprint), `conversation` (roles, the chat template,
-the loss mask), `rows` (a row that cannot be used; the row tally regeneration's shards keep too), `plan` (the held-out split, the shard plan), `key` (the stage's
-key and its remembered fingerprints), `dataset` (the dataset written and read back), `stage` (`prepare` itself).
+the loss mask), `rows` (a row that cannot be used; the row tally regeneration's shards keep too), `plan` (the
+held-out split, the shard plan), `key` (the stage's key and its remembered fingerprints), `dataset` (the dataset
+written and read back), `stage` (`prepare` itself).
 """
 
 from eyrie.stages.prepare.conversation import ROLE_ALIASES, _render, normalize, render_text, tokenize_conversation
