@@ -226,3 +226,31 @@ def test_a_tensor_the_labels_need_missing_from_the_checkpoint_is_named(targets, 
     drafter = _drafter(path, t2d, d2t)
     with pytest.raises(ValueError, match=r"`lm_head.bias`.*EYRIE_TARGET_TRANSFORM=0"):
         apply_target_transform(drafter, path)
+
+
+def test_a_logit_transform_the_probe_cannot_recognise_stays_a_warning():
+    """A forward whose logit transform is neither a scale nor a soft-cap is not probed into a wrong formula: the
+    labels leave it, and the config attribute that names it stays a warning. A config attribute the forward does
+    not apply (a soft-cap value on a class that never reads it) is not applied either."""
+    import transformers
+
+    from eyrie.target.labels import label_plan, probe_logits
+
+    class Odd(transformers.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = torch.sinh(out.logits)
+            return out
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, vocab_size=256)
+    with torch.device("meta"):
+        odd = Odd(transformers.LlamaConfig(**small, final_logit_softcapping=30.0))
+        plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small, final_logit_softcapping=30.0))
+    assert probe_logits(odd) is None
+    for model in (odd, plain):
+        plan = label_plan(model)
+        assert plan.logits is None
+        assert [(a.what, a.applied) for a in plan.approximations] == [("logit soft-capping", "")]
+    assert probe_logits(plain).scale == 1.0 and probe_logits(plain).cap is None  # measured: the forward ignores it
+    assert isinstance(odd.lm_head, torch.nn.Linear)  # the probe leaves the model as it was
+    assert "forward" not in vars(odd.get_decoder())
