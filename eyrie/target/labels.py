@@ -51,6 +51,10 @@ EMBED_SCALE = re.compile(
     r"^(embedding|embeddings|embed|emb|input_embedding)_?(multiplier|mult|scale|scaling)$|^scale_emb(edding)?$",
     re.IGNORECASE,
 )
+SERVED_UNSCALED = (
+    ", as vLLM's EAGLE-3 drafter does when it serves (not applied: a scale in training alone would make training "
+    "differ from serving)"
+)
 NOT_OUTPUT = re.compile(r"attn|attention|router|rope|residual", re.IGNORECASE)
 
 
@@ -103,7 +107,8 @@ def _config_approximations(model) -> list[Approximation]:
                 Approximation(
                     "embedding scale",
                     f"config.{name} = {value}",
-                    "the target scales its input embeddings by this; the drafter embeds tokens with the unscaled table",
+                    "the target scales its input embeddings by this; the drafter embeds tokens with the unscaled table"
+                    + SERVED_UNSCALED,
                 )
             )
     return out
@@ -215,7 +220,8 @@ def _embedding_scale_in_code(model, found: list[Approximation]) -> list[Approxim
                 Approximation(
                     "embedding scale",
                     f"{type(module).__name__}.{name}{shown}",
-                    "the target scales its input embeddings; the drafter embeds tokens with the unscaled table",
+                    "the target scales its input embeddings; the drafter embeds tokens with the unscaled table"
+                    + SERVED_UNSCALED,
                 )
             ]
     return []
@@ -394,9 +400,13 @@ def label_report(target, cfg: dict) -> tuple[list[str], list[str]]:
     except Exception:  # noqa: BLE001 - resolve_borrowed_weights reports it
         return [], []
     plan = label_plan(model)
+    cost = (
+        " Acceptance in vLLM will be lower than validation predicts by what this costs; the train/serve gap in the "
+        "evaluation report measures it"
+    )
     warnings = [
-        f"the drafter's training labels approximate {target.model}: {a.message()}. Acceptance in vLLM will be "
-        "lower than validation predicts by what this costs; the train/serve gap in the evaluation report measures it"
+        f"the drafter's training labels approximate {target.model}: {a.message()}."
+        + ("" if a.what == "embedding scale" else cost)  # not a label: training feeds the drafter what vLLM does
         for a in plan.approximations
         if not a.applied
     ]
