@@ -100,7 +100,7 @@ def state(config, run_dir: str, until: str) -> dict | None:
     """Everything the run's outputs could depend on (see the module's docstring); None when the fast path cannot
     vouch for it (a value naming something not local)."""
     from eyrie.run.environment import child_environment
-    from eyrie.run.folder import LOCK, SHARES_LOCK
+    from eyrie.run.lock import LOCK, SHARES_LOCK
 
     dump = config.model_dump(mode="json")
     paths = {}
@@ -129,13 +129,13 @@ def state(config, run_dir: str, until: str) -> dict | None:
 def digest(now: dict) -> dict:
     """Each part of a state by its sha256: what the record keeps (a run folder of a million hidden-state files lists
     in a small file, and no environment variable's value, a token say, is written to disk)."""
-    from eyrie.run.folder import sha256_json
+    from eyrie.run.files import sha256_json
 
     return {part: sha256_json(value) for part, value in now.items()}
 
 
 def _lock_holder(run: Path) -> str:
-    from eyrie.run.folder import LOCK
+    from eyrie.run.lock import LOCK
 
     try:
         return (run / LOCK).read_text().strip()
@@ -151,7 +151,8 @@ def record(config, run_dir: str, until: str, outputs: dict) -> bool:
     """After a finished flow (in the process that ran it): write the state and the outputs. Not written when
     another process held the run folder since (the lock's holder is someone else) or it is in use now."""
     from eyrie.errors import RunFolderError
-    from eyrie.run.folder import RunFolder, atomic_write_json
+    from eyrie.run.files import atomic_write_json
+    from eyrie.run.folder import RunFolder
 
     run = RunFolder(run_dir)
     (run.root / RECORD).unlink(missing_ok=True)
@@ -173,7 +174,8 @@ def record(config, run_dir: str, until: str, outputs: dict) -> bool:
 def finished_outputs(config, run_dir: str, until: str) -> dict | None:
     """The recorded outputs when nothing changed since the run that finished this folder; else None."""
     from eyrie.errors import RunFolderError
-    from eyrie.run.folder import RunFolder, read_json
+    from eyrie.run.files import read_json
+    from eyrie.run.folder import RunFolder
 
     run = RunFolder(run_dir)
     if not (run.root / RECORD).is_file():

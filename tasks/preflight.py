@@ -5,7 +5,7 @@ from pathlib import Path
 from prefect.artifacts import create_markdown_artifact
 
 from eyrie.config import PipelineConfig
-from eyrie.run.folder import atomic_write_json
+from eyrie.run.files import atomic_write_json
 from eyrie.stages.preflight import report_markdown, run_preflight
 from tasks.caching import eyrie_task
 

@@ -9,7 +9,7 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 
 from eyrie.config import PipelineConfig, RegenerateConfig
 from eyrie.errors import RegenerationError
-from eyrie.run.folder import read_json
+from eyrie.run.files import read_json
 from eyrie.stages.prepare import Shard
 from eyrie.stages.regenerate.assemble import assemble
 from eyrie.stages.regenerate.conversation import shared_tokenizer, template_mix

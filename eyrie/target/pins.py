@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eyrie.config import DataConfig, TargetConfig
-from eyrie.run.folder import atomic_write_json, read_json
+from eyrie.run.files import atomic_write_json, read_json
 from eyrie.target.hub import Pinned, pin_revisions
 
 PINS = "revisions.json"

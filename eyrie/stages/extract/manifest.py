@@ -14,12 +14,8 @@ from safetensors.torch import load as load_bytes
 
 from eyrie.hidden_states.encoding import BFLOAT16
 from eyrie.hidden_states.packs import shard_entries
-from eyrie.run.folder import (
-    atomic_write_json,
-    read_json,
-    sample_path,
-    sha256_file,
-)
+from eyrie.run.files import atomic_write_json, read_json, sha256_file
+from eyrie.run.folder import sample_path
 from eyrie.stages.extract.checks import check_sample
 from eyrie.stages.prepare import Shard
 

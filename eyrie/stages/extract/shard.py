@@ -19,13 +19,8 @@ from eyrie.hidden_states.check import check_shard
 from eyrie.hidden_states.encoding import BFLOAT16
 from eyrie.hidden_states.packs import FILES, PACKED, pack_name, remove_overlapping, write_pack
 from eyrie.run.faults import fault_point
-from eyrie.run.folder import (
-    answered_file,
-    fsync_path,
-    read_json,
-    sample_path,
-    sha256_file,
-)
+from eyrie.run.files import fsync_path, read_json, sha256_file
+from eyrie.run.folder import answered_file, sample_path
 from eyrie.stages.extract.answered import _wait_and_release, start_writeback
 from eyrie.stages.extract.checks import load_checked
 from eyrie.stages.extract.manifest import (

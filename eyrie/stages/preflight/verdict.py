@@ -20,7 +20,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from eyrie.config import PipelineConfig
-from eyrie.run.folder import STAMP, atomic_write_json, read_json, sha256_file, sha256_json
+from eyrie.run.files import atomic_write_json, read_json, sha256_file, sha256_json
+from eyrie.run.folder import STAMP
 from eyrie.run.identity import VERDICTS, key
 from eyrie.stages.preflight.report import PreflightReport
 from eyrie.target.metadata import file_identity

@@ -14,7 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from eyrie.config import PromotionConfig, RegenerateConfig, TrainConfig
-from eyrie.run.folder import RunFolder, read_json, sha256_json
+from eyrie.run.files import read_json, sha256_json
+from eyrie.run.folder import RunFolder
 
 RECORD = "warm_start.json"  # in the train folder (flows/pipeline.py passes `run.train / "warm_start.json"`)
 

@@ -6,7 +6,7 @@ import hashlib
 from pathlib import Path
 
 from eyrie.config import DataConfig, TargetConfig
-from eyrie.run.folder import atomic_write_json, read_json, sha256_json
+from eyrie.run.files import atomic_write_json, read_json, sha256_json
 from eyrie.stages.prepare.source import _local_files, _local_source, is_hub_source, source_fingerprint
 from eyrie.target.metadata import load_tokenizer
 

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyrie.run.folder import read_json, sha256_json
+from eyrie.run.files import read_json, sha256_json
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import Any
 
 from eyrie.config import DataConfig
 from eyrie.errors import DataError
-from eyrie.run.folder import sha256_file, sha256_json
+from eyrie.run.files import sha256_file, sha256_json
 from eyrie.stages.prepare.rows import RowError
 from eyrie.target.hub import hub_commit
 

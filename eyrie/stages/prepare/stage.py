@@ -13,7 +13,7 @@ from pathlib import Path
 from eyrie.config import DataConfig, TargetConfig
 from eyrie.errors import DataError
 from eyrie.run.faults import fault_point
-from eyrie.run.folder import atomic_write_json, replace_dir
+from eyrie.run.files import atomic_write_json, replace_dir
 from eyrie.run.manifest import files_under, finished_manifest, list_files
 from eyrie.stages.prepare.conversation import normalize, tokenize_conversation
 from eyrie.stages.prepare.dataset import _save_dataset

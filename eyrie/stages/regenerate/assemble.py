@@ -10,7 +10,7 @@ from pathlib import Path
 
 from eyrie.errors import RegenerationError
 from eyrie.run.faults import fault_point
-from eyrie.run.folder import atomic_write_json, fsync_path, fsync_tree, read_json, sha256_json
+from eyrie.run.files import atomic_write_json, fsync_path, fsync_tree, read_json, sha256_json
 from eyrie.run.manifest import files_under, finished_manifest, list_files
 from eyrie.stages.prepare import Shard
 from eyrie.stages.regenerate.shard import SERVER_LOSSES, STAGE, shard_paths

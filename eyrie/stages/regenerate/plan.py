@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import RegenerationError
-from eyrie.run.folder import RunFolder, read_json
+from eyrie.run.files import read_json
+from eyrie.run.folder import RunFolder
 from eyrie.stages.prepare import Shard, load_shards, tokenizer_fingerprint
 from eyrie.stages.regenerate.conversation import template_mix
 from eyrie.stages.regenerate.shard import STAGE, has_losses, lost_rows, shard_complete, shard_paths

@@ -15,7 +15,7 @@ from pathlib import Path
 from eyrie.config import RegenerateConfig
 from eyrie.errors import RegenerationError, RequestRejected, ServerUnavailable
 from eyrie.run.faults import fault_point
-from eyrie.run.folder import atomic_write_bytes, atomic_write_json, read_json, sha256_json
+from eyrie.run.files import atomic_write_bytes, atomic_write_json, read_json, sha256_json
 from eyrie.stages.prepare.plan import Shard
 from eyrie.stages.prepare.rows import RowError, RowStats
 from eyrie.stages.regenerate.conversation import (

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import RegenerationError
-from eyrie.run.folder import RunFolder, atomic_write_json, read_json
+from eyrie.run.files import atomic_write_json, read_json
+from eyrie.run.folder import RunFolder
 from eyrie.stages.extract.plan import source_folder
 from eyrie.stages.prepare import load_shards
 from eyrie.stages.regenerate.shard import STAGE, shard_paths

@@ -20,7 +20,7 @@ from eyrie.config import PipelineConfig, TrainConfig
 from eyrie.errors import EyrieError
 from eyrie.hidden_states.staging import clean, leftover_bytes, on_tmpfs
 from eyrie.run.environment import child_environment
-from eyrie.run.folder import atomic_write_json, read_json
+from eyrie.run.files import atomic_write_json, read_json
 from eyrie.run.manifest import files_under, finished_manifest, list_files
 from eyrie.stages.train.checkpoints import is_whole, newest_whole_checkpoint, recover
 from eyrie.stages.train.command import (
