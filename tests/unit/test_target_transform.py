@@ -207,7 +207,8 @@ def test_a_switch_off_leaves_speculators_labels(targets, speculators_restored, m
 
 
 def test_a_tensor_the_labels_need_missing_from_the_checkpoint_is_named(targets, tmp_path, speculators_restored):
-    """A head bias the class has but the checkpoint lacks: a clear error naming the tensor and the way out."""
+    """A head bias the class has but the checkpoint lacks, or a verifier that is no local folder: a clear error
+    naming what is missing and the way out."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -226,6 +227,8 @@ def test_a_tensor_the_labels_need_missing_from_the_checkpoint_is_named(targets, 
     drafter = _drafter(path, t2d, d2t)
     with pytest.raises(ValueError, match=r"`lm_head.bias`.*EYRIE_TARGET_TRANSFORM=0"):
         apply_target_transform(drafter, path)
+    with pytest.raises(ValueError, match=r"not a local folder with a config.json.*EYRIE_TARGET_TRANSFORM=0"):
+        apply_target_transform(drafter, "some-org/some-model")  # a hub id: Eyrie gives the trainer a local snapshot
 
 
 def test_a_logit_transform_the_probe_cannot_recognise_stays_a_warning():

@@ -119,6 +119,12 @@ def apply_target_transform(model, verifier: str | Path, trust_remote_code: bool 
     from eyrie.target.metadata import _meta_model, loaded_names
 
     path = Path(verifier)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"the drafter's verifier {verifier} is not a local folder with a config.json, so the labels cannot be "
+            f"made with the target's own transform; give the trainer the target's folder, or set {ENV}=0 "
+            "(train.target_transform: false)"
+        )
     target = TargetConfig(model=str(path), trust_remote_code=trust_remote_code)
     meta = _meta_model(target, json.loads((path / "config.json").read_text()))
     plan = label_plan(meta)
