@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from eyrie.config import RegenerateConfig
+from eyrie.config import PipelineConfig, RegenerateConfig
 from eyrie.errors import DiskFullError, ExtractionError
 from eyrie.hidden_states.check import record_context
 from eyrie.hidden_states.packs import PACKED
@@ -17,10 +17,11 @@ from eyrie.stages.preflight import PreflightReport
 from eyrie.stages.prepare import Shard, load_shards
 
 
-def content_key(config, captured_ids: list[int], shard: Shard) -> str:
+def content_key(config: PipelineConfig, captured_ids: list[int], shard: Shard) -> str:
     """A shard's hidden states by content (`eyrie.run.identity.STAGES["extract"]`): what the target computes
     (weights, dtype, output-shaping server arguments), what is captured, which rows, how values are encoded. What
-    training keys on: the same hidden states laid out another way train the same drafter."""
+    training keys on: the same hidden states laid out another way train the same drafter. The whole config: the
+    key is computed from the declaration's dotted paths."""
     from eyrie.target.metadata import stage_key as keyed
 
     return keyed(
@@ -31,8 +32,9 @@ def content_key(config, captured_ids: list[int], shard: Shard) -> str:
     )
 
 
-def shard_key(content: str, config) -> str:
-    """The shard's manifest key: its content key and the storage layout (`STAGES["extract.layout"]`)."""
+def shard_key(content: str, config: PipelineConfig) -> str:
+    """The shard's manifest key: its content key and the storage layout (`STAGES["extract.layout"]`). The whole
+    config: the key is computed from the declaration's dotted paths."""
     from eyrie.target.metadata import stage_key as keyed
 
     return keyed("extract.layout", config, content=content)
@@ -49,9 +51,19 @@ log = logging.getLogger(__name__)
 
 class ExtractionPlan:
     """`node`: this node's name when several nodes share the run folder (its server lives in `extract/nodes/<node>/`);
-    None on a single node (`extract/`). `source`: the folder `shards` come from (`source_folder` by default)."""
+    None on a single node (`extract/`). `source`: the folder `shards` come from (`source_folder` by default).
+    The whole config: the shards' keys and the server's spec (`ServerSpec.for_extraction`) are computed from
+    identity's dotted paths."""
 
-    def __init__(self, config, run, report, shards: list[Shard], node: str | None = None, source: Path | None = None):
+    def __init__(
+        self,
+        config: PipelineConfig,
+        run,
+        report,
+        shards: list[Shard],
+        node: str | None = None,
+        source: Path | None = None,
+    ):
         from eyrie.run.folder import server_folder
         from eyrie.vllm.spec import ServerSpec
 
@@ -137,7 +149,7 @@ class ExtractionPlan:
         return True
 
 
-def online_plan(config, run, report: dict, data_dir: Path):
+def online_plan(config: PipelineConfig, run, report: dict, data_dir: Path):
     """What online training needs from extraction, with nothing extracted: the shard keys extraction would give
     (target identity, captured layers, shard fingerprint: the train key's data keys), the extraction server's spec
     (its storage path on tmpfs, see `ExtractionPlan.staging`) and its folder."""
