@@ -68,7 +68,7 @@ def _fx_tracing_per_thread() -> None:
     # The flag's readers keep their function objects (Dynamo's compile wrapper captured is_fx_symbolic_tracing when
     # each function was compiled) and get code that asks about the calling thread; their globals are
     # torch.fx._symbolic_trace's, so the helper goes there.
-    st._eyrie_tracing_here = _tracing_here
+    st._eyrie_tracing_here = _tracing_here  # type: ignore[attr-defined]
 
     def is_fx_tracing() -> bool:
         return _eyrie_tracing_here()  # type: ignore[name-defined]  # noqa: F821
