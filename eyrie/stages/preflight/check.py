@@ -41,7 +41,7 @@ from eyrie.stages.preflight.target import (
 from eyrie.stages.preflight.verdict import load_verdict, save_verdict, verdict_key
 from eyrie.stages.preflight.warm_start import check_recorded_base
 from eyrie.stages.promote import check_base, current_version
-from eyrie.target.labels import label_warnings
+from eyrie.target.labels import label_report, label_warnings
 from eyrie.target.metadata import load_tokenizer, mask_token_id, read_target_config, text_config, verifier_name
 from eyrie.vllm.loading import load_warnings, weights_folder
 
@@ -126,7 +126,14 @@ def check_target(config: PipelineConfig, serve: bool) -> PreflightReport:
         config.max_model_len,
     )
     report.warnings += arg_warnings
-    report.warnings += label_warnings(config.target, cfg)  # where speculators' labels approximate the target
+    # Where speculators' labels approximate the target: what the trainer applies (train.target_transform) is a note,
+    # what it cannot apply stays a warning.
+    if config.train.target_transform:
+        left, applied = label_report(config.target, cfg)
+        report.warnings += left
+        report.notes += applied
+    else:
+        report.warnings += label_warnings(config.target, cfg)
     if tok is not None:  # a chat-template variant whose switch the template never reads measures nothing new
         report.warnings += template_variant_warnings(tok.chat_template, template_variants(config))
     mask = config.train.mask_token_id

@@ -29,6 +29,7 @@ class PreflightReport:
     free_bytes: int | None = None
     hidden_states: str = "offline"  # train.hidden_states: online runs have no extract stage (`eyrie status` reads it)
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # information, not a problem: e.g. the label transforms applied
     failures: list[str] = field(default_factory=list)
     # The key of the verdict on the target, vLLM and the config (eyrie.stages.preflight.verdict), and whether this
     # report reused a passing one from the run folder (no vLLM import) or checked afresh.
@@ -65,6 +66,7 @@ def report_markdown(report: PreflightReport) -> str:
             *(f"- {f}" for f in report.failures),
             "",
             *(f"- warning: {w}" for w in report.warnings),
+            *(f"- {n}" for n in report.notes),
             "",
             "| check | found |",
             "|---|---|",

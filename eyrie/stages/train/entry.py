@@ -30,6 +30,7 @@ from eyrie.stages.train.patches.cpu import _run_on_cpu
 from eyrie.stages.train.patches.gpu import _gpu_speedups
 from eyrie.stages.train.patches.plateau import PlateauReached, _record_validation
 from eyrie.stages.train.patches.saving import _keep_the_last_whole_checkpoint
+from eyrie.stages.train.patches.target_transform import _apply_target_transform
 from eyrie.stages.train.patches.verifier import _load_verifier_weights_by
 from eyrie.stages.train.patches.workers import _start_worker_server
 
@@ -100,6 +101,8 @@ def main(argv: list[str]) -> None:
         _run_on_cpu()
     else:
         _gpu_speedups()
+    # the labels made with the target's own transform (EYRIE_TARGET_TRANSFORM, train.target_transform)
+    _apply_target_transform("--trust-remote-code" in argv)
     from speculators.train.cli import main as train
     from speculators.train.config import TrainConfig
 
