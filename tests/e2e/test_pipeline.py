@@ -345,6 +345,31 @@ def test_export_is_servable_and_matches_extraction(pipeline):
     assert proof["completion_tokens"] > 0 and proof["completion"]
 
 
+def test_server_starts_report_their_phases_and_first_request(pipeline):
+    """Every server start leaves its phases as a `server-start` table (read from the API the runs reported to); a
+    server that answered a request once ready, as the export server's proof and evaluation did, leaves it again at
+    its stop with its first request among the phases."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def tables():
+        async with get_client() as client:
+            found = await client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["server-start"]))
+            )
+            rows = [json.loads(a.data) if isinstance(a.data, str) else a.data for a in found]
+            return [{row["phase"]: row["seconds"] for row in table} for table in rows]
+
+    starts = asyncio.run(tables())
+    assert starts and all(t.get("total", 0) > 0 for t in starts), starts
+    answered = [t for t in starts if "first request" in t]
+    assert answered, starts
+    # seconds rounded to 0.1 in the table: a first request on the tiny target may show as 0.0
+    assert all(0 <= t["first request"] <= t["ready to first answer"] + 0.1 for t in answered), answered
+
+
 def test_trained_drafter_beats_the_floor_and_no_untrained_drafter_is_served(pipeline):
     """The baseline is the floor, 1.0 (no draft accepted: an untrained drafter measured exactly that, 171 drafts on
     the demo), known without a target load: `untrained_baseline: auto` serves no untrained drafter."""
