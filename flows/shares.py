@@ -8,15 +8,23 @@ shares lock shared, which keeps every run of the whole folder out, and its shard
 keeps other shares off them). It also refuses to start when its parent flow run is not running (cancelled, crashed,
 failed while the share waited in its node's queue): nobody would collect its work. A share triggered on its own (no
 parent: the node deployment run by hand) runs under the same locks.
+
+A share that ran through a Prefect server outage (a restart) keeps running: its API requests are retried
+(PREFECT_CLIENT_MAX_RETRIES, deployments/prefect.yaml). Its events are not: Prefect's events client keeps the ones the
+server did not confirm (the task runs' states, heartbeats) and sends them again only when it next connects, for the
+next event. A share ends by waiting for the API and emitting `eyrie.share.finished`, so that what it did during the
+outage reaches the server instead of dying with its process.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
+from prefect.events import emit_event
 
 from eyrie.errors import RunFolderError
 from eyrie.run.folder import RunFolder
@@ -47,6 +55,35 @@ def refuse_unless_parent_runs(flow_run_id, what: str) -> None:
         )
 
 
+API_WAIT_S = 300.0  # how long a finished share waits for an unreachable API (the client's retries last ~4 min)
+
+
+def wait_for_api(wait_s: float = API_WAIT_S, poll_s: float = 2.0) -> bool:
+    """Until the Prefect API answers its health check (True), or `wait_s` passed (False). In a flow run the probe is
+    the run's own client, whose requests Prefect retries (PREFECT_CLIENT_MAX_RETRIES); a fresh client elsewhere is
+    not retried on a refused connection, hence the loop."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with get_client(sync_client=True) as client:
+            if client.api_healthcheck() is None:
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+
+
+def share_finished(flow_run, stage: str, shards: list[str], node: str | None) -> None:
+    """The share's last event, once the API answers: it makes Prefect's events client reconnect and send again the
+    events the server did not confirm (see the module's docstring)."""
+    wait_for_api()
+    emit_event(
+        event="eyrie.share.finished",
+        resource={"prefect.resource.id": f"eyrie.share.{flow_run.id}", "prefect.resource.name": flow_run.name},
+        related=[{"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.role": "flow-run"}],
+        payload={"stage": stage, "shards": shards, "node": node},
+    )
+
+
 @contextmanager
 def node_share(run: RunFolder, stage: str, shards: list[str], node: str | None) -> Iterator[None]:
     """Hold `shards` of `stage` and `node`'s server folder for this flow run, after checking its parent runs (checked
@@ -58,4 +95,9 @@ def node_share(run: RunFolder, stage: str, shards: list[str], node: str | None) 
     with run.share_lock(stage, shards, node, holder):
         if flow_run is not None:
             refuse_unless_parent_runs(flow_run.id, what)
-        yield
+        try:
+            yield
+        finally:
+            if flow_run is not None:
+                with suppress(Exception):  # never in the way of the share's own outcome
+                    share_finished(flow_run, stage, shards, node)
