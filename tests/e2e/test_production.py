@@ -8,11 +8,16 @@ vLLM's CPU build).
   file of the run.
 - The operator hears of the failure: setup's "Eyrie GPU run failed" automation sends the notification block given
   with `--notify-block` (here a custom webhook block pointed at a receiver in this process) a message naming the run.
-- Two GPU nodes (two workers, two queues of the pool `eyrie-gpu`, whose limit of 2 lets them run side by side, one
-  shared run folder): the fan-out parent, from the pool `eyrie-control`, splits the regeneration shards, then the
-  extraction shards, over them; each node loads its vLLM server once for both stages. Node 2's process dies
-  mid-share: the parent's retry sends out only the shards it left, then runs the pipeline deployment on node 1,
-  which finds regeneration and extraction done (no server for them) and trains, exports and evaluates.
+- The GPU nodes of deployments/prefect.yaml plus one (a test copy of the file, set up as production's is: three
+  workers for today's two-node file, three queues of the pool `eyrie-gpu`, whose limit lets them run side by side,
+  one shared run folder): the fan-out parent, from the pool `eyrie-control`, splits the regeneration shards, then
+  the extraction shards, over the nodes its deployment lists; each node loads its vLLM server once for both stages.
+  The second node's worker dies mid-share (its process group and its flow-run process, SIGKILL): its run stays
+  Running until the zombie automation marks it Crashed (the copy's heartbeat window: 120 s), which
+  fails the parent. The worker comes back (as systemd restarts it); the parent's retry sends out only the shards
+  that node left, and the Prefect server is stopped and started again on its database while a node's extraction
+  share runs: the share, the parent and the workers carry on. Then the parent runs the pipeline deployment on the
+  first node, which finds regeneration and extraction done (no server for them) and trains, exports and evaluates.
 - A flow run cancelled through the API stops its server and its trainer; a crashed one keeps its server.
 """
 
@@ -33,6 +38,7 @@ import pytest
 from conftest import REPO, register_server_folder, stop_server, write_config
 from prefect_server import running_prefect_server
 
+from deployments.setup import PREFECT_FILE, gpu_nodes
 from eyrie.run.folder import RunFolder
 from eyrie.stages.extract import load_checked, sample_path
 from eyrie.stages.prepare import load_dataset_rows, load_shards
@@ -46,13 +52,55 @@ CONTROL_POOL = "eyrie-control"  # the fan-out parent's pool; the GPU nodes' queu
 FAULTY = "shard-00001"
 LAYERS, NUM_LAYERS, HIDDEN = [2, 4, 5], 4, 64  # 3 aux layers + the last layer's output
 START = "eyrie: starting vLLM"  # one line in a server log per vLLM start
+# The test's copy of prefect.yaml: the declared nodes plus this one, and a short heartbeat window
+# (heartbeats every 30 s, its minimum; a run is a zombie after four missed: the restart of the Prefect server below,
+# about 40 s, must not crash the runs it interrupts).
+EXTRA_NODE = f"test-node-{len(gpu_nodes()) + 1}"
+HEARTBEAT_S, ZOMBIE_S = 30, 120
+LEASE_STORAGE = "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"
+
+
+def server_env(name: str) -> str:
+    """A setting of the Prefect server in infra/docker-compose.yml."""
+    import yaml
+
+    compose = yaml.safe_load((REPO / "infra" / "docker-compose.yml").read_text())
+    return str(compose["services"]["prefect-server"]["environment"][name])
+
+
+OUTAGE_S = 20  # the Prefect server stopped and down this long (its own start-up, ~10-20 s here, comes on top)
+
+
+def production_file(root: Path) -> Path:
+    """deployments/prefect.yaml with EXTRA_NODE added to `definitions.gpu_nodes` (one line, as an operator adds a
+    node) and the heartbeat window above; every node-derived thing (queues, pool limit, the fan-out's `queues`)
+    follows from the list."""
+    import re
+
+    text, nodes = PREFECT_FILE.read_text(), gpu_nodes()
+    last = f"    - {nodes[-1]}\n"
+    assert text.count(last) == 1
+    text = text.replace(last, last + f"    - {EXTRA_NODE}\n")
+    text, n_freq = re.subn(r'(PREFECT_FLOWS_HEARTBEAT_FREQUENCY: )"\d+"', rf'\g<1>"{HEARTBEAT_S}"', text)
+    text, n_window = re.subn(r"^(  zombie_after_s: )\d+$", rf"\g<1>{ZOMBIE_S}", text, flags=re.M)
+    assert n_freq == n_window == 1, (n_freq, n_window)
+    path = root / "prefect.yaml"
+    path.write_text(text)
+    assert gpu_nodes(path) == [*nodes, EXTRA_NODE]
+    return path
 
 
 class Production:
     """The server, setup done, and the workers started so far (one per queue)."""
 
-    def __init__(self, server, postgres, root: Path):
+    def __init__(self, server, postgres, root: Path, prefect_file: Path):
+        import yaml
+
         self.server, self.postgres, self.root = server, postgres, root
+        self.nodes = gpu_nodes(prefect_file)
+        # What the flow runs get from the deployments (heartbeats, client retries); the worker's unit sets the same.
+        definitions = yaml.safe_load(prefect_file.read_text())["definitions"]
+        self.job_env = {k: str(v) for k, v in definitions["work_pool"]["job_variables"]["env"].items()}
         self.workers: dict[str, subprocess.Popen] = {}
         self.server_folders: list[Path] = []
 
@@ -62,12 +110,12 @@ class Production:
         GPU nodes' queues in `eyrie-gpu`."""
         if queue in self.workers:
             return self.workers[queue]
-        extra = {"EYRIE_HOME": str(REPO), "PREFECT_WORKER_QUERY_SECONDS": "2", **env}
+        extra = {"EYRIE_HOME": str(REPO), "PREFECT_WORKER_QUERY_SECONDS": "2", **self.job_env, **env}
         if node:
             extra["EYRIE_NODE_NAME"] = node
         home = self.root / f"worker-{queue}"
-        home.mkdir()
-        log = open(self.root / f"worker-{queue}.log", "wb")
+        home.mkdir(exist_ok=True)  # a worker started again after `kill_node` keeps its home and its log
+        log = open(self.root / f"worker-{queue}.log", "ab")
         # Started elsewhere than the checkout: the deployment's pull step must change into $EYRIE_HOME. Its own
         # session, so that stopping it also stops its flow-run processes (vLLM servers have sessions of their own).
         pool = CONTROL_POOL if queue == "control" else "eyrie-gpu"
@@ -102,6 +150,40 @@ class Production:
         log.close()
         self.workers[queue] = proc
         return proc
+
+    def kill_node(self, queue: str) -> list[int]:
+        """The node's worker dies as a node going down takes it: SIGKILL to its process group (the worker and the
+        flow-run processes it started) and to each flow-run process's own group, if it leads one. Nothing reports
+        the runs' end: they stay Running until the zombie automation marks them Crashed. The node's vLLM server,
+        in a session of its own, stays up (as under the unit's KillMode=process). Returns the flow-run pids."""
+        import psutil
+
+        proc = self.workers.pop(queue)
+        runs = psutil.Process(proc.pid).children()
+        for pgid in {proc.pid, *(r.pid for r in runs if os.getpgid(r.pid) == r.pid)}:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        _, alive = psutil.wait_procs(runs, timeout=30)  # a SIGKILLed process is gone once the kernel has reaped it
+        assert not alive, alive
+        return [r.pid for r in runs]
+
+    def restart_server(self, down_s: float) -> float:
+        """The Prefect server stopped (SIGTERM to its group, SIGKILL after 15 s) and, `down_s` after the stop began,
+        started again on the same port and PostgreSQL database; returns how long the API was away."""
+        server, t0 = self.server, time.monotonic()
+        for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, None)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.proc.pid, sig)
+            try:
+                server.proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+        (self.root / "server-before-restart.log").write_bytes(server.log.read_bytes())
+        time.sleep(max(0.0, down_s - (time.monotonic() - t0)))
+        server.start()
+        return time.monotonic() - t0
 
     def wait_idle(self, queue: str, timeout_s: float = 120) -> None:
         """Until the worker on `queue` has reaped its flow-run process. A run retried before that comes back to the
@@ -207,24 +289,37 @@ def webhook():
 @pytest.fixture(scope="module")
 def prod(postgres, tmp_path_factory, webhook):
     root = tmp_path_factory.mktemp("production")
-    with running_prefect_server(postgres, root / "server", "eyrie_production") as server:
-        t0 = time.monotonic()
-        _save_webhook_block(server.client_env(root / "setup-home"), webhook.url)
-        setup = subprocess.run(
-            [sys.executable, "-m", "deployments.setup", "--notify-block", NOTIFY_BLOCK],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            env=server.client_env(root / "setup-home"),
-            timeout=300,
-        )
-        assert setup.returncode == 0, f"deployments.setup failed:\n{setup.stdout}\n{setup.stderr}"
-        print(f"\nserver + setup ready; setup took {time.monotonic() - t0:.0f}s")
-        p = Production(server, postgres, root)
-        try:
-            yield p
-        finally:
-            p.stop()
+    prefect_file = production_file(root)
+    # The server as infra/docker-compose.yml runs it: leases of deployment concurrency limits on disk, so that they
+    # survive the server's restart (in memory, the restart ends every running run of a limited deployment).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(LEASE_STORAGE, server_env(LEASE_STORAGE))  # the server's environment comes from this process's
+        with running_prefect_server(postgres, root / "server", "eyrie_production") as server:
+            t0 = time.monotonic()
+            _save_webhook_block(server.client_env(root / "setup-home"), webhook.url)
+            setup = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "deployments.setup",
+                    "--notify-block",
+                    NOTIFY_BLOCK,
+                    "--prefect-file",
+                    str(prefect_file),
+                ],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                env=server.client_env(root / "setup-home"),
+                timeout=300,
+            )
+            assert setup.returncode == 0, f"deployments.setup failed:\n{setup.stdout}\n{setup.stderr}"
+            print(f"\nserver + setup ready; setup took {time.monotonic() - t0:.0f}s")
+            p = Production(server, postgres, root, prefect_file)
+            try:
+                yield p
+            finally:
+                p.stop()
 
 
 def _api(prod: Production, coro_fn):
@@ -272,9 +367,12 @@ def children(prod: Production, flow_run_id) -> list:
     )
 
 
-def extract_task_states(prod: Production, flow_run_id, expected: set[str], wait_s: float = 60) -> dict[str, str]:
-    """{shard: state name} of the extract task runs of one flow run. Task-run states reach the database through
-    the server's event pipeline, so they may lag the flow run's end a little: wait until each is final."""
+def shard_task_states(
+    prod: Production, flow_run_id, stage: str, expected: set[str], wait_s: float = 60
+) -> dict[str, str]:
+    """{shard: state name} of the `<stage>-shard-*` task runs (stage: "extract", "regenerate") of one flow run.
+    Task-run states reach the database through the server's event pipeline, so they may lag the flow run's end a
+    little: wait until the expected shards are there and each is final."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     deadline = time.monotonic() + wait_s
@@ -282,11 +380,11 @@ def extract_task_states(prod: Production, flow_run_id, expected: set[str], wait_
         runs = _api(
             prod, lambda c: c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
         )
-        states = {t.name.removeprefix("extract-"): t.state for t in runs if t.name.startswith("extract-shard-")}
+        states = {t.name.removeprefix(f"{stage}-"): t.state for t in runs if t.name.startswith(f"{stage}-shard-")}
         if (
-            set(states) == expected and all(s and s.is_final() for s in states.values())
+            set(states) == expected and all(st and st.is_final() for st in states.values())
         ) or time.monotonic() > deadline:
-            return {k: (s.name if s else None) for k, s in states.items()}
+            return {k: (st.name if st else None) for k, st in states.items()}
         time.sleep(1)
 
 
@@ -325,9 +423,10 @@ def test_a_failed_shard_is_retried_alone_by_retrying_the_flow_run(prod, webhook,
     armed = prod.root / "fault-armed"
     armed.touch()
     # The fault is in the worker's environment, so in every flow-run process it starts; the file arms it.
-    prod.worker("gpu-node-1", "node-1", EYRIE_FAULTS=f"extract.{FAULTY}=raise", EYRIE_FAULTS_WHILE=str(armed))
+    first_node = prod.nodes[0]
+    prod.worker(first_node, first_node, EYRIE_FAULTS=f"extract.{FAULTY}=raise", EYRIE_FAULTS_WHILE=str(armed))
     run = prod.root / "runs" / "retry"
-    node_dir = prod.node_folder(run, "node-1")
+    node_dir = prod.node_folder(run, first_node)
     _, config = write_config(
         tmp_path / "config.yaml", tiny_llama, max_samples=32, shard_size=8, layer_ids=LAYERS, name="retry"
     )
@@ -345,14 +444,14 @@ def test_a_failed_shard_is_retried_alone_by_retrying_the_flow_run(prod, webhook,
     done = {p.stem: file_ids(p) for p in rf.shard_manifests.glob("*.json")}
     assert sorted(done) == [s for s in shard_names if s != FAULTY]  # every other shard finished
     (sub1,) = children(prod, created.id)
-    states1 = extract_task_states(prod, sub1.id, set(shard_names))
+    states1 = shard_task_states(prod, sub1.id, "extract", set(shard_names))
     assert states1 == {s: ("Failed" if s == FAULTY else "Completed") for s in shard_names}, states1
     assert (node_dir / "server.json").exists()  # kept up after the failure, for the retry
     # The operator heard of it, with the run's name and state, through the block setup was given.
     (message,) = webhook.wait_for(first.name)
     assert "Failed" in message and "fault injected" in message, message
 
-    prod.wait_idle("gpu-node-1")  # an operator's retry comes minutes later; this one would come within seconds
+    prod.wait_idle(first_node)  # an operator's retry comes minutes later; this one would come within seconds
     # The operator's fix, then the UI's Retry button: Prefect 3.7's UI (ui/ FlowRun page, `retryFlowRun`) posts
     # /flow_runs/{id}/set_state with {"state": {"type": "SCHEDULED", "name": "AwaitingRetry", "message":
     # "Retry from the UI"}, "force": false}. The same flow run goes back to its queue and the worker runs it again.
@@ -374,7 +473,7 @@ def test_a_failed_shard_is_retried_alone_by_retrying_the_flow_run(prod, webhook,
     # submitted (flows/sharded.py submits the pending shards only; their manifests on disk say they are done).
     sub1_again, sub2 = children(prod, created.id)
     assert sub1_again.id == sub1.id and sub2.state.type == StateType.COMPLETED
-    states2 = extract_task_states(prod, sub2.id, {FAULTY})
+    states2 = shard_task_states(prod, sub2.id, "extract", {FAULTY})
     assert states2 == {FAULTY: "Completed"}, states2
 
     # On disk: the other shards' manifests were not rewritten; every sample is there and valid; the kept server
@@ -413,47 +512,51 @@ def test_a_failed_shard_is_retried_alone_by_retrying_the_flow_run(prod, webhook,
     )
 
 
-def shard_task_states(prod: Production, flow_run_id, stage: str, expected: set[str]) -> dict[str, str]:
-    if stage == "extract":
-        return extract_task_states(prod, flow_run_id, expected)
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+def _shares_in_flight(prod: Production, flow_run_id, prefix: str, n: int, timeout_s: float = 600) -> list:
+    """Once all `n` children of `flow_run_id` named `<prefix>...` have started (none Scheduled or Pending: each
+    process is past its first contact with the API) and some still run: those Running. A flow-run process whose
+    first request finds no server fails at once (Prefect retries a refused connection only on a client that has
+    connected before), so a server restart is tested on runs already going."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        kids = [k for k in children(prod, flow_run_id) if k.name.startswith(prefix)]
+        started = len(kids) == n and all(k.state.is_running() or k.state.is_final() for k in kids)
+        if started and (running := [k for k in kids if k.state.is_running()]):
+            return running
+        assert not started, f"every {prefix}* run of {flow_run_id} ended before the restart: {kids}"
+        parent = _api(prod, lambda c: c.read_flow_run(flow_run_id))
+        assert not parent.state.is_final(), f"{parent.state}: {parent.state.message}\n{prod.logs()}"
+        time.sleep(0.5)
+    raise AssertionError(
+        f"the {prefix}* runs of {flow_run_id} did not all start within {timeout_s:.0f}s\n{prod.logs()}"
+    )
 
-    deadline = time.monotonic() + 60
-    while True:
-        runs = _api(
-            prod, lambda c: c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-        )
-        states = {t.name.removeprefix("regenerate-"): t.state for t in runs if t.name.startswith("regenerate-shard-")}
-        if (
-            set(states) == expected and all(st and st.is_final() for st in states.values())
-        ) or time.monotonic() > deadline:
-            return {k: (st.name if st else None) for k, st in states.items()}
-        time.sleep(1)
 
-
-def test_fanout_runs_the_pipeline_over_two_nodes_a_dead_nodes_shards_retried_alone(prod, tiny_llama, tmp_path):
-    """Regeneration and extraction spread over two nodes, each node's target loaded once for both stages. Node 2's
-    flow process dies mid-share (SIGKILL, by fault point): the parent fails naming its shards; the UI's Retry of the
-    parent sends out only the shards it left unfinished, and the nodes' servers (kept up, node 2's outliving its
-    process) are reused. Then the parent runs the pipeline deployment on node 1: it regenerates and extracts
-    nothing (no server for them), trains (1 epoch), exports and evaluates; the parent reports its outcome."""
+def test_fanout_over_the_nodes_a_dead_worker_and_a_server_restart(prod, tiny_llama, tmp_path):
+    """Regeneration and extraction spread over every node of the (test copy of the) node list, each node's target
+    loaded once for both stages. The second node's worker is killed, with its flow-run process, while its share waits
+    for its server: the run stays Running until the zombie automation marks it Crashed (missing heartbeats), and the
+    parent fails naming its shards. The worker comes back; the UI's Retry of the parent sends out only the shards it
+    left, and the nodes' servers (kept up, the dead node's outliving its worker) are reused. The Prefect server is
+    restarted while a node's extraction share runs: that share, the parent and the workers carry on through the
+    outage. Then the parent runs the pipeline deployment on the first node: it regenerates and extracts nothing (no
+    server for them), trains (1 epoch), exports and evaluates; the parent reports its outcome."""
     from prefect.client.schemas.objects import StateType
     from prefect.client.schemas.responses import SetStateStatus
     from prefect.states import State
 
     t0 = time.monotonic()
-    armed = prod.root / "fanout-fault-armed"
-    armed.touch()
-    prod.worker("gpu-node-1", "node-1")  # the previous test's, when it ran (its fault is disarmed by then)
-    # Node 2 gets shards 1 and 3 (round robin); its process is killed as shard 3 starts.
-    prod.worker("gpu-node-2", "node-2", EYRIE_FAULTS="regenerate.shard-00003=kill", EYRIE_FAULTS_WHILE=str(armed))
+    queues = prod.nodes
+    dead = queues[1]
+    for q in queues:
+        prod.worker(q, q)  # the first node's is the previous tests', when they ran (its fault is disarmed by then)
     prod.worker("control", None)
     run = prod.root / "runs" / "fanout"
-    nodes = {"gpu-node-1": prod.node_folder(run, "node-1"), "gpu-node-2": prod.node_folder(run, "node-2")}
+    nodes = {q: prod.node_folder(run, q) for q in queues}
     _, config = write_config(
         tmp_path / "config.yaml",
         tiny_llama,
-        max_samples=16,  # 4 shards of 4: 2 per node, node 2's shard 3 the one killed
+        max_samples=16,  # 4 shards of 4, round robin over the nodes: the dead node's share is one or two of them
         shard_size=4,
         layer_ids=LAYERS,
         name="fanout",
@@ -462,38 +565,50 @@ def test_fanout_runs_the_pipeline_over_two_nodes_a_dead_nodes_shards_retried_alo
         train={"epochs": 1},
         evaluate={"num_prompts": 2, "max_tokens": 16},
     )
-    created = create_run(
-        prod, FANOUT, {"config": config.model_dump(mode="json"), "run_dir": str(run), "queues": list(nodes)}
-    )
+    # No `queues`: the deployment's default, the node list (`*gpu_nodes`).
+    created = create_run(prod, FANOUT, {"config": config.model_dump(mode="json"), "run_dir": str(run)})
+    # Mid-share: the dead node's share has launched its server (a first heartbeat went out as its run started).
+    deadline = time.monotonic() + 600
+    while starts(nodes[dead]) == 0:
+        assert time.monotonic() < deadline, f"{dead} started no server\n{prod.logs()}"
+        time.sleep(0.5)
+    killed = prod.kill_node(dead)
+    t_kill = time.monotonic()
+    assert killed, f"{dead}'s worker ran no flow run"
     first = wait_final(prod, created.id)
-    t_first = time.monotonic() - t0
+    t_first, t_crashed = time.monotonic() - t0, time.monotonic() - t_kill
     assert first.state.type == StateType.FAILED, f"{first.state}\n{prod.logs()}"
-    assert "fanout-regenerate-gpu-node-2" in first.state.message and "Crashed" in first.state.message, first.state
+    msg = first.state.message
+    assert f"fanout-regenerate-{dead}" in msg and "Crashed" in msg and "missing heartbeats" in msg, first.state
     assert first.work_pool_name == CONTROL_POOL and first.work_queue_name == "control"
     rf = RunFolder(run)
     shard_names = {s.name for s in load_shards(rf.prepare)}
     kids1 = children(prod, created.id)
     by_queue = {k.work_queue_name: k for k in kids1}
-    assert sorted(by_queue) == sorted(nodes) and {k.work_pool_name for k in kids1} == {"eyrie-gpu"}
-    assert by_queue["gpu-node-1"].state.type == StateType.COMPLETED
-    assert by_queue["gpu-node-2"].state.type == StateType.CRASHED
-    # The GPU pool's limit (one run per node) let the two nodes' runs overlap: the fan-out was not serialised.
-    (s1, e1), (s2, e2) = [(k.start_time, k.end_time) for k in kids1]
-    assert s1 < e2 and s2 < e1, (
-        f"the node runs did not overlap: {[(str(k.start_time), str(k.end_time)) for k in kids1]}"
-    )
-    share1, share2 = (set(by_queue[q].parameters["shards"]) for q in nodes)
-    assert not share1 & share2 and share1 | share2 == shard_names and "shard-00003" in share2
+    assert sorted(by_queue) == sorted(queues) and {k.work_pool_name for k in kids1} == {"eyrie-gpu"}
+    assert {q: k.state.type for q, k in by_queue.items()} == {
+        q: StateType.CRASHED if q == dead else StateType.COMPLETED for q in queues
+    }
+    # The GPU pool's limit (one run per node) let every node's run overlap the others: the fan-out was not serialised.
+    assert max(k.start_time for k in kids1) < min(k.end_time for k in kids1), [
+        (str(k.start_time), str(k.end_time)) for k in kids1
+    ]
+    shares1 = {q: set(k.parameters["shards"]) for q, k in by_queue.items()}
+    assert sum(map(len, shares1.values())) == len(shard_names) and set().union(*shares1.values()) == shard_names
     done = {p.stem for p in (run / "regenerate" / "shards").glob("*.json")}
     left = shard_names - done
-    assert share1 <= done and left and left <= share2, (done, share2)
-    assert shard_task_states(prod, by_queue["gpu-node-1"].id, "regenerate", share1) == {s: "Completed" for s in share1}
-    # Both servers are up: node 1's kept for its extraction share, node 2's outliving its killed process.
+    assert left == shares1[dead], (done, shares1)  # killed before its first shard: all of its share is left
+    for q in queues:
+        if q != dead:
+            assert shard_task_states(prod, by_queue[q].id, "regenerate", shares1[q]) == dict.fromkeys(
+                shares1[q], "Completed"
+            )
+    # Every server is up: the live nodes' kept for their extraction shares, the dead node's outliving its worker.
     assert all((folder / "server.json").exists() for folder in nodes.values())
 
-    for q in ("gpu-node-2", "control"):
-        prod.wait_idle(q)
-    armed.unlink()
+    # The node's worker comes back (systemd's Restart=always, 10 s later), then the UI's Retry of the parent.
+    prod.worker(dead, dead)
+    prod.wait_idle("control")
     result = _api(
         prod,
         lambda c: c.set_flow_run_state(
@@ -502,43 +617,51 @@ def test_fanout_runs_the_pipeline_over_two_nodes_a_dead_nodes_shards_retried_alo
     )
     assert result.status == SetStateStatus.ACCEPT, result
     t1 = time.monotonic()
+    # The Prefect server goes away while a node's extraction share runs, and comes back on the same database.
+    in_flight = _shares_in_flight(prod, created.id, "fanout-extract-", len(queues))
+    t_outage = prod.restart_server(OUTAGE_S)
     parent = wait_final(prod, created.id, timeout_s=900)  # the retry goes on through train and evaluate
     t_retry = time.monotonic() - t1
     assert parent.state.type == StateType.COMPLETED, f"{parent.state}\n{prod.logs()}"
+    assert parent.run_count == 2  # the first run and the UI's retry: the outage cost no run
+    assert all(w.poll() is None for w in prod.workers.values()), f"a worker died in the outage\n{prod.logs()}"
     kids2 = [k for k in children(prod, created.id) if k.id not in {k1.id for k1 in kids1}]
     regen2 = [k for k in kids2 if k.name.startswith("fanout-regenerate-")]
     extract = [k for k in kids2 if k.name.startswith("fanout-extract-")]
     (pipeline,) = [k for k in kids2 if k.name.startswith("fanout-pipeline-")]
     assert len(regen2) + len(extract) + 1 == len(kids2)
-    # The retry regenerated only what node 2 left unfinished.
+    # The shares that ran through the outage completed in their first run (their task states: below).
+    through = [k for k in extract if k.id in {r.id for r in in_flight}]
+    assert through and all(k.state.type == StateType.COMPLETED and k.run_count == 1 for k in through), through
+    # The retry regenerated only what the dead node left unfinished.
     retried = [s for k in regen2 for s in k.parameters["shards"]]
     assert sorted(retried) == sorted(left), (retried, left)
     for kid in regen2:
         share = set(kid.parameters["shards"])
         assert kid.state.type == StateType.COMPLETED, kid.state
-        assert shard_task_states(prod, kid.id, "regenerate", share) == {s: "Completed" for s in share}
-    # Extraction: every shard once, over both nodes (each node's run, its share possibly empty, stops its server).
-    assert sorted(k.work_queue_name for k in extract) == sorted(nodes)
+        assert shard_task_states(prod, kid.id, "regenerate", share) == dict.fromkeys(share, "Completed")
+    # Extraction: every shard once, over every node (each node's run, its share possibly empty, stops its server).
+    assert sorted(k.work_queue_name for k in extract) == sorted(queues)
     shares = {}
     for kid in extract:
         assert kid.state.type == StateType.COMPLETED, kid.state
         share = set(kid.parameters["shards"])
-        assert extract_task_states(prod, kid.id, share) == {s: "Completed" for s in share}
+        assert shard_task_states(prod, kid.id, "extract", share) == dict.fromkeys(share, "Completed")
         shares[kid.work_queue_name] = share
-    a, b = shares.values()
-    assert not a & b and a | b == {s.name for s in load_shards(rf.stage("regenerate"))}, shares
+    assert sum(map(len, shares.values())) == len(set().union(*shares.values()))  # no shard twice
+    assert set().union(*shares.values()) == {s.name for s in load_shards(rf.stage("regenerate"))}, shares
     # Each node started its own server once, in its own folder, for both stages and the retry; stopped at the end.
     for queue, folder in nodes.items():
         assert starts(folder) == 1, f"{queue}: {starts(folder)} vLLM starts"
         assert not (folder / "server.json").exists()
     assert not (run / "extract" / "server.json").exists()  # no single-node server was involved
     assert (run / "regenerate" / "manifest.json").exists()
-    assert sorted(p.stem for p in rf.shard_manifests.glob("*.json")) == sorted(a | b)
+    assert sorted(p.stem for p in rf.shard_manifests.glob("*.json")) == sorted(set().union(*shares.values()))
     n = check_samples(run, "regenerate")
     # The rest of the pipeline: one run of the pipeline's deployment on the first node, after every share ended.
     assert pipeline.state.type == StateType.COMPLETED, pipeline.state
     assert pipeline.deployment_id == _api(prod, lambda c: c.read_deployment_by_name(PIPELINE)).id
-    assert pipeline.work_queue_name == "gpu-node-1" and pipeline.parameters["until"] == "evaluate"
+    assert pipeline.work_queue_name == queues[0] and pipeline.parameters["until"] == "evaluate"
     assert pipeline.start_time >= max(k.end_time for k in regen2 + extract)
     assert parent.state.is_completed() and parent.end_time >= pipeline.end_time
     # It found regeneration and extraction done: it started no server for them (none in the single-node folder,
@@ -557,8 +680,9 @@ def test_fanout_runs_the_pipeline_over_two_nodes_a_dead_nodes_shards_retried_alo
     trained = json.loads((run / "evaluate" / "trained.json").read_text())
     t_pipeline = (pipeline.end_time - pipeline.start_time).total_seconds()
     print(
-        f"\nfan-out over 2 nodes: failed run {t_first:.0f}s, retry {t_retry:.0f}s (of which the pipeline run on "
-        f"node 1 {t_pipeline:.0f}s); node 2 left {sorted(left)}; "
+        f"\nfan-out over {len(queues)} nodes: failed run {t_first:.0f}s ({dead}'s worker killed, its run Crashed "
+        f"{t_crashed:.0f}s later); retry {t_retry:.0f}s (of which the pipeline run on {queues[0]} {t_pipeline:.0f}s; "
+        f"the API away {t_outage:.0f}s while {', '.join(k.name for k in in_flight)} ran); {dead} left {sorted(left)}; "
         f"extraction shares {dict((q, sorted(s)) for q, s in shares.items())}; {n} samples; "
         f"trained drafter's acceptance length {trained['acceptance_length']}"
     )
@@ -610,8 +734,8 @@ def test_a_cancelled_run_stops_its_server_and_trainer_a_crashed_one_keeps_its_se
 
     from eyrie.vllm.process import VllmServer, _alive
 
-    queue = "gpu-node-1"
-    prod.worker(queue, "node-1")
+    queue = prod.nodes[0]
+    prod.worker(queue, queue)
     deployment = _deploy_probe(prod, queue)
     for how in ("cancel", "crash"):
         run = prod.root / "runs" / f"probe-{how}"
