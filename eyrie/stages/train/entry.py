@@ -24,7 +24,7 @@ import json
 import os
 import sys
 
-from eyrie.stages.train.patches import switches
+from eyrie.stages.train.patches import lazy_imports, switches
 from eyrie.stages.train.patches.build import _train_in_float32
 from eyrie.stages.train.patches.cpu import _run_on_cpu
 from eyrie.stages.train.patches.gpu import _gpu_speedups
@@ -75,6 +75,8 @@ def _online_hidden_states(argv: list[str]) -> None:
 
 
 def main(argv: list[str]) -> None:
+    if switches.LAZY_SPECULATORS_IMPORTS:  # before anything imports speculators
+        lazy_imports.install()
     if os.environ.get("EYRIE_TRAIN_DEVICE") != "cpu":
         if switches.FORKSERVER_WORKERS:
             _start_worker_server()
@@ -106,8 +108,10 @@ def main(argv: list[str]) -> None:
     from speculators.train.cli import main as train
     from speculators.train.config import TrainConfig
 
+    config = TrainConfig.resolve(argv)
+    lazy_imports.load_families_for(config.speculator_type)  # a type of a family not imported: import them all
     try:
-        train(TrainConfig.resolve(argv))
+        train(config)
     except PlateauReached as stop:
         from speculators.train.distributed import maybe_destroy_distributed
 
