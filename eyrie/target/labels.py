@@ -143,7 +143,9 @@ def probe_norm(norm, hidden: int | None = None) -> str:
     if not size:
         return "unknown"
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(4, size, generator=gen) + 3.0  # a clear mean: a LayerNorm removes it, an RMSNorm does not
+    x = (
+        torch.randn(4, size, generator=gen, device="cpu") + 3.0
+    )  # a clear mean: a LayerNorm removes it, an RMSNorm does not
     rms = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
     centered = x - x.mean(-1, keepdim=True)
     layer = centered / torch.sqrt((centered * centered).mean(-1, keepdim=True) + 1e-6)
@@ -229,9 +231,13 @@ def _embedding_scale_in_code(model, found: list[Approximation]) -> list[Approxim
 
 def label_approximations(model) -> list[Approximation]:
     """Each way speculators' labels (and the drafter's input embedding) approximate `model`, a transformers
-    causal LM (built on the meta device is enough: the final norm is probed on a CPU copy)."""
-    found = [*_head_bias(model), *_final_norm_approximation(model), *_config_approximations(model)]
-    return [*found, *_embedding_scale_in_code(model, found)]
+    causal LM (built on the meta device is enough: the final norm is probed on a CPU copy). The probes run on the
+    CPU whatever the default device is: the GPU trainer builds its drafter under a CUDA default device."""
+    import torch
+
+    with torch.device("cpu"):
+        found = [*_head_bias(model), *_final_norm_approximation(model), *_config_approximations(model)]
+        return [*found, *_embedding_scale_in_code(model, found)]
 
 
 def label_warnings(target, cfg: dict) -> list[str]:
@@ -348,7 +354,15 @@ LOGIT_KINDS = ("logit soft-capping", "logit scaling")
 
 def label_plan(model) -> LabelPlan:
     """`label_approximations(model)` and what the trainer applies of them (eyrie/stages/train/patches/
-    target_transform.py builds it from the target's own files in the trainer process)."""
+    target_transform.py builds it from the target's own files in the trainer process), probed on the CPU as
+    `label_approximations` is."""
+    import torch
+
+    with torch.device("cpu"):
+        return _label_plan(model)
+
+
+def _label_plan(model) -> LabelPlan:
     from eyrie.target.metadata import _final_norm
 
     found = label_approximations(model)

@@ -257,3 +257,23 @@ def test_a_logit_transform_the_probe_cannot_recognise_stays_a_warning():
     assert probe_logits(plain).scale == 1.0 and probe_logits(plain).cap is None  # measured: the forward ignores it
     assert isinstance(odd.lm_head, torch.nn.Linear)  # the probe leaves the model as it was
     assert "forward" not in vars(odd.get_decoder())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_plan_is_probed_on_the_cpu_whatever_the_default_device(targets, family):
+    """The GPU trainer builds its drafter (and so runs the probes) under a CUDA default device; the probes make
+    their own tensors on the CPU, so the plan is the one the CPU default gives (here the default is the meta device,
+    where a probe's tensors would hold no values)."""
+    from eyrie.target.labels import label_plan
+    from eyrie.target.metadata import _meta_model
+
+    path = targets[family]
+    model = _meta_model(TargetConfig(model=str(path)), json.loads((path / "config.json").read_text()))
+    on_cpu = label_plan(model)
+    with torch.device("meta"):
+        elsewhere = label_plan(model)
+    assert (elsewhere.norm, elsewhere.head, elsewhere.logits) == (on_cpu.norm, on_cpu.head, on_cpu.logits)
+    assert [(a.what, a.applied) for a in elsewhere.approximations] == [
+        (a.what, a.applied) for a in on_cpu.approximations
+    ]
+    assert {a.what for a in on_cpu.approximations if a.applied} == FAMILIES[family][1]
