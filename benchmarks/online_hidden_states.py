@@ -82,7 +82,7 @@ def main() -> None:
     if args.epochs:
         base = base.model_copy(update={"train": base.train.model_copy(update={"epochs": args.epochs})})
     report = run_preflight(base, run.root, serve=False)
-    data_dir = extraction_source(run, base)
+    data_dir = extraction_source(run, base.regenerate)
     seq_lens = load_seq_lens(data_dir)
     d2t, t2d = mapping_paths(run.vocab, base.vocab.draft_vocab_size)
     train_rows = int(len(seq_lens) * (1 - base.train.val_fraction))

@@ -51,7 +51,7 @@ def _extract(
     if report is None:
         report = preflight_task(config, run_dir)
     # The regenerated data when regeneration is on, else the prepared data: recorded for status and verify.
-    source = extraction_source(run, config)
+    source = extraction_source(run, config.regenerate)
     record_extraction_source(run, source)
     plan = ExtractionPlan(config, run, PreflightReport(**report), load_shards(source), node=node)
     if not plan.shards:

@@ -128,10 +128,12 @@ def extract_fanout_flow(
             nodes["regenerate"] = _node_outcomes(finished, shares)
             kept = list(shares)
             # Read again now the shards ran: the assembly's key counts the rows they lost.
-            regenerated = assemble(config, run, RegenerationPlan(config, run, PreflightReport(**report)))
+            regenerated = assemble(config.regenerate, run, RegenerationPlan(config, run, PreflightReport(**report)))
             # The disk check again, on the regenerated data's length (seconds; nothing loads).
             report = preflight_task(config, str(run.root), tokens=regenerated["stats"]["tokens"], serve=serve)
-        plan = ExtractionPlan(config, run, PreflightReport(**report), load_shards(extraction_source(run, config)))
+        plan = ExtractionPlan(
+            config, run, PreflightReport(**report), load_shards(extraction_source(run, config.regenerate))
+        )
         rehash = config.extraction.verify_checksums
         shares = split_shards([s.name for s in plan.pending(rehash)], queues)
         for q in kept:

@@ -68,7 +68,9 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
             report = preflight_task(config, str(run.root), tokens=regenerated["stats"]["tokens"], serve=serve)
         elif until == "regenerate":
             raise EyrieError("--until regenerate needs `regenerate: {enabled: true}` in the config")
-        data_dir = extraction_source(run, config)  # the folder extraction reads, and vocab and training after it
+        data_dir = extraction_source(
+            run, config.regenerate
+        )  # the folder extraction reads, and vocab and training after it
         data_manifest = read_json(data_dir / "manifest.json")
         if until == "regenerate":
             return {"run_dir": str(run.root), "regenerated": str(data_dir / "dataset")}

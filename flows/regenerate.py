@@ -9,7 +9,7 @@ import socket
 from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from eyrie.config import PipelineConfig
+from eyrie.config import PipelineConfig, RegenerateConfig
 from eyrie.errors import RegenerationError
 from eyrie.run.folder import RunFolder, node_name
 from eyrie.stages.preflight import PreflightReport
@@ -82,13 +82,13 @@ def _regenerate(
     outcome = {"regenerated": sorted(pending), "server_up": server_up, "server_dir": str(plan.server_dir)}
     if share is not None:
         return {**outcome, "node": node, "shards": [s.name for s in shards]}
-    return {**assemble(config, run, plan), **outcome}
+    return {**assemble(config.regenerate, run, plan), **outcome}
 
 
-def assemble(config: PipelineConfig, run: RunFolder, plan: RegenerationPlan) -> dict:
+def assemble(regenerate: RegenerateConfig, run: RunFolder, plan: RegenerationPlan) -> dict:
     """Assemble every regenerated shard into the stage's dataset (the pipeline after its shards, a fan-out's parent
     once every node is done). Read after the shards ran: `plan.key` counts the rows they lost."""
-    manifest = assemble_task(str(plan.dir), str(run.prepare), plan.shards, plan.keys, plan.key, config.regenerate)
+    manifest = assemble_task(str(plan.dir), str(run.prepare), plan.shards, plan.keys, plan.key, regenerate)
     # Its warnings (rows lost to server errors) reach the run's summary even when the assembly is a cache hit.
     warnings = manifest.get("warnings", [])
     return {"key": plan.key, "dataset": str(plan.dir / "dataset"), "stats": manifest["stats"], "warnings": warnings}

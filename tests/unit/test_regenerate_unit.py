@@ -373,15 +373,15 @@ def test_length_capped_rows_kept_or_dropped(tmp_path, prepared, tok):
 def test_extraction_reads_the_regenerated_data_when_enabled(tmp_path, target_dir):
     run = RunFolder(tmp_path / "run")
     on, off = config_for(target_dir), config_for(target_dir, enabled=False)
-    assert extraction_source(run, off) == run.prepare
+    assert extraction_source(run, off.regenerate) == run.prepare
     with pytest.raises(RegenerationError, match="--until regenerate"):
-        extraction_source(run, on)  # enabled, but nothing regenerated from the current prepare
+        extraction_source(run, on.regenerate)  # enabled, but nothing regenerated from the current prepare
     atomic_write_json(run.manifest("prepare"), {"key": "p1"})
     atomic_write_json(run.manifest("regenerate"), {"key": "r", "prepare_key": "p0"})
     with pytest.raises(RegenerationError):
-        extraction_source(run, on)  # regenerated from an earlier prepare
+        extraction_source(run, on.regenerate)  # regenerated from an earlier prepare
     atomic_write_json(run.manifest("regenerate"), {"key": "r", "prepare_key": "p1"})
-    assert extraction_source(run, on) == run.stage("regenerate")
+    assert extraction_source(run, on.regenerate) == run.stage("regenerate")
     # Readers without a config (status, verify) follow what extraction recorded.
     assert extraction_source(run) == run.prepare
     record_extraction_source(run, run.stage("regenerate"))

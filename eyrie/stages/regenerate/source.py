@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eyrie.config import PipelineConfig
+from eyrie.config import RegenerateConfig
 from eyrie.errors import RegenerationError
 from eyrie.run.files import atomic_write_json, read_json
 from eyrie.run.folder import RunFolder
@@ -15,13 +15,13 @@ from eyrie.stages.regenerate.shard import STAGE, shard_paths
 SOURCE_MARKER = "source.json"  # in the extraction stage's folder: which stage's data it extracted
 
 
-def extraction_source(run: RunFolder, config: PipelineConfig | None = None) -> Path:
+def extraction_source(run: RunFolder, regenerate: RegenerateConfig | None = None) -> Path:
     """The folder whose dataset and shards.json extraction, vocab and training read: `regenerate/` when the config
-    enables regeneration, else `prepare/`. Without a config (status, verify), the one extraction last recorded."""
-    if config is None:
+    enables regeneration, else `prepare/`. Without it (status, verify), the one extraction last recorded."""
+    if regenerate is None:
         recorded = (read_json(run.extract / SOURCE_MARKER) or {}).get("stage")
         return run.stage(recorded) if recorded in (STAGE, "prepare") else run.prepare
-    stage_dir = source_folder(run, config.regenerate)  # the folder extraction's plan reads
+    stage_dir = source_folder(run, regenerate)  # the folder extraction's plan reads
     if stage_dir == run.prepare:
         return stage_dir
     m = read_json(stage_dir / "manifest.json")
