@@ -116,8 +116,6 @@ def _bench_entry(argv: list[str]) -> None:
             from eyrie.stages.train.patches.compile import _warm_compile_workers
 
             _warm_compile_workers()
-    if switches.LAZY_SPECULATORS_IMPORTS:  # where main() installs it, before anything imports speculators
-        entry.lazy_imports.install()
     import torch
 
     _mark("torch imported")

@@ -13,8 +13,7 @@ bfloat16 copies of the float32 weights made once a step (float32 master weights,
 Each lives in a module of eyrie/stages/train/patches/ behind a switch in patches/switches.py (GPU_FEED, ...), which
 benchmarks/train_throughput.py turns off (`--off NAME`) to measure it. Start-up switches, off by default (`--on
 NAME`): DEFERRED_MASK_COMPILE (the first step builds the block mask eagerly, a background thread compiles its
-builder), ONE_KV_LENGTH, WARM_COMPILE_WORKERS (docs/stages/train.md, Start-up); LAZY_SPECULATORS_IMPORTS (on)
-imports speculators' model families other than EAGLE-3 only on first use (patches/lazy_imports.py).
+builder), ONE_KV_LENGTH, WARM_COMPILE_WORKERS (docs/stages/train.md, Start-up).
 torch.compile's cache goes beside the run's checkpoints, so a retry or resume finds its kernels compiled. Every save
 keeps the whole checkpoint it overwrites until the new one is whole (eyrie/stages/train/checkpoints.py).
 """
@@ -25,7 +24,7 @@ import json
 import os
 import sys
 
-from eyrie.stages.train.patches import lazy_imports, switches
+from eyrie.stages.train.patches import switches
 from eyrie.stages.train.patches.build import _train_in_float32
 from eyrie.stages.train.patches.cpu import _run_on_cpu
 from eyrie.stages.train.patches.gpu import _gpu_speedups
@@ -76,8 +75,6 @@ def _online_hidden_states(argv: list[str]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if switches.LAZY_SPECULATORS_IMPORTS:  # before anything imports speculators
-        lazy_imports.install()
     if os.environ.get("EYRIE_TRAIN_DEVICE") != "cpu":
         if switches.FORKSERVER_WORKERS:
             _start_worker_server()
@@ -109,10 +106,8 @@ def main(argv: list[str]) -> None:
     from speculators.train.cli import main as train
     from speculators.train.config import TrainConfig
 
-    config = TrainConfig.resolve(argv)
-    lazy_imports.load_families_for(config.speculator_type)  # a type of a family not imported: import them all
     try:
-        train(config)
+        train(TrainConfig.resolve(argv))
     except PlateauReached as stop:
         from speculators.train.distributed import maybe_destroy_distributed
 

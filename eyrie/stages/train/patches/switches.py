@@ -25,6 +25,3 @@ ONE_KV_LENGTH = False
 # Inductor's compile workers started before the heavy imports instead of at the first compiled frame (compile.py):
 # off, no gain measured (first step 68.8 / 70.2 s with it, 67.7 s without, fp8, same machine)
 WARM_COMPILE_WORKERS = False
-# speculators' model families other than EAGLE-3 imported only when asked for (lazy_imports.py): the trainer's
-# `import speculators` runs no dflash, dflash2, dspark, mtp (its data module aside), peagle or xpress code
-LAZY_SPECULATORS_IMPORTS = True
