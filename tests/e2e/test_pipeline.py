@@ -345,17 +345,16 @@ def test_export_is_servable_and_matches_extraction(pipeline):
     assert proof["completion_tokens"] > 0 and proof["completion"]
 
 
-def test_server_starts_report_their_phases_and_first_request(pipeline):
+def test_server_starts_report_their_phases_and_first_request(pipeline, flow_api):
     """Every server start leaves its phases as a `server-start` table (read from the API the runs reported to); a
     server that answered a request once ready, as the export server's proof and evaluation did, leaves it again at
     its stop with its first request among the phases."""
     import asyncio
 
-    from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     async def tables():
-        async with get_client() as client:
+        async with flow_api.client() as client:
             found = await client.read_artifacts(
                 artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["server-start"]))
             )

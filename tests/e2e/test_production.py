@@ -532,6 +532,54 @@ def _shares_in_flight(prod: Production, flow_run_id, prefix: str, n: int, timeou
     )
 
 
+# Before the fan-out test: its Prefect server restart can leave a worker deaf to Cancel (Prefect 3.7's worker gives
+# up its cancellation polling during an outage: docs/operations/prefect-server.md), and this test is of Cancel on a
+# healthy pool.
+def test_a_cancelled_run_stops_its_server_and_trainer_a_crashed_one_keeps_its_server(prod):
+    """Cancelled from the UI (its state set to Cancelling through the API, as the UI's Cancel does): the worker kills
+    the flow's process, and the flow's on_cancellation hook stops the server recorded in the run folder and the
+    trainer's process group, ranks included. Crashed (its process killed): the server stays up for the retry."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelling
+
+    from eyrie.vllm.process import VllmServer, _alive
+
+    queue = prod.nodes[0]
+    prod.worker(queue, queue)
+    deployment = _deploy_probe(prod, queue)
+    for how in ("cancel", "crash"):
+        run = prod.root / "runs" / f"probe-{how}"
+        prod.server_folders.append(register_server_folder(run / "extract"))
+        params = {"run_dir": str(run)}
+        created = _api(prod, lambda c, p=params: c.create_flow_run_from_deployment(deployment, parameters=p))
+        t0 = time.monotonic()
+        pids = _wait_file(run / "probe.json", prod)
+        try:
+            assert all(_alive(p) for p in pids.values()), pids
+            assert os.getpgid(pids["trainer"]) == os.getpgid(pids["rank"]) == pids["flow"]  # the flow's own group
+            if how == "cancel":
+                _api(prod, lambda c, i=created.id: c.set_flow_run_state(i, Cancelling(message="Cancel from the UI")))
+                final = wait_final(prod, created.id, timeout_s=120)
+                assert final.state.type == StateType.CANCELLED, f"{final.state}\n{prod.logs()}"
+                assert _gone(list(pids.values())) == [], f"left running after the cancel: {pids}\n{prod.logs()}"
+                assert not (run / "extract" / "server.json").exists()
+                assert not (run / "flow-runs" / f"{created.id}.json").exists()
+                print(
+                    f"\ncancelled: server, trainer and rank gone {time.monotonic() - t0:.0f}s after the probe started"
+                )
+            else:
+                os.kill(pids["flow"], signal.SIGKILL)  # the node's flow process dies: no hook runs
+                final = wait_final(prod, created.id, timeout_s=120)
+                assert final.state.type == StateType.CRASHED, f"{final.state}\n{prod.logs()}"
+                assert _alive(pids["server"]) and VllmServer(run / "extract").state["pid"] == pids["server"]
+                assert _gone([pids["trainer"]]) == []  # SIGTERM with its parent's death; the retry resumes it
+        finally:  # what a failed check left: the probe's "rank" (torchrun's are sent the SIGTERM on), its server
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pids["flow"], signal.SIGKILL)
+            VllmServer(run / "extract").stop(log=lambda *_: None)
+        prod.wait_idle(queue)
+
+
 def test_fanout_over_the_nodes_a_dead_worker_and_a_server_restart(prod, tiny_llama, tmp_path):
     """Regeneration and extraction spread over every node of the (test copy of the) node list, each node's target
     loaded once for both stages. The second node's worker is killed, with its flow-run process, while its share waits
@@ -723,48 +771,3 @@ def _gone(pids: list[int], timeout_s: float = 30) -> list[int]:
     while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.5)
     return left
-
-
-def test_a_cancelled_run_stops_its_server_and_trainer_a_crashed_one_keeps_its_server(prod):
-    """Cancelled from the UI (its state set to Cancelling through the API, as the UI's Cancel does): the worker kills
-    the flow's process, and the flow's on_cancellation hook stops the server recorded in the run folder and the
-    trainer's process group, ranks included. Crashed (its process killed): the server stays up for the retry."""
-    from prefect.client.schemas.objects import StateType
-    from prefect.states import Cancelling
-
-    from eyrie.vllm.process import VllmServer, _alive
-
-    queue = prod.nodes[0]
-    prod.worker(queue, queue)
-    deployment = _deploy_probe(prod, queue)
-    for how in ("cancel", "crash"):
-        run = prod.root / "runs" / f"probe-{how}"
-        prod.server_folders.append(register_server_folder(run / "extract"))
-        params = {"run_dir": str(run)}
-        created = _api(prod, lambda c, p=params: c.create_flow_run_from_deployment(deployment, parameters=p))
-        t0 = time.monotonic()
-        pids = _wait_file(run / "probe.json", prod)
-        try:
-            assert all(_alive(p) for p in pids.values()), pids
-            assert os.getpgid(pids["trainer"]) == os.getpgid(pids["rank"]) == pids["flow"]  # the flow's own group
-            if how == "cancel":
-                _api(prod, lambda c, i=created.id: c.set_flow_run_state(i, Cancelling(message="Cancel from the UI")))
-                final = wait_final(prod, created.id, timeout_s=120)
-                assert final.state.type == StateType.CANCELLED, f"{final.state}\n{prod.logs()}"
-                assert _gone(list(pids.values())) == [], f"left running after the cancel: {pids}\n{prod.logs()}"
-                assert not (run / "extract" / "server.json").exists()
-                assert not (run / "flow-runs" / f"{created.id}.json").exists()
-                print(
-                    f"\ncancelled: server, trainer and rank gone {time.monotonic() - t0:.0f}s after the probe started"
-                )
-            else:
-                os.kill(pids["flow"], signal.SIGKILL)  # the node's flow process dies: no hook runs
-                final = wait_final(prod, created.id, timeout_s=120)
-                assert final.state.type == StateType.CRASHED, f"{final.state}\n{prod.logs()}"
-                assert _alive(pids["server"]) and VllmServer(run / "extract").state["pid"] == pids["server"]
-                assert _gone([pids["trainer"]]) == []  # SIGTERM with its parent's death; the retry resumes it
-        finally:  # what a failed check left: the probe's "rank" (torchrun's are sent the SIGTERM on), its server
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pids["flow"], signal.SIGKILL)
-            VllmServer(run / "extract").stop(log=lambda *_: None)
-        prod.wait_idle(queue)
