@@ -67,6 +67,19 @@ def test_pooled_and_mean_of_per_request_differ_and_each_has_an_interval():
     assert len(stats["per_request_mean"]["per_position"]) == 3
 
 
+def spec_decode_lines(t: dict) -> list[str]:
+    """vLLM's spec-decode counters in its Prometheus text, for totals {drafts, accepted, per_pos} (3 draft tokens)."""
+    return [
+        f'vllm:spec_decode_num_drafts_total{{engine="0"}} {t["drafts"]}',
+        f'vllm:spec_decode_num_draft_tokens_total{{engine="0"}} {3 * t["drafts"]}',
+        f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {t["accepted"]}',
+        *(
+            f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{i}"}} {v}'
+            for i, v in enumerate(t["per_pos"])
+        ),
+    ]
+
+
 class FakeClient:
     """A server's two surfaces `measure` reads: chat responses and the Prometheus counters."""
 
@@ -85,17 +98,7 @@ class FakeClient:
         return _response(hist if self.per_request else None)
 
     def metrics(self) -> str:
-        t = self.totals
-        lines = [
-            f'vllm:spec_decode_num_drafts_total{{engine="0"}} {t["drafts"]}',
-            f'vllm:spec_decode_num_draft_tokens_total{{engine="0"}} {3 * t["drafts"]}',
-            f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {t["accepted"]}',
-        ]
-        lines += [
-            f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{i}"}} {v}'
-            for i, v in enumerate(t["per_pos"])
-        ]
-        return "\n".join(lines)
+        return "\n".join(spec_decode_lines(self.totals))
 
 
 @pytest.mark.parametrize("per_request", [True, False], ids=["response-metrics", "counters-per-prompt"])

@@ -14,6 +14,8 @@ from __future__ import annotations
 import threading
 import time
 
+from test_acceptance_statistics import spec_decode_lines
+
 from eyrie.stages.evaluate import measure, request_counts, spec_counters
 from eyrie.stages.evaluate.counters import settled_counters
 
@@ -77,13 +79,7 @@ class StandIn:
             f'vllm:request_success_total{{engine="0",finished_reason="length"}} {t["finished"]}',
             'vllm:request_success_total{engine="0",finished_reason="stop"} 0.0',
             'vllm:request_success_created{engine="0",finished_reason="length"} 1.7e9',
-            f'vllm:spec_decode_num_drafts_total{{engine="0"}} {t["drafts"]}',
-            f'vllm:spec_decode_num_draft_tokens_total{{engine="0"}} {3 * t["drafts"]}',
-            f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {t["accepted"]}',
-        ]
-        lines += [
-            f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{i}"}} {v}'
-            for i, v in enumerate(t["per_pos"])
+            *spec_decode_lines(t),
         ]
         return "\n".join(lines)
 
