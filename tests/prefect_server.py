@@ -25,6 +25,17 @@ from pathlib import Path
 
 STARTUP_TIMEOUT_S = 180
 DB_ROLE = "eyrie_test"
+COMPOSE = Path(__file__).resolve().parents[1] / "infra" / "docker-compose.yml"
+# The production server's database timeouts (infra/docker-compose.yml): the tests' servers answer as it does.
+DATABASE_SETTINGS = ("PREFECT_SERVER_DATABASE_TIMEOUT", "PREFECT_SERVER_DATABASE_CONNECTION_TIMEOUT")
+
+
+def server_env(name: str) -> str:
+    """A setting of the Prefect server in infra/docker-compose.yml."""
+    import yaml
+
+    compose = yaml.safe_load(COMPOSE.read_text())
+    return str(compose["services"]["prefect-server"]["environment"][name])
 
 
 def free_port() -> int:
@@ -184,6 +195,7 @@ class PrefectServer:
                 "PREFECT_UI_ENABLED": "false",
                 "PREFECT_SERVER_API_AUTH_STRING": self.auth,
                 "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
+                **{name: server_env(name) for name in DATABASE_SETTINGS},
             }
         )
         cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
@@ -203,6 +215,12 @@ class PrefectServer:
                 )
             time.sleep(1)
         return self
+
+    def errors(self, chars: int = 4000) -> str:
+        """The end of the server's log from its last logged error on: why a request got a 5xx."""
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        at = text.rfind("ERROR")
+        return text[at:][:chars] if at >= 0 else "(no error in the server's log)"
 
     def client_env(self, home: Path, **extra: str) -> dict[str, str]:
         """The environment of a client process (setup, worker): this server, its credential, its own PREFECT_HOME."""

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, register_server_folder, stop_server, write_config
-from prefect_server import running_prefect_server
+from prefect_server import running_prefect_server, server_env
 
 from deployments.setup import PREFECT_FILE, gpu_nodes
 from eyrie.run.folder import RunFolder
@@ -58,14 +58,6 @@ START = "eyrie: starting vLLM"  # one line in a server log per vLLM start
 EXTRA_NODE = f"test-node-{len(gpu_nodes()) + 1}"
 HEARTBEAT_S, ZOMBIE_S = 30, 120
 LEASE_STORAGE = "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"
-
-
-def server_env(name: str) -> str:
-    """A setting of the Prefect server in infra/docker-compose.yml."""
-    import yaml
-
-    compose = yaml.safe_load((REPO / "infra" / "docker-compose.yml").read_text())
-    return str(compose["services"]["prefect-server"]["environment"][name])
 
 
 OUTAGE_S = 20  # the Prefect server stopped and down this long (its own start-up, ~10-20 s here, comes on top)
@@ -339,10 +331,19 @@ def create_run(prod: Production, deployment: str, parameters: dict):
 
 
 def wait_final(prod: Production, flow_run_id, timeout_s: float = 600):
+    from prefect.exceptions import PrefectHTTPStatusError
+
     async def go(c):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            fr = await c.read_flow_run(flow_run_id)
+            try:
+                fr = await c.read_flow_run(flow_run_id)
+            except PrefectHTTPStatusError as e:  # a busy server's 5xx: the test's poll asks again, as a UI would
+                if e.response.status_code < 500:
+                    raise
+                print(f"poll of {flow_run_id}: {e.response.status_code}\n{prod.server.errors()}")
+                await asyncio.sleep(2)
+                continue
             if fr.state and fr.state.is_final():
                 return fr
             await asyncio.sleep(2)
