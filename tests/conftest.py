@@ -46,6 +46,12 @@ TEST_ENV = {
     # importing torch and vLLM become one, about 15 s less per server start on 2 cores (some 20 starts a session).
     # The demo and production keep vLLM's defaults.
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # One thread per process, placed by the kernel. vLLM's CPU build binds each server's OpenMP threads to core 0
+    # (`auto` keeps the last core for its front end), so every server of both xdist workers (three at once in the
+    # production test) queued on one core while the other idled; two-thread trainers and tokenizers spun beside
+    # them. Two server-kill tests at once: 135 and 143 s with vLLM's binding, 98 and 103 s so (benchmarks/RESULTS.md).
+    "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
     # Re-runs go through the flow, whose log the tests read (Prefect's Cached states, the servers reused); the
     # "nothing to do" fast path of `eyrie run` (flows/finished.py) is tested where it is named.
     "EYRIE_ALWAYS_FLOW": "1",

@@ -106,7 +106,7 @@ def test_the_environment_turns_it_off_and_is_not_written(done, monkeypatch):
     assert finished.record(config, str(run), "evaluate", OUTPUTS)
     assert "hf_secret_value" not in (run / finished.RECORD).read_text()
     assert finished.finished_outputs(config, str(run), "evaluate") == OUTPUTS
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the tests run with 1 (conftest)
     assert finished.finished_outputs(config, str(run), "evaluate") is None
 
 
