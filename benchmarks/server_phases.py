@@ -5,6 +5,7 @@ the Kimi preset's `--safetensors-load-strategy=prefetch`.
 Each variant is started (and stopped) once through Eyrie's VllmServer; its phases are read from its own log by
 eyrie/vllm/phases.py, exactly as `eyrie status` reports them. On a tiny target the weights take no time: what this
 shows is the fixed cost of a start (imports, engine, compile) and that a warm compile cache removes the compile.
+Each server then answers one request (one generated token): its latency is the `first request` phase.
 
     .venv/bin/python benchmarks/server_phases.py --config configs/demo.yaml
 
@@ -26,9 +27,10 @@ from eyrie.config import load_config  # noqa: E402
 from eyrie.run.folder import RunFolder  # noqa: E402
 from eyrie.stages.extract import ExtractionPlan  # noqa: E402
 from eyrie.stages.preflight import run_preflight  # noqa: E402
-from eyrie.stages.prepare import load_shards, prepare  # noqa: E402
+from eyrie.stages.prepare import load_dataset_rows, load_shards, prepare  # noqa: E402
 from eyrie.target.tiny import build_target  # noqa: E402
 from eyrie.vllm import phases  # noqa: E402
+from eyrie.vllm.client import watch_first_answer  # noqa: E402
 from eyrie.vllm.process import VllmServer  # noqa: E402
 from eyrie.vllm.spec import ServerSpec  # noqa: E402
 
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     prepare(config.target, config.data.model_copy(update={"max_samples": 16}), run.prepare)
     report = run_preflight(config, run.root, serve=False)
     extraction = ExtractionPlan(config, run, report, load_shards(run.prepare)).spec
+    first_prompt = load_dataset_rows(run.prepare, 0, 1)[0]
     cache = work / "compile-cache"
     variants: dict[str, ServerSpec] = {
         "plain vllm serve (eager)": ServerSpec.from_config(config),
@@ -71,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     for i, (name, spec) in enumerate(variants.items()):
         server = VllmServer(work / f"server-{i}")
         try:
-            server.ensure(spec, config.extraction.startup_timeout_s, log=lambda *_: None)
+            client = server.ensure(spec, config.extraction.startup_timeout_s, log=lambda *_: None)
+            # One request once ready, as a stage's first: its latency joins the phases (`first request`).
+            watch_first_answer(client.base_url, server.state_path)
+            client.generate(first_prompt, 1, 0.0, 1.0, 0, config.extraction.request_timeout_s)
             results[name] = server.state.get("phases") or {}
         finally:
             server.stop(log=lambda *_: None)

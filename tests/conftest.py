@@ -265,6 +265,28 @@ def register_server_folder(folder: Path) -> Path:
     return Path(folder)
 
 
+def server_recorded_as_this_process(folder: Path, **fields):
+    """A VllmServer whose server.json describes this test process as the server (alive, on this host, owned by its
+    pid's start time), with `fields` on top: for status and phase tests that need no real server."""
+    import socket
+
+    from eyrie.run.folder import atomic_write_json
+    from eyrie.vllm.process import VllmServer, boot_id, process_start_ticks
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    state = {
+        "pid": os.getpid(),
+        "start_ticks": process_start_ticks(os.getpid()),
+        "boot_id": boot_id(),
+        "host": "127.0.0.1",
+        "port": 9,
+        "hostname": socket.gethostname(),
+        **fields,
+    }
+    atomic_write_json(Path(folder) / "server.json", state)
+    return VllmServer(Path(folder))
+
+
 def stop_server(folder: Path) -> None:
     from eyrie.vllm.process import VllmServer
 

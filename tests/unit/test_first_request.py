@@ -7,20 +7,19 @@ from __future__ import annotations
 
 import http.server
 import json
-import os
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import server_recorded_as_this_process
 
 from eyrie.ops.status import server_status
-from eyrie.run.folder import atomic_write_json, read_json
+from eyrie.run.folder import read_json
 from eyrie.vllm import phases
 from eyrie.vllm.client import ServerClient, watch_first_answer
-from eyrie.vllm.process import VllmServer, boot_id, process_start_ticks
+from eyrie.vllm.process import VllmServer
 
 ANSWER_DELAY_S = 0.3
 
@@ -57,22 +56,11 @@ def api():
 
 
 def _recorded_server(folder: Path, ready_at: float | None, **extra) -> VllmServer:
-    """A server.json describing this process as the server (alive, owned), ready at `ready_at`."""
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {
-        "pid": os.getpid(),
-        "start_ticks": process_start_ticks(os.getpid()),
-        "boot_id": boot_id(),
-        "host": "127.0.0.1",
-        "port": 9,
-        "hostname": socket.gethostname(),
-        "kind": "serving",
-        "started_at": (ready_at or time.time()) - 100,
-        **({"ready_at": ready_at} if ready_at else {}),
-        **extra,
-    }
-    atomic_write_json(folder / "server.json", state)
-    return VllmServer(folder)
+    """A serving server.json describing this process as the server, ready at `ready_at`."""
+    ready = {"ready_at": ready_at} if ready_at else {}
+    return server_recorded_as_this_process(
+        folder, kind="serving", started_at=(ready_at or time.time()) - 100, **ready, **extra
+    )
 
 
 def test_with_first_answer_records_only_the_first_answer_sent_once_ready():

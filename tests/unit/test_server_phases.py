@@ -4,12 +4,12 @@ left out rather than guessed."""
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
+
+from conftest import server_recorded_as_this_process
 
 from eyrie.ops.status import server_status
 from eyrie.vllm import phases
-from eyrie.vllm.process import VllmServer
 
 # Lines as vLLM 0.32 (CPU) wrote them for the demo's extraction server, abridged.
 CPU_START = """
@@ -73,21 +73,7 @@ def test_only_the_last_start_of_a_log_counts_and_missing_lines_are_left_out():
 
 def test_status_names_where_a_servers_start_went(tmp_path):
     # A server recorded as this process (alive, owned): status reads its phases from server.json's record.
-    server = VllmServer(tmp_path)
+    server = server_recorded_as_this_process(tmp_path, started_at=_ts("2026-12-02 08:00:00"))
     server.log_path.write_text(GPU_START)
-    import os
-
-    from eyrie.vllm.process import boot_id, process_start_ticks
-
-    state = {
-        "pid": os.getpid(),
-        "start_ticks": process_start_ticks(os.getpid()),
-        "boot_id": boot_id(),
-        "host": "127.0.0.1",
-        "port": 9,
-        "hostname": __import__("socket").gethostname(),
-        "started_at": _ts("2026-12-02 08:00:00"),
-    }
-    server.state_path.write_text(json.dumps(state))
     line = server_status(server)
     assert line.startswith("starting: pid") and "weights 1470 s" in line and "so far" in line, line
