@@ -53,15 +53,8 @@ from eyrie import FORMAT_VERSION
 from eyrie.config import DataConfig, ExtractionConfig, PipelineConfig, TargetConfig
 from eyrie.ops.status import run_status
 from eyrie.ops.verify import default_workers, verify_run
-from eyrie.run.folder import (
-    RunFolder,
-    atomic_write_json,
-    read_json,
-    remove_staging,
-    sample_path,
-    sha256_file,
-    sha256_json,
-)
+from eyrie.run.files import atomic_write_json, read_json, sha256_file, sha256_json
+from eyrie.run.folder import RunFolder, remove_staging, sample_path
 from eyrie.run.manifest import finished_manifest, list_files
 from eyrie.stages import RUN_FOLDER_STAGES
 from eyrie.stages.extract import ExtractionPlan, file_record, shard_key, write_manifest

@@ -38,7 +38,8 @@ from prefect.deployments import run_deployment
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import ExtractionError, EyrieError, RegenerationError
-from eyrie.run.folder import SHARES_LOCK, RunFolder
+from eyrie.run.folder import RunFolder
+from eyrie.run.lock import SHARES_LOCK
 from eyrie.stages.extract import ExtractionPlan
 from eyrie.stages.preflight import PreflightReport
 from eyrie.stages.prepare import load_shards

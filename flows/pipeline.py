@@ -14,7 +14,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import EyrieError
-from eyrie.run.folder import RunFolder, read_json, sha256_json
+from eyrie.run.files import read_json, sha256_json
+from eyrie.run.folder import RunFolder
 from eyrie.run.manifest import finished_manifest
 from eyrie.stages import UNTIL
 from eyrie.stages.evaluate import draft_tokens_key, evaluate_key, evaluation_sets, gap_warning, template_variants

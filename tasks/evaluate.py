@@ -11,7 +11,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_image_artifact, create_table_artifact
 
 from eyrie.run.faults import fault_point
-from eyrie.run.folder import atomic_write_json, read_json
+from eyrie.run.files import atomic_write_json, read_json
 from eyrie.run.manifest import finished_manifest
 from eyrie.stages.evaluate import (
     HELD_OUT,

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from prefect import flow
 
-from eyrie.run.folder import RunFolder, atomic_write_json
+from eyrie.run.files import atomic_write_json
+from eyrie.run.folder import RunFolder
 from eyrie.stages.train.command import _die_with_parent
 from eyrie.vllm.process import VllmServer
 from eyrie.vllm.spec import ServerSpec

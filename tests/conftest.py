@@ -270,7 +270,7 @@ def server_recorded_as_this_process(folder: Path, **fields):
     pid's start time), with `fields` on top: for status and phase tests that need no real server."""
     import socket
 
-    from eyrie.run.folder import atomic_write_json
+    from eyrie.run.files import atomic_write_json
     from eyrie.vllm.process import VllmServer, boot_id, process_start_ticks
 
     Path(folder).mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,8 @@ from typing import Any
 import torch
 
 from eyrie.errors import ExtractionError
-from eyrie.run.folder import atomic_write_json, read_json, sample_path, sha256_json
+from eyrie.run.files import atomic_write_json, read_json, sha256_json
+from eyrie.run.folder import sample_path
 
 FOLDER = "capture"  # under the extract stage's folder, beside `shards/` (no shard manifest lives here)
 CONTEXT = "context.json"

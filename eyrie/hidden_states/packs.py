@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from eyrie.run.folder import TMP_SUFFIX, fsync_path, remove_abandoned, sample_name, temporary_file
+from eyrie.run.files import TMP_SUFFIX, fsync_path, remove_abandoned, temporary_file
+from eyrie.run.folder import sample_name
 
 FILES = "files"
 PACKED = "packed"

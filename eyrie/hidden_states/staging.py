@@ -7,7 +7,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from eyrie.run.folder import private_dir
+from eyrie.run.files import private_dir
 
 TMPFS_ENV = "EYRIE_ONLINE_TMPFS"
 DEFAULT_TMPFS = "/dev/shm"  # noqa: S108 - tmpfs, by design: the files live a few milliseconds
@@ -18,7 +18,7 @@ def staging_dir(run_root: Path, node: str | None = None, tmpfs: str | None = Non
     """Where the extraction server writes each request's file in online mode: a folder on tmpfs named after the run
     folder (and node), so two runs on one machine never share it, and the same for every attempt of a run (the
     server's identity holds it). The name is predictable: the server's start makes it this user's alone (mode 0700)
-    and refuses one planted there (`eyrie.run.folder.private_dir`)."""
+    and refuses one planted there (`eyrie.run.files.private_dir`)."""
     base = Path(tmpfs or os.environ.get(TMPFS_ENV) or DEFAULT_TMPFS)
     tag = hashlib.sha256(f"{Path(run_root).resolve()}|{node or ''}".encode()).hexdigest()[:12]
     return base / f"eyrie-online-{tag}"
@@ -51,7 +51,7 @@ def on_tmpfs(path: Path) -> bool:
 def transient_files(staging: Path) -> list[Path]:
     """The server's files in the staging folder; none when it is missing. A staging folder that is not this user's
     private folder (a symlink or another user's folder planted at its name) is refused, never listed or cleaned
-    (`eyrie.run.folder.private_dir`)."""
+    (`eyrie.run.files.private_dir`)."""
     if not private_dir(staging, create=False):
         return []
     return [p for p in staging.iterdir() if p.name.endswith((".safetensors", ".lock"))]

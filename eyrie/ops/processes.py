@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from eyrie.run.folder import atomic_write_json, read_json
+from eyrie.run.files import atomic_write_json, read_json
 from eyrie.vllm.process import VllmServer, _group_members, _reap, boot_id, process_start_ticks
 
 FLOW_RUNS = "flow-runs"

@@ -7,7 +7,8 @@ import time
 
 from eyrie import FORMAT_VERSION, __version__
 from eyrie.ops.verify import Listed, shard_files
-from eyrie.run.folder import STAMP, RunFolder, read_json, sample_path, server_folders, serving_server_folders
+from eyrie.run.files import read_json
+from eyrie.run.folder import STAMP, RunFolder, sample_path, server_folders, serving_server_folders
 from eyrie.run.manifest import file_problem, problems
 from eyrie.stages import RUN_FOLDER_STAGES
 from eyrie.stages.prepare import load_shards

@@ -31,7 +31,8 @@ from pathlib import Path
 from eyrie import FORMAT_VERSION
 from eyrie.errors import EyrieError, RunFolderError
 from eyrie.hidden_states.packs import shard_entries
-from eyrie.run.folder import STAMP, RunFolder, read_json, within
+from eyrie.run.files import read_json, within
+from eyrie.run.folder import STAMP, RunFolder
 from eyrie.run.manifest import file_problem, listed
 from eyrie.stages import RUN_FOLDER_STAGES
 from eyrie.stages.prepare import load_shards

@@ -3,8 +3,7 @@ servers' folders (per node), the files a server's answer may name, and the clean
 
 Every stage writes into its own folder and closes it with a manifest written last (atomic rename,
 `eyrie.run.files`). The manifest on disk is the truth; Prefect's cache is only the fast path. The run lock and the
-share locks are `eyrie.run.lock`'s (mixed into `RunFolder`). The crash-safe writes, locks and fingerprints this module
-re-exports are `eyrie.run.files`'s and `eyrie.run.lock`'s; import them from there.
+share locks are `eyrie.run.lock`'s (mixed into `RunFolder`).
 """
 
 from __future__ import annotations
@@ -18,25 +17,8 @@ from pathlib import Path
 
 from eyrie import FORMAT_VERSION, __version__
 from eyrie.errors import ExtractionError, RunFolderError
-from eyrie.run.files import TMP_SUFFIX as TMP_SUFFIX
-from eyrie.run.files import atomic_write_bytes as atomic_write_bytes
-from eyrie.run.files import atomic_write_json as atomic_write_json
-from eyrie.run.files import fsync_path as fsync_path
-from eyrie.run.files import fsync_tree as fsync_tree
-from eyrie.run.files import private_dir as private_dir
-from eyrie.run.files import read_json as read_json
-from eyrie.run.files import remove_abandoned as remove_abandoned
-from eyrie.run.files import replace_dir as replace_dir
-from eyrie.run.files import sha256_file as sha256_file
-from eyrie.run.files import sha256_json as sha256_json
-from eyrie.run.files import temporary_file as temporary_file
-from eyrie.run.files import within as within
-from eyrie.run.lock import CLAIMS as CLAIMS
-from eyrie.run.lock import LOCK as LOCK
-from eyrie.run.lock import SHARES_LOCK as SHARES_LOCK
-from eyrie.run.lock import RunFolderLocks
-from eyrie.run.lock import RunLock as RunLock
-from eyrie.run.lock import read_text as read_text
+from eyrie.run.files import atomic_write_json, read_json, remove_abandoned, within
+from eyrie.run.lock import LOCK, SHARES_LOCK, RunFolderLocks
 
 STAMP = "eyrie-run.json"
 

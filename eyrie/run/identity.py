@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from eyrie import FORMAT_VERSION
-from eyrie.run.folder import sha256_file, sha256_json
+from eyrie.run.files import sha256_file, sha256_json
 
 # ---------------------------------------------------------------------------------------------------------------
 # The declaration

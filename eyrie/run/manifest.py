@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from eyrie.run.folder import read_json, sha256_file
+from eyrie.run.files import read_json, sha256_file
 
 
 def file_record(path: Path) -> dict:

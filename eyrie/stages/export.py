@@ -16,7 +16,7 @@ from pathlib import Path
 
 from eyrie.errors import EyrieError
 from eyrie.run.faults import fault_point
-from eyrie.run.folder import atomic_write_json
+from eyrie.run.files import atomic_write_json
 from eyrie.run.manifest import files_under, finished_manifest, list_files
 from eyrie.target.metadata import verifier_name
 

@@ -30,7 +30,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from eyrie.run.folder import atomic_write_json, read_json
+from eyrie.run.files import atomic_write_json, read_json
 
 CURRENT = "current"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from eyrie.errors import ConfigError
 from eyrie.run.faults import fault_point
-from eyrie.run.folder import atomic_write_json
+from eyrie.run.files import atomic_write_json
 from eyrie.run.manifest import finished_manifest, list_files
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from eyrie.config import TargetConfig
 from eyrie.errors import ConfigError, DataError
-from eyrie.run.folder import sha256_json
+from eyrie.run.files import sha256_json
 from eyrie.run.identity import STAGES, drafter_identity, folder_identity, key, sampled_fingerprint
 from eyrie.target.hub import hub_commit
 

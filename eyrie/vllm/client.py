@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import requests
 
 from eyrie.errors import ExtractionError, RequestRejected, ServerUnavailable
-from eyrie.run.folder import atomic_write_json, read_json
+from eyrie.run.files import atomic_write_json, read_json
 from eyrie.vllm import phases
 from eyrie.vllm.plugin import SKIP_HIDDEN_STATES
 from eyrie.vllm.spec import GENERATION_CACHE_SALT

@@ -29,7 +29,7 @@ import requests
 
 from eyrie.errors import ExtractionError
 from eyrie.run.environment import child_environment
-from eyrie.run.folder import atomic_write_json, private_dir, read_json
+from eyrie.run.files import atomic_write_json, private_dir, read_json
 from eyrie.vllm.client import ServerClient
 from eyrie.vllm.phases import phases as start_phases
 from eyrie.vllm.spec import ServerSpec, free_port

@@ -15,7 +15,8 @@ import requests
 from conftest import REPO, register_server_folder, stop_server, write_config
 
 from eyrie.errors import RunFolderError
-from eyrie.run.folder import RunFolder, read_json, sample_path
+from eyrie.run.files import read_json
+from eyrie.run.folder import RunFolder, sample_path
 from eyrie.stages.extract.checks import load_checked
 from eyrie.stages.prepare import load_dataset_rows, load_shards
 

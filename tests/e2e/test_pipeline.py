@@ -30,7 +30,7 @@ import pytest
 import yaml
 from conftest import DEMO_DATA, REPO, VLLM_SERVER_ARGS, HubDatasetRepo, build_tiny_target, register_server_folder
 
-from eyrie.run.folder import read_json
+from eyrie.run.files import read_json
 from eyrie.stages.prepare import load_shards
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.usefixtures("flow_api")]

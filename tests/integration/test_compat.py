@@ -15,7 +15,7 @@ from conftest import REPO, build_tiny_target, register_server_folder, write_conf
 from safetensors.torch import load_file
 
 from eyrie.config import TargetConfig
-from eyrie.run.folder import read_json
+from eyrie.run.files import read_json
 from eyrie.stages.preflight import probe_eagle3, resolve_vllm_class
 from eyrie.target.metadata import read_target_config
 

@@ -16,7 +16,8 @@ from conftest import build_tiny_target, register_server_folder, stop_server, wri
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import RegenerationError
-from eyrie.run.folder import RunFolder, read_json
+from eyrie.run.files import read_json
+from eyrie.run.folder import RunFolder
 from eyrie.stages.prepare import _render, iter_eval_prompts, load_dataset_rows, load_shards, prepare
 from eyrie.stages.regenerate.conversation import shared_tokenizer
 from eyrie.stages.regenerate.plan import RegenerationPlan

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from eyrie.hidden_states.check import CONTEXT, FOLDER, CaptureError, check_shard
-from eyrie.run.folder import RunFolder, atomic_write_json, read_json, sample_path
+from eyrie.run.files import atomic_write_json, read_json
+from eyrie.run.folder import RunFolder, sample_path
 from eyrie.stages.prepare import Shard
 
 LAYERS = 4

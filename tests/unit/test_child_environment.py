@@ -13,7 +13,7 @@ from eyrie.config import parse_config
 from eyrie.errors import RunFolderError
 from eyrie.hidden_states.staging import clean, staging_dir, transient_files
 from eyrie.run.environment import PASS_ENV, child_environment
-from eyrie.run.folder import private_dir
+from eyrie.run.files import private_dir
 from eyrie.stages.train.trainer import trainer_environment
 from eyrie.vllm.process import VllmServer
 from eyrie.vllm.spec import ServerSpec

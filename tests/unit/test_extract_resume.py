@@ -16,7 +16,8 @@ from test_extract_unit import HIDDEN, LAYERS, FakeClient, prepared  # noqa: F401
 import eyrie.stages.extract.shard
 from eyrie.config import PipelineConfig
 from eyrie.hidden_states.packs import PACKED, pack_name
-from eyrie.run.folder import RunFolder, read_json, sample_path
+from eyrie.run.files import read_json
+from eyrie.run.folder import RunFolder, sample_path
 from eyrie.stages.extract.manifest import shard_complete
 from eyrie.stages.extract.plan import ExtractionPlan
 from eyrie.stages.extract.shard import extract_shard

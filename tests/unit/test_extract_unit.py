@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 
 from eyrie.config import DataConfig, TargetConfig
 from eyrie.errors import ExtractionError
-from eyrie.run.folder import atomic_write_json, sample_path
+from eyrie.run.files import atomic_write_json
+from eyrie.run.folder import sample_path
 from eyrie.stages.extract.answered import clean_staging
 from eyrie.stages.extract.checks import check_sample, load_checked
 from eyrie.stages.extract.manifest import shard_complete

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from eyrie.config import load_config
-from eyrie.run.folder import LOCK, RunFolder
+from eyrie.run.folder import RunFolder
+from eyrie.run.lock import LOCK
 from flows import finished
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -16,7 +16,7 @@ import pytest
 from conftest import server_recorded_as_this_process
 
 from eyrie.ops.status import server_status
-from eyrie.run.folder import read_json
+from eyrie.run.files import read_json
 from eyrie.vllm import phases
 from eyrie.vllm.client import ServerClient, watch_first_answer
 from eyrie.vllm.process import VllmServer

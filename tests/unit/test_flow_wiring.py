@@ -25,7 +25,8 @@ from test_server_lifecycle import fake, quiet  # noqa: F401 (`fake` is the fixtu
 import tasks
 from eyrie.config import parse_config
 from eyrie.errors import ExtractionError, RegenerationError
-from eyrie.run.folder import RunFolder, atomic_write_json, read_json
+from eyrie.run.files import atomic_write_json, read_json
+from eyrie.run.folder import RunFolder
 from eyrie.stages.prepare import Shard
 from flows.sharded import ShardedStage, run_sharded_stage
 

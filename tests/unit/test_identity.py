@@ -331,7 +331,8 @@ def test_status_of_an_older_format_run_folder_says_what_to_do(tmp_path):
 
     from eyrie import FORMAT_VERSION
     from eyrie.ops.status import format_status, run_status
-    from eyrie.run.folder import STAMP, RunFolder, atomic_write_json
+    from eyrie.run.files import atomic_write_json
+    from eyrie.run.folder import STAMP, RunFolder
 
     run = RunFolder(tmp_path / "run")
     run.ensure()

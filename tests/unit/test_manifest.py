@@ -11,7 +11,7 @@ import pytest
 import torch
 from prefect import flow
 
-from eyrie.run.folder import atomic_write_json, read_json, sha256_file
+from eyrie.run.files import atomic_write_json, read_json, sha256_file
 from eyrie.run.manifest import finished_manifest, list_files, problems
 from tasks import caching
 from tasks.caching import StageDone

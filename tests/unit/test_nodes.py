@@ -13,7 +13,8 @@ from conftest import REPO
 
 from eyrie.errors import ExtractionError
 from eyrie.ops.status import format_status, run_status
-from eyrie.run.folder import RunFolder, atomic_write_json, node_name, server_folder, server_folders
+from eyrie.run.files import atomic_write_json
+from eyrie.run.folder import RunFolder, node_name, server_folder, server_folders
 from eyrie.vllm.process import VllmServer
 
 

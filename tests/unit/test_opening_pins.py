@@ -9,7 +9,8 @@ from conftest import DEMO_DATA, HubDatasetRepo, config_dict
 from prefect import flow
 
 from eyrie.config import parse_config
-from eyrie.run.folder import RunFolder, read_json
+from eyrie.run.files import read_json
+from eyrie.run.folder import RunFolder
 from eyrie.target.hub import Pinned
 from eyrie.target.pins import PINS, pin_for_flow_run
 from flows.opening import open_run

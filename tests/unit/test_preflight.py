@@ -255,7 +255,8 @@ def test_cli_preflight_exit_codes(opt_target, tiny_llama, tmp_path, capsys, monk
 def test_a_recorded_warm_start_base_since_deleted_is_refused_before_anything_loads(tiny_llama, tmp_path):
     """An earlier run of this data chose a base (train/warm_start.json) that was deleted since: refused at
     preflight with what to do, not at the train stage after extraction. A record for other data refuses nothing."""
-    from eyrie.run.folder import RunFolder, atomic_write_json, sha256_json
+    from eyrie.run.files import atomic_write_json, sha256_json
+    from eyrie.run.folder import RunFolder
     from eyrie.stages.preflight.warm_start import check_recorded_base
 
     promo = tmp_path / "drafters"

@@ -11,7 +11,7 @@ import random
 import pytest
 from prefect import flow
 
-from eyrie.run.folder import atomic_write_json
+from eyrie.run.files import atomic_write_json
 from eyrie.stages.evaluate import baseline_warnings, compare_drafters, request_statistics
 from eyrie.stages.promote import decide, decide_and_promote
 from eyrie.vllm.provenance import differences, served_under

@@ -15,7 +15,8 @@ from test_regenerate_unit import FakeClient, prepared, target_dir, tok  # noqa: 
 
 import eyrie.stages.regenerate.shard as regen
 from eyrie.errors import RequestRejected
-from eyrie.run.folder import RunFolder, atomic_write_json, read_json
+from eyrie.run.files import atomic_write_json, read_json
+from eyrie.run.folder import RunFolder
 from eyrie.stages.prepare import load_shards
 from eyrie.stages.regenerate.assemble import assemble
 from eyrie.stages.regenerate.plan import RegenerationPlan, stage_key

@@ -18,7 +18,8 @@ from conftest import DEMO_DATA, build_tiny_target
 
 from eyrie.config import PipelineConfig, RegenerateConfig
 from eyrie.errors import RegenerationError, RequestRejected, ServerUnavailable
-from eyrie.run.folder import RunFolder, atomic_write_json
+from eyrie.run.files import atomic_write_json
+from eyrie.run.folder import RunFolder
 from eyrie.stages.prepare import RowError, load_dataset_rows, load_seq_lens, load_shards, prepare
 from eyrie.stages.regenerate.assemble import assemble
 from eyrie.stages.regenerate.conversation import (

@@ -19,18 +19,9 @@ from eyrie.config import parse_config
 from eyrie.errors import ConfigError, ExtractionError, RunFolderError
 from eyrie.hidden_states.packs import PACKS_DIR, remove_overlapping, temporary_pack, write_pack
 from eyrie.ops.verify import verify_run
-from eyrie.run.folder import (
-    LOCK,
-    STAMP,
-    TMP_SUFFIX,
-    RunFolder,
-    answered_file,
-    atomic_write_json,
-    remove_abandoned,
-    remove_staging,
-    temporary_file,
-    within,
-)
+from eyrie.run.files import TMP_SUFFIX, atomic_write_json, remove_abandoned, temporary_file, within
+from eyrie.run.folder import STAMP, RunFolder, answered_file, remove_staging
+from eyrie.run.lock import LOCK
 from eyrie.stages.extract.shard import extract_shard
 from eyrie.stages.prepare import load_shards
 

@@ -27,7 +27,8 @@ import pytest
 import eyrie.vllm.process as server_mod
 from eyrie.errors import ExtractionError
 from eyrie.ops.status import format_status, run_status
-from eyrie.run.folder import RunFolder, atomic_write_json, read_json
+from eyrie.run.files import atomic_write_json, read_json
+from eyrie.run.folder import RunFolder
 from eyrie.vllm.process import HEALTH_PROBES, VllmServer, _alive, _group_members
 from eyrie.vllm.spec import ExtractionSpec, ServerSpec, ServingSpec, free_port
 from flows.cli import main

@@ -12,7 +12,8 @@ from conftest import REPO
 
 from eyrie import FORMAT_VERSION
 from eyrie.errors import RunFolderError
-from eyrie.run.folder import STAMP, RunFolder, atomic_write_json, read_json, remove_staging
+from eyrie.run.files import atomic_write_json, read_json
+from eyrie.run.folder import STAMP, RunFolder, remove_staging
 
 HOLDER = """
 import sys

@@ -14,7 +14,8 @@ from test_extract_unit import HIDDEN, LAYERS, FakeClient, prepared  # noqa: F401
 
 from eyrie.ops.status import format_status, run_status
 from eyrie.ops.verify import verify_run
-from eyrie.run.folder import RunFolder, atomic_write_json, read_json, remove_staging, sample_path
+from eyrie.run.files import atomic_write_json, read_json
+from eyrie.run.folder import RunFolder, remove_staging, sample_path
 from eyrie.run.manifest import list_files
 from eyrie.stages.extract.manifest import shard_complete
 from eyrie.stages.extract.shard import extract_shard

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eyrie.run.folder import read_json
+from eyrie.run.files import read_json
 from eyrie.stages.evaluate.intervals import request_statistics
 from eyrie.stages.evaluate.sets import HELD_OUT
 

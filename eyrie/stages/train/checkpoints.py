@@ -25,7 +25,7 @@ import os
 import shutil
 from pathlib import Path
 
-from eyrie.run.folder import fsync_path, read_json
+from eyrie.run.files import fsync_path, read_json
 from eyrie.stages.train.validation import PLATEAU
 
 STATE = "training_state.json"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eyrie.run.folder import read_json
+from eyrie.run.files import read_json
 
 VALIDATION = "eyrie-validation.json"  # in each epoch's checkpoint folder
 PLATEAU = "plateau.json"  # in the checkpoints folder: training stopped there on a plateau

@@ -17,7 +17,7 @@ def _record_validation(plateau: tuple[int, float] | None) -> None:
     import torch.distributed as dist
     from speculators.train import trainer
 
-    from eyrie.run.folder import atomic_write_json
+    from eyrie.run.files import atomic_write_json
     from eyrie.stages.train.validation import (
         PLATEAU,
         VALIDATION,
