@@ -42,9 +42,10 @@ TEST_ENV = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_RESULTS_LOCAL_STORAGE_PATH": _RESULTS_DIR,
     "HF_HUB_OFFLINE": "1",
-    # vLLM's engine core in its API server's process (with VLLM_SERVER_ARGS, its worker too): three Python processes
-    # importing torch and vLLM become one, about 15 s less per server start on 2 cores (some 20 starts a session).
-    # The demo and production keep vLLM's defaults.
+    # vLLM's offline engine in its caller's process (tests/engine_capture.py sets it too). `vllm serve` in vLLM 0.32
+    # starts its engine core in a process of its own whatever this says (AsyncLLM always takes the multiprocess
+    # client); VLLM_SERVER_ARGS' `uni` backend keeps the worker in that process: two interpreters importing torch and
+    # vLLM per server start instead of three. The demo and production keep vLLM's defaults.
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     # One thread per process, placed by the kernel. vLLM's CPU build binds each server's OpenMP threads to core 0
     # (`auto` keeps the last core for its front end), so every server of both xdist workers (three at once in the
