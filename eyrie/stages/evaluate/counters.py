@@ -107,14 +107,14 @@ def _counts_between(before: dict, after: dict) -> dict:
     }
 
 
-def settled_counters(client, since: dict, answered: int, timeout_s: float = SETTLE_TIMEOUT_S) -> dict:
+def settled_counters(client, since: dict, answered: int, timeout_s: float | None = None) -> dict:
     """The server's counters once its metrics count the `answered` requests answered since `since` as finished.
     vLLM answers a request as soon as its last output is queued and records that step's counts afterwards (in the
     same pass of its output loop today; in a background thread, an API server of several processes, or a chunked
     output batch, later): counters read at once may lack the request's last drafts, which the next read then gives
-    to the next request. A server whose metrics count no finished requests is read as it is; past `timeout_s` the
-    read is returned with `settled` False."""
-    deadline = time.monotonic() + timeout_s
+    to the next request. A server whose metrics count no finished requests is read as it is; past `timeout_s` (or
+    SETTLE_TIMEOUT_S, read at the call) the read is returned with `settled` False."""
+    deadline = time.monotonic() + (SETTLE_TIMEOUT_S if timeout_s is None else timeout_s)  # read now: a knob
     while True:
         now = spec_counters(client.metrics())
         if since.get("finished") is None or now["finished"] is None or now["finished"] >= since["finished"] + answered:
