@@ -156,7 +156,7 @@ def test_atomic_writes_leave_no_temporary_and_name_theirs_as_eyries(tmp_path, mo
 def _killed_holding(tmp: Path) -> None:
     """A writer killed (SIGKILL) inside a write of `tmp`, as a kill inside `write_pack` leaves it."""
     code = (
-        "import sys, time; from pathlib import Path; from eyrie.run.folder import temporary_file\n"
+        "import sys, time; from pathlib import Path; from eyrie.run.files import temporary_file\n"
         "with temporary_file(Path(sys.argv[1])) as f:\n"
         "    f.write(b'x' * 4096); f.flush(); print('writing', flush=True); time.sleep(60)\n"
     )
