@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|" + "---:|" * len(names))
     for phase in phases.PHASES:
         if any(phase in r for r in results.values()):
-            cells = [f"{results[n][phase]:.0f}" if phase in results[n] else "" for n in names]
+            digits = 1 if phase in phases.AFTER_READY else 0  # a first request on a tiny target takes under 1 s
+            cells = [f"{results[n][phase]:.{digits}f}" if phase in results[n] else "" for n in names]
             print(f"| {phase} | " + " | ".join(cells) + " |")
     return 0
 
