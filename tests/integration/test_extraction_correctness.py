@@ -118,8 +118,9 @@ class Captures:
         return self.root / "out.jsonl"
 
     def _found(self) -> dict[str, dict]:
-        lines = self.results.read_text().splitlines() if self.results.exists() else []
-        return {r["name"]: r for r in map(json.loads, lines)}
+        text = self.results.read_text() if self.results.exists() else ""
+        whole = text.split("\n")[:-1]  # a line still being written has no newline yet
+        return {r["name"]: r for r in map(json.loads, whole)}
 
     def _run(self) -> None:
         for attempt in range(len(self.jobs)):
