@@ -11,6 +11,7 @@ refuse to run as root, so as root (CI) they run as the `postgres` user.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import shutil
@@ -30,12 +31,16 @@ COMPOSE = Path(__file__).resolve().parents[1] / "infra" / "docker-compose.yml"
 DATABASE_SETTINGS = ("PREFECT_SERVER_DATABASE_TIMEOUT", "PREFECT_SERVER_DATABASE_CONNECTION_TIMEOUT")
 
 
-def server_env(name: str) -> str:
-    """A setting of the Prefect server in infra/docker-compose.yml."""
+@functools.lru_cache(maxsize=1)
+def _compose_server_environment() -> dict:
     import yaml
 
-    compose = yaml.safe_load(COMPOSE.read_text())
-    return str(compose["services"]["prefect-server"]["environment"][name])
+    return yaml.safe_load(COMPOSE.read_text())["services"]["prefect-server"]["environment"]
+
+
+def server_env(name: str) -> str:
+    """A setting of the Prefect server in infra/docker-compose.yml (read once: every server start asks)."""
+    return str(_compose_server_environment()[name])
 
 
 def free_port() -> int:
