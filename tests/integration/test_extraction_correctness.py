@@ -106,6 +106,7 @@ class Captures:
     fresh one for the targets after any whose build failed (`tests/engine_capture.py`)."""
 
     running: dict[str, Running]
+    token_ids: dict[str, list[int]]  # each target's sample, the same conversation through its own tokenizer
     root: Path
     jobs: list[dict]
     env: dict
@@ -199,13 +200,14 @@ def captures(servers, tmp_path_factory) -> Captures:
     """The engine processes capturing every target but KEPT, started at once beside KEPT's server."""
     from eyrie.run.environment import child_environment
 
+    token_ids = {kind: _token_ids(r.model) for kind, r in servers.items()}
     jobs = []
     for kind, r in servers.items():
         if kind != KEPT:
             Path(r.spec.storage_path).mkdir(parents=True, exist_ok=True)
-            jobs.append({"name": kind, "arguments": r.spec.arguments(0), "token_ids": _token_ids(r.model)})
+            jobs.append({"name": kind, "arguments": r.spec.arguments(0), "token_ids": token_ids[kind]})
     env = child_environment(servers[KEPT].spec.server_env)  # what a server of these specs would get
-    captures = Captures(servers, tmp_path_factory.mktemp("engines"), jobs, env).start()
+    captures = Captures(servers, token_ids, tmp_path_factory.mktemp("engines"), jobs, env).start()
     try:
         yield captures
     finally:
@@ -238,8 +240,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_hidden_states_match_transformers(captures, kind, record_property):
-    r = captures.running[kind]
-    ids = _token_ids(r.model)
+    r, ids = captures.running[kind], captures.token_ids[kind]
     if kind == KEPT:  # through Eyrie's server and client
         path = r.client().extract(ids, 120)
         record_property("server_startup_s", round(r.startup_s, 1))
