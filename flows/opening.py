@@ -55,7 +55,7 @@ def open_run(config: PipelineConfig, run: RunFolder, serve: bool = False) -> Ope
     preflight_task(config, str(run.root), serve=serve)  # seconds, before anything expensive
     # The tokenizer's and the data's fingerprints remembered in the run folder under what determines them: a
     # re-run loads no tokenizer (seconds: transformers' import) while nothing it depends on changed.
-    prepare_stage_key = compute_prepare_key(config.target, config.data, str(run.root / "fingerprints.json"))
+    prepare_stage_key = compute_prepare_key(config.target, config.data, str(run.fingerprints))
     prepared = prepare_task(config.target, config.data, str(run.prepare), prepare_stage_key)
     report = preflight_task(
         config, str(run.root), tokens=prepared["stats"]["tokens"], serve=serve, prepare_key=prepare_stage_key

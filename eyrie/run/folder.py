@@ -132,6 +132,11 @@ class RunFolder(RunFolderLocks):
     def manifest(self, stage: str) -> Path:
         return self.stage(stage) / "manifest.json"
 
+    @property
+    def fingerprints(self) -> Path:
+        """The costly fingerprints (the data source's, the tokenizer's) remembered under what determines them."""
+        return self.root / "fingerprints.json"
+
     def ensure(self) -> None:
         """Create the folder, or adopt an existing one: an empty folder, or a run folder a compatible Eyrie made.
 

@@ -35,6 +35,17 @@ def _no_tokenizer_load(monkeypatch):
     monkeypatch.setattr(prep, "load_tokenizer", refuse)
 
 
+def _edit_template(target: TargetConfig) -> None:
+    template = Path(target.model, "chat_template.jinja")
+    if template.is_file():
+        template.write_text(template.read_text() + "{# edited #}")
+    else:
+        cfg_path = Path(target.model, "tokenizer_config.json")
+        cfg = json.loads(cfg_path.read_text())
+        cfg["chat_template"] += "{# edited #}"
+        cfg_path.write_text(json.dumps(cfg))
+
+
 def test_memo_gives_the_same_key_and_skips_the_tokenizer(setup, monkeypatch):
     target, data, memo = setup
     memo.parent.mkdir()
@@ -52,15 +63,7 @@ def test_memo_never_hides_a_change(setup):
     target, data, memo = setup
     memo.parent.mkdir()
     before = prep.prepare_key(target, _data(data), memo)
-    # The tokenizer's files: a new chat template.
-    template = Path(target.model, "chat_template.jinja")
-    if template.is_file():
-        template.write_text(template.read_text() + "{# edited #}")
-    else:
-        cfg_path = Path(target.model, "tokenizer_config.json")
-        cfg = json.loads(cfg_path.read_text())
-        cfg["chat_template"] += "{# edited #}"
-        cfg_path.write_text(json.dumps(cfg))
+    _edit_template(target)  # the tokenizer's files: a new chat template
     after_template = prep.prepare_key(target, _data(data), memo)
     assert after_template != before
     assert after_template == prep.prepare_key(target, _data(data))
@@ -91,3 +94,23 @@ def test_a_damaged_or_foreign_memo_is_not_trusted(setup, monkeypatch):
         assert prep.prepare_key(target, _data(data), memo) == fresh
     finally:
         memo.parent.chmod(0o700)
+
+
+def test_regeneration_reads_the_template_fingerprint_prepare_remembered(setup, monkeypatch):
+    """Regeneration keys its shards on the template: on a re-run it reads the fingerprint prepare remembered (no
+    transformers import), the value computed afresh; a new template is fingerprinted again, and the source's memo
+    entry stays."""
+    target, data, memo = setup
+    memo.parent.mkdir()
+    fresh = prep.tokenizer_fingerprint(prep.load_tokenizer(target))
+    prep.prepare_key(target, _data(data), memo)
+    with monkeypatch.context() as m:
+        _no_tokenizer_load(m)
+        assert prep.remembered_tokenizer_fingerprint(target, memo) == fresh
+    _edit_template(target)
+    edited = prep.remembered_tokenizer_fingerprint(target, memo)
+    assert edited != fresh and edited == prep.tokenizer_fingerprint(prep.load_tokenizer(target))
+    assert set(json.loads(memo.read_text())) == {"tokenizer", "source"}
+    with monkeypatch.context() as m:
+        _no_tokenizer_load(m)
+        assert prep.remembered_tokenizer_fingerprint(target, memo) == edited

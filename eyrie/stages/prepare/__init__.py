@@ -14,7 +14,7 @@ written and read back), `stage` (`prepare` itself).
 
 from eyrie.stages.prepare.conversation import ROLE_ALIASES, _render, normalize, render_text, tokenize_conversation
 from eyrie.stages.prepare.dataset import _save_dataset, iter_eval_prompts, load_dataset_rows, load_seq_lens
-from eyrie.stages.prepare.key import prepare_key, tokenizer_fingerprint
+from eyrie.stages.prepare.key import prepare_key, remembered_tokenizer_fingerprint, tokenizer_fingerprint
 from eyrie.stages.prepare.plan import Shard, is_eval, load_shards, plan_shards
 from eyrie.stages.prepare.rows import RowError
 from eyrie.stages.prepare.source import LOCAL_SUFFIXES, is_hub_source, iter_rows, source_fingerprint
@@ -39,6 +39,7 @@ __all__ = [
     "plan_shards",
     "prepare",
     "prepare_key",
+    "remembered_tokenizer_fingerprint",
     "render_text",
     "source_fingerprint",
     "tokenize_conversation",

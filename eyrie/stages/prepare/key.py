@@ -52,14 +52,34 @@ def prepare_key(target: TargetConfig, data: DataConfig, memo: Path | None = None
     tokenizer = remembered.get("tokenizer", {}).get(tokenizer_id)
     if tokenizer is None:
         tokenizer = tokenizer_fingerprint(load_tokenizer(target))
-    if memo is not None:
-        fresh = {"tokenizer": {tokenizer_id: tokenizer}, **({"source": {source_id: source}} if source_id else {})}
-        if fresh != {k: remembered.get(k) for k in fresh}:
-            try:
-                atomic_write_json(memo, fresh)
-            except OSError:
-                pass  # a read-only run folder: the fingerprints are computed again next time, nothing else changes
+    _remember(
+        memo,
+        remembered,
+        {"tokenizer": {tokenizer_id: tokenizer}, **({"source": {source_id: source}} if source_id else {})},
+    )
     return keyed("prepare", config, source=source, tokenizer=tokenizer)
+
+
+def remembered_tokenizer_fingerprint(target: TargetConfig, memo: Path | None) -> str:
+    """`tokenizer_fingerprint(load_tokenizer(target))`, remembered in `memo` as `prepare_key` remembers it: a stage
+    that keys on the template (regeneration) costs no transformers import on a run whose target is unchanged."""
+    remembered = _read_memo(memo)
+    tokenizer_id = _tokenizer_memo_id(target)
+    tokenizer = remembered.get("tokenizer", {}).get(tokenizer_id)
+    if tokenizer is None:
+        tokenizer = tokenizer_fingerprint(load_tokenizer(target))
+        _remember(memo, remembered, {"tokenizer": {tokenizer_id: tokenizer}})
+    return tokenizer
+
+
+def _remember(memo: Path | None, remembered: dict, fresh: dict) -> None:
+    """Write `fresh` over what `memo` held (entries under other ids are dropped, the other kinds kept)."""
+    if memo is None or fresh == {k: remembered.get(k) for k in fresh}:
+        return
+    try:
+        atomic_write_json(memo, {**remembered, **fresh})
+    except OSError:
+        pass  # a read-only run folder: the fingerprints are computed again next time, nothing else changes
 
 
 def _read_memo(memo: Path | None) -> dict:

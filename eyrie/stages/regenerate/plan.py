@@ -6,7 +6,7 @@ from eyrie.config import PipelineConfig
 from eyrie.errors import RegenerationError
 from eyrie.run.files import read_json
 from eyrie.run.folder import RunFolder
-from eyrie.stages.prepare import Shard, load_shards, tokenizer_fingerprint
+from eyrie.stages.prepare import Shard, load_shards, remembered_tokenizer_fingerprint
 from eyrie.stages.regenerate.conversation import template_mix
 from eyrie.stages.regenerate.shard import STAGE, has_losses, lost_rows, shard_complete, shard_paths
 
@@ -55,7 +55,6 @@ class RegenerationPlan:
 
     def __init__(self, config: PipelineConfig, run: RunFolder, report, node: str | None = None):
         from eyrie.stages.extract.plan import ExtractionPlan
-        from eyrie.target.metadata import load_tokenizer
 
         self.config = config
         self.run = run
@@ -68,7 +67,7 @@ class RegenerationPlan:
             raise RegenerationError(f"{run.prepare / 'shards.json'} lists no shards: run the prepare stage first")
         server = ExtractionPlan(config, run, report, [], node=node)
         self.spec, self.server_dir, self.staging = server.spec, server.server_dir, server.staging
-        template = tokenizer_fingerprint(load_tokenizer(config.target))
+        template = remembered_tokenizer_fingerprint(config.target, run.fingerprints)  # no transformers import
         self.keys = {s.name: shard_key(template, s, config) for s in self.shards}
 
     @property
