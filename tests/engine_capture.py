@@ -24,8 +24,7 @@ import sys
 import time
 import traceback
 from collections.abc import Mapping
-
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (the offline engine's option)
+from pathlib import Path
 
 
 def _flush(llm, path: str, timeout_s: float = 120) -> None:
@@ -120,5 +119,28 @@ def main(jobs_path: str, results_path: str) -> int:
     return 0
 
 
+def capture(jobs: list[dict], root: Path, env: dict, timeout_s: float = 900) -> dict[str, dict]:
+    """Run this script over `jobs` in a process of its own, to its end: each job's line by name (a build that
+    failed stops the process: the jobs after it have none). Its output is in `root/engine.log`."""
+    import subprocess
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    results = root / "results.jsonl"
+    with open(root / "engine.log", "wb") as log:
+        subprocess.run(
+            [sys.executable, __file__, str(root / "jobs.json"), str(results)],
+            cwd=Path(__file__).resolve().parent.parent,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout_s,
+            check=False,
+        )
+    lines = results.read_text().splitlines() if results.exists() else []
+    return {r["name"]: r for r in map(json.loads, lines)}
+
+
 if __name__ == "__main__":
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (the offline engine's)
     sys.exit(main(*sys.argv[1:]))

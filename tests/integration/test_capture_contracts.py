@@ -1,5 +1,5 @@
-"""The output contract no other tiny target has, through the real vLLM server: a decoder layer that takes a
-`residual` argument yet returns the full residual stream first and its own input second (vLLM's
+"""The output contract no other tiny target has, through the engine a vLLM server runs: a decoder layer that takes
+a `residual` argument yet returns the full residual stream first and its own input second (vLLM's
 CohereForCausalLM: a parallel attention+MLP block; its final norm passes the residual through unused).
 
 vLLM's CohereForCausalLM lacks the EAGLE-3 interface, so Eyrie's compatibility layer serves it. Trusting the
@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VLLM_SERVER_ARGS, register_server_folder, stop_server
+from conftest import VLLM_SERVER_ARGS
 from safetensors.torch import load_file
 
-from eyrie.stages.extract import _wait_and_release, load_checked
+from eyrie.stages.extract import load_checked
 from eyrie.stages.preflight import captured_layer_ids, default_aux_layer_ids
-from eyrie.vllm.process import VllmServer
 from eyrie.vllm.spec import ServerSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -72,27 +71,30 @@ def _reference(folder: Path, ids: list[int]) -> list[torch.Tensor]:
 
 
 def test_a_full_stream_layer_with_a_residual_argument_is_captured_right(tmp_path):
+    from engine_capture import capture
+
+    from eyrie.run.environment import child_environment
+
     target = _tiny_cohere(tmp_path / "tiny-cohere")
-    folder = register_server_folder(tmp_path / "server")
     layer_ids = captured_layer_ids(default_aux_layer_ids(LAYERS), LAYERS)
     spec = ServerSpec(
         model=str(target),
         layer_ids=layer_ids,
-        storage_path=str(folder / "staging"),
+        storage_path=str(tmp_path / "staging"),
         max_model_len=256,
         server_args=list(VLLM_SERVER_ARGS),
     )
-    try:
-        client = VllmServer(folder).ensure(spec, startup_timeout_s=800, log=lambda *_: None)
-        ids = list(range(5, 5 + 60))
-        path = client.extract(ids, 120)
-        _wait_and_release(path)
-        load_checked(Path(path), ids, len(layer_ids), HIDDEN)
-        hs = load_file(path)["hidden_states"]
-        os.unlink(path)
-        log = (folder / "server.log").read_text()
-    finally:
-        stop_server(folder)
+    Path(spec.storage_path).mkdir()
+    ids = list(range(5, 5 + 60))
+    # The server's engine, built from the server's own arguments in one process (tests/engine_capture.py).
+    job = {"name": "cohere", "arguments": spec.arguments(0), "token_ids": ids}
+    found = capture([job], tmp_path / "engine", child_environment(spec.server_env))
+    log = (tmp_path / "engine" / "engine.log").read_text(errors="replace")
+    assert "path" in found.get("cohere", {}), found.get("cohere", {}).get("error") or log[-3000:]
+    path = found["cohere"]["path"]
+    load_checked(Path(path), ids, len(layer_ids), HIDDEN)
+    hs = load_file(path)["hidden_states"]
+    os.unlink(path)
     assert "compatibility layer serves CohereForCausalLM" in log
     assert "return the full residual stream first" in log, [line for line in log.splitlines() if "Eyrie" in line]
     ref = _reference(target, ids)
