@@ -37,13 +37,14 @@ import fcntl
 import os
 import threading
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from eyrie.errors import ExtractionError
 from eyrie.run.files import atomic_write_json, read_json, sha256_json
 from eyrie.run.folder import sample_path
+
+if TYPE_CHECKING:  # imported where used: the plan records the context with no torch
+    import torch
 
 FOLDER = "capture"  # under the extract stage's folder, beside `shards/` (no shard manifest lives here)
 CONTEXT = "context.json"
@@ -123,6 +124,7 @@ def load_head(ctx: dict) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tenso
     """(norm weight, norm bias or None, head weight [V, H]), float32 but for a large head, by the checkpoint names
     preflight resolved, through speculators' loader (the one the trainer's `_load_verifier_weights_by` hands the same
     names). A tied head is the embedding. Loaded once per process and target."""
+
     names = ctx["verifier_weights"]
     key = (ctx["model"], ctx.get("revision"), tuple(sorted(names.items())))
     with _HEADS_LOCK:
@@ -159,6 +161,8 @@ def _is_layer_norm(norm_class: str | None) -> bool:
 
 def apply_norm(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ctx: dict) -> torch.Tensor:
     """The target's final norm over float32 rows: RMSNorm (Gemma's stores weight - 1), or LayerNorm."""
+    import torch
+
     eps = float(ctx.get("norm_eps", 1e-6))
     norm_class = ctx.get("final_norm") or ""
     if _is_layer_norm(norm_class):
@@ -179,6 +183,7 @@ def _sampled(n: int, k: int) -> list[int]:
 
 
 def _load(path: Path) -> tuple[torch.Tensor, list[int]]:
+    import torch
     from safetensors.torch import load_file
 
     from eyrie.hidden_states.encoding import decode
@@ -207,6 +212,7 @@ def _masks(prepare_dir: Path, start: int, stop: int) -> list[list[int]] | None:
 
 def row_problems(hs: torch.Tensor, layer_ids: list[int], where: str) -> list[str]:
     """Dead rows per layer: all zero, or constant over the hidden dimension. `hs` [T, n_layers, H] float32."""
+
     problems = []
     for j, lid in enumerate(layer_ids):
         x = hs[:, j, :]
@@ -230,6 +236,8 @@ def check_shard(
 ) -> dict:
     """Prove the shard's captured states are the target's (see the module's docstring); raise CaptureError (the
     shard's files removed) if not. Returns the figures, also written to `capture/<shard>.json`."""
+    import torch
+
     folder = capture_folder(manifest_path)
     ctx = read_json(folder / CONTEXT)
     n = shard.stop - shard.start
@@ -317,6 +325,8 @@ def _against_baseline(folder: Path, shard_name: str, ctx, medians: dict, figures
 
 
 def _head_check(ctx: dict, rows: torch.Tensor, next_tokens: list[int], greedy: bool, figures: dict, log) -> list[str]:
+    import torch
+
     weight, bias, head = load_head(ctx)
     normed = apply_norm(rows, weight, bias, ctx)
     logprobs = (normed.to(head.dtype) @ head.T).float().log_softmax(-1)

@@ -15,7 +15,10 @@ Only torch here: the vLLM connector (eyrie/vllm/plugin/connector.py) and the tra
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where it is used: a run whose files are done imports none
+    import torch
 
 BFLOAT16 = "bfloat16"
 FP8 = "float8_e4m3fn"
@@ -29,6 +32,8 @@ READER_BACKEND = "fp8"  # speculators' `--hidden-states-backend` that dequantize
 
 def fp8_unavailable() -> str | None:
     """Why this torch cannot write or read fp8 hidden states, or None when it can."""
+    import torch
+
     dtype = getattr(torch, FP8, None)
     if dtype is None:
         return f"torch {torch.__version__} has no torch.{FP8}"
@@ -45,6 +50,8 @@ def fp8_unavailable() -> str | None:
 def quantize(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`[T, ...]` -> (fp8 values, float32 scales `[T, 1, ...]`): one scale per token, amax / 448, computed in float32.
     The same arithmetic as hs_connectors.fp8_utils.quantize_tensor_to_fp8, so files are alike byte for byte."""
+    import torch
+
     fp8 = getattr(torch, FP8)
     x = hidden.float()
     amax = x.abs().amax(dim=tuple(range(1, x.dim())), keepdim=True)
@@ -52,8 +59,12 @@ def quantize(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scales).to(fp8), scales
 
 
-def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """As speculators' FP8Transfer reads them (hs_connectors.fp8_utils.dequantize_fp8_tensor)."""
+def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """As speculators' FP8Transfer reads them (hs_connectors.fp8_utils.dequantize_fp8_tensor), in `dtype`
+    (bfloat16 unless given)."""
+    import torch
+
+    dtype = dtype or torch.bfloat16
     return values.to(dtype) * scales.to(dtype)
 
 
@@ -67,8 +78,9 @@ def encode(tensors: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tens
     return {**tensors, "hidden_states": values, SCALES_KEY: scales}
 
 
-def decode(data: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """A file's tensors as the trainer sees them: fp8 files dequantized, others unchanged (FP8Transfer's rule)."""
+def decode(data: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """A file's tensors as the trainer sees them: fp8 files dequantized (into `dtype`, bfloat16 unless given),
+    others unchanged (FP8Transfer's rule)."""
     if SCALES_KEY not in data:
         return data
     out = {k: v for k, v in data.items() if k != SCALES_KEY}
@@ -81,6 +93,8 @@ def check_encoding(data: dict[str, torch.Tensor], dtype: str) -> None:
 
     fp8: values float8_e4m3fn without NaN (e4m3fn has no infinity), scales float32 `[T, 1, 1]`, finite and > 0.
     bfloat16: no scales and no fp8 values (a file of the other encoding is redone, not trained on)."""
+    import torch
+
     hs = data["hidden_states"]
     is_fp8 = hs.dtype == getattr(torch, FP8, None)
     if dtype != FP8:

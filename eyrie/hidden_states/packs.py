@@ -21,11 +21,13 @@ import re
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from eyrie.run.files import TMP_SUFFIX, fsync_path, remove_abandoned, temporary_file
 from eyrie.run.folder import sample_name
+
+if TYPE_CHECKING:
+    import torch
 
 FILES = "files"
 PACKED = "packed"

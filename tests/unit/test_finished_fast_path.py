@@ -135,6 +135,19 @@ def test_the_fast_path_imports_no_prefect_or_torch():
     assert out.stdout.strip() == "[]"
 
 
+def test_the_flows_and_status_import_no_torch():
+    """A flow process whose stages are done (a cached re-run, a resumed one) pays Prefect's import, not torch's
+    (2.3 s of CPU here): the modules that read hidden-state files import torch where they read them."""
+    import subprocess
+
+    code = (
+        "import sys, flows.cli, flows.pipeline, flows.extract, flows.regenerate, flows.fanout, eyrie.ops.status; "
+        "print([m for m in ('torch', 'transformers', 'vllm') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_eyrie_run_takes_it_only_while_nothing_changed(tmp_path, monkeypatch, capsys):
     """The command's wiring, with a stand-in for the flow (counting its runs): the second run prints the outputs
     without the flow; a config field edited, --always-flow or EYRIE_ALWAYS_FLOW=1, and the flow runs again."""

@@ -5,11 +5,12 @@ the configured encoding.
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
-from safetensors.torch import load_file
+from typing import TYPE_CHECKING
 
 from eyrie.hidden_states.encoding import BFLOAT16, FP8, check_encoding
+
+if TYPE_CHECKING:
+    import torch
 
 
 def check_sample(
@@ -34,12 +35,16 @@ def all_finite(t: torch.Tensor) -> bool:
     """Every value finite, in one float32 sum: a NaN or an infinity anywhere makes the sum NaN or infinite, so a
     finite sum proves it (13x cheaper than `isfinite` element by element on bf16, on the cores the server needs); a
     sum that overflows from finite values falls back to the element-wise check."""
+    import torch  # here, not at the top: a run whose files are done imports no torch
+
     return bool(torch.isfinite(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
 
 
 def load_checked(
     path: Path, token_ids: list[int], num_layers: int, hidden_size: int, hidden_states_dtype: str = BFLOAT16
 ) -> None:
+    from safetensors.torch import load_file
+
     try:
         data = load_file(str(path))
     except Exception as err:  # safetensors raises its own error types for truncated or garbled files

@@ -10,8 +10,6 @@ import os
 import time
 from pathlib import Path
 
-from safetensors.torch import load as load_bytes
-
 from eyrie.hidden_states.encoding import BFLOAT16
 from eyrie.hidden_states.packs import shard_entries
 from eyrie.run.files import atomic_write_json, read_json, sha256_file
@@ -57,6 +55,8 @@ def checked_record(
         raise ValueError(f"unreadable: {err}") from None
     if len(data) != st.st_size:
         raise ValueError(f"{len(data)} bytes read, {st.st_size} when it was looked at: it changed meanwhile")
+    from safetensors.torch import load as load_bytes  # torch: only once a file is read
+
     try:
         tensors = load_bytes(data)
     except Exception as err:  # safetensors raises its own error types for truncated or garbled files

@@ -9,8 +9,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
-
 # Threads that check, hash and move the files answered (extract_shard), beside the requests in flight. Two keep
 # up with the server (0.3-0.5 ms of CPU a file); eight measured 5-9% slower (benchmarks/extract_throughput.py),
 # holding the GIL away from the request loop and the cores away from the server.
@@ -18,6 +16,8 @@ FILE_THREADS = 2
 
 
 def _one_thread() -> None:
+    import torch  # here: a run whose shards are done never starts these threads, and imports no torch
+
     torch.set_num_threads(1)
 
 
