@@ -1,5 +1,6 @@
 """Capture one sample per target in ONE process: vLLM's engine built in-process from each extraction server's own
-arguments, one target after the other (tests/integration/test_extraction_correctness.py runs it).
+arguments, one target after the other (tests/integration/test_extraction_correctness.py runs it in the background;
+`capture` runs it to its end, for test_capture_contracts.py).
 
 A server start on two cores costs two interpreters importing torch and vLLM (its API server and its engine core,
 45-100 s in the suite); here the imports are paid once and each further target costs its engine's build (4-9 s).
@@ -11,7 +12,7 @@ HTTP front end, is the same for every target: the test keeps one target on a rea
 
 JOBS.json: [{"name", "arguments": [server arguments], "token_ids": [...]}]. One line per job in RESULTS.jsonl, as
 it finishes: {"name", "path"} (the file the connector wrote) or {"name", "error"} (this target could not be built
-in this process: the test starts a server for it, and the jobs after it in a fresh process).
+in this process: the extraction-correctness test starts a server for it, and the jobs after it in a fresh process).
 """
 
 from __future__ import annotations
