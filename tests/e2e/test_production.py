@@ -354,6 +354,26 @@ def wait_final(prod: Production, flow_run_id, timeout_s: float = 600):
     return fr
 
 
+def wait_heartbeat(prod: Production, flow_run_id, timeout_s: float = 300) -> None:
+    """Until the server has recorded a heartbeat of `flow_run_id` (its events, as the automations see them)."""
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+    wanted = EventFilter(
+        event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
+        resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"]),
+    )
+
+    async def go(c):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if (await c.read_events(wanted, limit=1)).events:
+                return True
+            await asyncio.sleep(1)
+        return False
+
+    assert _api(prod, go), f"no heartbeat of flow run {flow_run_id} within {timeout_s:.0f}s\n{prod.logs()}"
+
+
 def children(prod: Production, flow_run_id) -> list:
     """Subflow runs and deployment runs started from `flow_run_id`, oldest first."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
@@ -616,11 +636,13 @@ def test_fanout_over_the_nodes_a_dead_worker_and_a_server_restart(prod, tiny_lla
     )
     # No `queues`: the deployment's default, the node list (`*gpu_nodes`).
     created = create_run(prod, FANOUT, {"config": config.model_dump(mode="json"), "run_dir": str(run)})
-    # Mid-share: the dead node's share has launched its server (a first heartbeat went out as its run started).
+    # Mid-share: the dead node's share has launched its server, and the server has its run's first heartbeat (the
+    # zombie automation's window opens at a heartbeat: a run killed before one arrived would stay Running).
     deadline = time.monotonic() + 600
     while starts(nodes[dead]) == 0:
         assert time.monotonic() < deadline, f"{dead} started no server\n{prod.logs()}"
         time.sleep(0.5)
+    wait_heartbeat(prod, next(k.id for k in children(prod, created.id) if k.work_queue_name == dead))
     killed = prod.kill_node(dead)
     t_kill = time.monotonic()
     assert killed, f"{dead}'s worker ran no flow run"
