@@ -138,8 +138,13 @@ def capture(jobs: list[dict], root: Path, env: dict, timeout_s: float = 900) -> 
             timeout=timeout_s,
             check=False,
         )
-    lines = results.read_text().splitlines() if results.exists() else []
-    return {r["name"]: r for r in map(json.loads, lines)}
+    return read_results(results)
+
+
+def read_results(path: Path) -> dict[str, dict]:
+    """The jobs' lines written to `path` so far, by name (a line still being written has no newline yet)."""
+    text = path.read_text() if path.exists() else ""
+    return {r["name"]: r for r in map(json.loads, text.split("\n")[:-1])}
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import DEMO_DATA, REPO, VLLM_SERVER_ARGS, register_server_folder, stop_server
+from engine_capture import read_results
 from safetensors.torch import load_file
 
 from eyrie.stages.extract import _wait_and_release, extract_shard, load_checked, sample_path
@@ -119,9 +120,7 @@ class Captures:
         return self.root / "out.jsonl"
 
     def _found(self) -> dict[str, dict]:
-        text = self.results.read_text() if self.results.exists() else ""
-        whole = text.split("\n")[:-1]  # a line still being written has no newline yet
-        return {r["name"]: r for r in map(json.loads, whole)}
+        return read_results(self.results)
 
     def _run(self) -> None:
         for attempt in range(len(self.jobs)):
