@@ -30,7 +30,9 @@ this builds a synthetic run folder in the layout Eyrie's stages write, then meas
           torch.profiler window analysed by `analyse_trace` (GPU busy and idle, kernel time by kind, host syncs,
           the largest idle gaps and what the training thread did meanwhile; the trace comes back gzipped).
           `--off NAME` turns off one of eyrie.stages.train.entry's GPU switches (GPU_FEED, SYNC_FREE_METRICS, ...),
-          `--on NAME` turns one on (DEFERRED_MASK_COMPILE, ONE_KV_LENGTH), `--cold` empties the compile caches first.
+          `--on NAME` turns one on (DEFERRED_MASK_COMPILE, ONE_KV_LENGTH, EAGER_ROTARY, ONE_POINTWISE_CONFIG, ...),
+          `--cold` empties the compile caches first; the measurement also gives how busy the cores were from launch
+          to the first step (`startup_cpu_busy`).
           `--optimizer` sets `train.optimizer`; everything else is the preset's. `--inmem` swaps speculators' data
           loaders for one pinned batch served from memory (same trainer, model and optimizer): the trainer without
           its loader. A second launch on the same run folder is a retry: torch.compile's cache

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU-machine driver for benchmarks/train_throughput.py: installs speculators and its needs from the wheels in the
-# ignored folder .whl/ (no index, no network) unless speculators is already importable, puts the run folder on a
-# disk-backed filesystem, and kills any trainer left behind. From the repository root:
+# ignored folder .whl/ (no index, no network, bytecode compiled) unless speculators is already importable, puts the
+# run folder on a disk-backed filesystem, and kills any trainer left behind. From the repository root:
 #
 #   bash benchmarks/train_throughput.sh all                 # gen, bare step, Eyrie's command with adamw and muon
 #   bash benchmarks/train_throughput.sh all --optimizers adamw --iters 250  # bare step over as long as the window
@@ -29,7 +29,9 @@ PY=${PY:-python3}
 mkdir -p "$OUT/logs"
 if ! "$PY" -c "import speculators" 2>/dev/null; then
   if [ ! -d /tmp/eyrie-site/speculators ]; then  # once per machine
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/eyrie-site \
+    # with their bytecode compiled, as pip installs by default: the image sets PYTHONDONTWRITEBYTECODE=1, so a
+    # --no-compile install made every process compile speculators, datasets, pydantic and openai from source
+    "$PY" -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/eyrie-site \
       .whl/*.whl || exit 1
   fi
   export PYTHONPATH=/tmp/eyrie-site${PYTHONPATH:+:$PYTHONPATH}

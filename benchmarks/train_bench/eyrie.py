@@ -68,6 +68,21 @@ def eyrie_command(args, root: Path, optimizer: str) -> tuple[list[str], Path, di
     )
 
 
+def startup_cpu(sampler: GpuSampler, t0: float, t1: float, every_s: float = 2.0) -> list:
+    """How busy the machine's cores were from launch to the first step: [seconds after launch, busy fraction of all
+    cores] every ~`every_s` (from /proc/stat, which the GPU sampler reads every half second)."""
+    c = [(t, v) for t, v in sampler.cpu if v and t0 - 1 <= t <= t1 + 1]
+    out, last = [], None
+    for t, v in c:
+        if last is None:
+            last = (t, v)
+        elif t - last[0] >= every_s:
+            busy = (v[0] - last[1][0]) / max(1, v[1] - last[1][1])
+            out.append([round(t - t0, 1), round(busy, 2)])
+            last = (t, v)
+    return out
+
+
 def cmd_eyrie(args, optimizer: str | None = None) -> dict:
     optimizer = optimizer or args.optimizer
     root = Path(args.root)
@@ -216,6 +231,7 @@ def cmd_eyrie(args, optimizer: str | None = None) -> dict:
         out["resolved"] = f"could not resolve: {err}"
     if steps:
         out["first_step_s"] = round(steps[0][0] - t_start, 1)
+        out["startup_cpu_busy"] = startup_cpu(sampler, t_start, steps[0][0])
     win = [s for s in steps if window_start is not None and s[0] >= window_start]
     if len(win) >= 2:
         (t0, s0, _), (t1, s1, _) = win[0], win[-1]

@@ -13,7 +13,8 @@ bfloat16 copies of the float32 weights made once a step (float32 master weights,
 Each lives in a module of eyrie/stages/train/patches/ behind a switch in patches/switches.py (GPU_FEED, ...), which
 benchmarks/train_throughput.py turns off (`--off NAME`) to measure it. Start-up switches, off by default (`--on
 NAME`): DEFERRED_MASK_COMPILE (the first step builds the block mask eagerly, a background thread compiles its
-builder), ONE_KV_LENGTH, WARM_COMPILE_WORKERS (docs/stages/train.md, Start-up).
+builder), ONE_KV_LENGTH, WARM_COMPILE_WORKERS, EAGER_ROTARY and ONE_POINTWISE_CONFIG (patches/startup.py;
+docs/stages/train.md, Start-up).
 torch.compile's cache goes beside the run's checkpoints, so a retry or resume finds its kernels compiled. Every save
 keeps the whole checkpoint it overwrites until the new one is whole (eyrie/stages/train/checkpoints.py).
 """

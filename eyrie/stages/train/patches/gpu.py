@@ -83,6 +83,14 @@ def _gpu_speedups() -> None:
         _bf16_working_weights()
     if switches.DEFERRED_MASK_COMPILE:
         _block_mask_compiled_after_the_first_step()
+    if switches.EAGER_ROTARY:
+        from eyrie.stages.train.patches.startup import _rotary_tables_eager
+
+        _rotary_tables_eager()
+    if switches.ONE_POINTWISE_CONFIG:
+        from eyrie.stages.train.patches.startup import _one_pointwise_config
+
+        _one_pointwise_config()
     if switches.ONE_KV_LENGTH:  # last: it wraps the forward and mask builder the patches above put in place
         from eyrie.stages.train.patches.one_kv_length import _one_kv_length
 

@@ -13,15 +13,26 @@ CLIP_IN_ADAMW = True
 BF16_WEIGHTS = True  # forward and backward on bfloat16 copies of the float32 weights, made once a step
 FP8_ON_GPU = True  # with GPU_FEED: fp8 hidden-state files reach the GPU as fp8 and are decoded there (gpu_decode.py)
 FEED_AHEAD = 2  # batches on the GPU, or being copied there, ahead of the step that takes them
+# The start-up switches, off by default: with all four of DEFERRED_MASK_COMPILE, ONE_KV_LENGTH, EAGER_ROTARY and
+# ONE_POINTWISE_CONFIG on, the first step from a cold compile cache on one H200 at Kimi-K2.5 width came 56.5, 58.6 and
+# 66.7 s after launch (bf16, fp8, bf16; 0.926-0.928 of the bare step), so under 60 s is not reliably met, the one bar
+# for turning a start-up change on (docs/stages/train.md, Start-up, which has each one's measurements).
 # the block mask built eagerly until a background thread has compiled its builder (patches/compile.py), FX tracing
-# made per-thread so that thread cannot race the training thread (no crash in 4 cold runs on an H200). Off: the first
-# step is still over 60 s cold with it (65-70 s with ONE_KV_LENGTH), the one bar for turning a start-up change on
-# (docs/stages/train.md, Start-up); tokens/s unchanged with it alone (33,552 vs 33,331, an earlier call)
+# made per-thread so that thread cannot race the training thread (no crash in 7 cold runs on an H200); tokens/s
+# unchanged with it alone (33,552 vs 33,331, an earlier call)
 DEFERRED_MASK_COMPILE = False
-# every TTT step's attention at one padded key length, one compile for all (one_kv_length.py): off, it costs about
-# 2.5% tokens/s (0.944-0.953 of the bare step against the stock 0.969), which a run of more than ~15 minutes pays back
-# more than the ~20 s of start-up it saves
+# every TTT step's attention at one padded key length, one compile for all (one_kv_length.py): about 20 s of the cold
+# start, for 2.5-3% of tokens/s (0.932-0.953 of the bare step against 0.963-0.969 without it), which a run of more
+# than ~15 minutes pays back in GPU time
 ONE_KV_LENGTH = False
 # Inductor's compile workers started before the heavy imports instead of at the first compiled frame (compile.py):
 # off, no gain measured (first step 68.8 / 70.2 s with it, 67.7 s without, fp8, same machine)
 WARM_COMPILE_WORKERS = False
+# the rotary embedding's cos/sin tables made eagerly, no frame compiled for them (startup.py): that frame was 3.0-4.9 s
+# of a cold first step's compiling, for a table of microseconds a step
+EAGER_ROTARY = False
+# Inductor compiles one launch config per pointwise Triton kernel (its untuned heuristic) instead of autotuning 2-6,
+# each compiled and timed at the first launch (startup.py). With EAGER_ROTARY, on top of the two above: compiling
+# 31.5 s against 41.6 s and the first step 56.5 s against 63.9 s in the same call; 0.926-0.928 of the bare step
+# against 0.932 (another call)
+ONE_POINTWISE_CONFIG = False

@@ -1,0 +1,46 @@
+"""Less to compile before the first step: the rotary tables made eagerly, one launch config per pointwise kernel.
+
+speculators' EAGLE-3 forward breaks its graph inside the TTT loop, so Dynamo runs the loop itself in Python and
+compiles each module the loop calls as a frame of its own, one after another, each waiting for its Triton kernels
+before it runs. From a cold compile cache on an H200 at Kimi-K2.5 width two costs stood out in those frames:
+
+- the rotary embedding's frame (transformers' `dynamic_rope_update` `wrapper`): 3.0-4.9 s to compile a kernel that
+  makes a [4096, 64] cos/sin table, three times a step, without gradients. Eager it is a few microsecond kernels.
+- Inductor autotunes a pointwise kernel over 2 launch configs (1-D) or 6 (2-D tiles, the transposes around
+  attention), compiling every one and timing them on the first launch; the rotary kernel's 6 configs were most of
+  its compile. Pointwise kernels are memory-bound and their first config is the heuristic Inductor picks when it
+  does not tune (`triton.autotune_pointwise = False`), so one config is compiled and none is timed. Reductions and
+  the flex-attention templates are tuned as before.
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+def _rotary_tables_eager() -> None:
+    """The drafter's rotary embedding runs eagerly (torch.compiler.disable on the instance's forward, set when a
+    drafter is made): no frame compiled for it. Same tables, up to the rounding of eager against Triton's cos/sin."""
+    import torch
+    from speculators.models.eagle3 import core
+
+    init = core.Eagle3DraftModel.__init__
+    if getattr(init, "_eyrie_rotary_eager", False):
+        return
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        rotary = getattr(self, "rotary_emb", None)
+        if isinstance(rotary, torch.nn.Module):
+            rotary.forward = torch.compiler.disable(rotary.forward)
+
+    __init__._eyrie_rotary_eager = True  # type: ignore[attr-defined]
+    core.Eagle3DraftModel.__init__ = __init__  # type: ignore[method-assign]
+
+
+def _one_pointwise_config() -> None:
+    """Inductor compiles one launch config per pointwise Triton kernel instead of autotuning several."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.triton.autotune_pointwise = False

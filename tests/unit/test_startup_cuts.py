@@ -1,0 +1,105 @@
+"""The start-up cuts of eyrie/stages/train/patches/startup.py: a drafter made after `_rotary_tables_eager` gives
+the same tables, draft tokens, loss and gradients as before, its rotary embedding is run eagerly inside a compiled
+forward (no frame of its own), and `_one_pointwise_config` only turns off Inductor's pointwise autotuning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_drafter import tiny_eagle3
+
+
+@pytest.fixture
+def stock_init(monkeypatch):
+    """speculators' EAGLE-3 __init__ put back after the test."""
+    from speculators.models.eagle3 import core
+
+    monkeypatch.setattr(core.Eagle3DraftModel, "__init__", core.Eagle3DraftModel.__init__)
+    return core
+
+
+def _batch(n: int = 40, ttt_steps: int = 3):
+    from speculators.losses import resolve_loss_config
+
+    g = torch.Generator().manual_seed(5)
+    return dict(
+        hidden_states=torch.randn(1, n, 96, generator=g),
+        input_ids=torch.randint(0, 256, (1, n), generator=g),
+        document_ids=torch.zeros(1, n, dtype=torch.long),
+        loss_mask=torch.ones(1, n, dtype=torch.long),
+        position_ids=torch.arange(n)[None],
+        verifier_last_hidden_states=torch.randn(1, n, 32, generator=g),
+        ttt_steps=ttt_steps,
+        loss_config=resolve_loss_config("kl_div", "eager"),
+    )
+
+
+def _step(model, batch):
+    model.zero_grad()
+    tokens, loss, _ = model(**batch)
+    loss.backward()
+    return tokens, loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def test_eager_rotary_changes_nothing_but_compilation(stock_init):
+    from eyrie.stages.train.patches.startup import _rotary_tables_eager
+
+    stock = tiny_eagle3()
+    batch = _batch()
+    ref = _step(stock, batch)
+    _rotary_tables_eager()
+    _rotary_tables_eager()  # once only
+    patched = tiny_eagle3()
+    assert patched.rotary_emb.forward is not stock.rotary_emb.forward
+    x, pos = torch.randn(1, 40, 64), torch.arange(40)[None]
+    for a, b in zip(stock.rotary_emb(x, pos), patched.rotary_emb(x, pos), strict=True):
+        assert torch.equal(a, b)
+    got = _step(patched, batch)
+    assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0], strict=True))
+    assert torch.equal(ref[1], got[1])
+    assert ref[2].keys() == got[2].keys() and all(torch.equal(ref[2][k], got[2][k]) for k in ref[2])
+    assert patched.state_dict().keys() == stock.state_dict().keys()
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_eager_rotary_runs_outside_the_compiled_forward(stock_init, monkeypatch, eager):
+    """Compiled (a CPU stand-in for speculators' torch.compile on GPUs), the stock forward traces the rotary
+    embedding; with the patch it runs eagerly, never while Dynamo compiles."""
+    from speculators.models.eagle3.model_definitions import model_classes
+
+    from eyrie.stages.train.patches.startup import _rotary_tables_eager
+
+    rotary = model_classes["llama"].rotary_emb_class
+    forward, seen = rotary.forward, []
+
+    def watched(self, *args, **kwargs):
+        seen.append(torch.compiler.is_compiling())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(rotary, "forward", watched)
+    if eager:
+        _rotary_tables_eager()
+    model = tiny_eagle3()
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(type(model).forward, backend="eager")
+        assert compiled(model, **_batch(ttt_steps=1))[1].isfinite()  # one TTT step: less to trace
+    finally:
+        torch._dynamo.reset()
+    if eager:
+        assert seen == [False]  # run eagerly
+    else:
+        assert any(seen)
+
+
+def test_one_pointwise_config_sets_only_that(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    from eyrie.stages.train.patches.startup import _one_pointwise_config
+
+    monkeypatch.setattr(inductor_config.triton, "autotune_pointwise", True)
+    before = {k: v for k, v in inductor_config.get_config_copy().items() if k != "triton.autotune_pointwise"}
+    _one_pointwise_config()
+    assert inductor_config.triton.autotune_pointwise is False
+    after = {k: v for k, v in inductor_config.get_config_copy().items() if k != "triton.autotune_pointwise"}
+    assert after == before
