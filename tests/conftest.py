@@ -44,8 +44,8 @@ TEST_ENV = {
     "HF_HUB_OFFLINE": "1",
     # vLLM's offline engine in its caller's process (tests/engine_capture.py sets it too). `vllm serve` in vLLM 0.32
     # starts its engine core in a process of its own whatever this says (AsyncLLM always takes the multiprocess
-    # client); VLLM_SERVER_ARGS' `uni` backend keeps the worker in that process: two interpreters importing torch and
-    # vLLM per server start instead of three. The demo and production keep vLLM's defaults.
+    # client); VLLM_SERVER_ARGS' `uni` backend keeps the worker in that process: two processes per server start
+    # instead of three (the engine core forked, below). The demo and production keep vLLM's defaults.
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     # One thread per process, placed by the kernel. vLLM's CPU build binds each server's OpenMP threads to core 0
     # (`auto` keeps the last core for its front end), so every server of both xdist workers (three at once in the
@@ -53,6 +53,10 @@ TEST_ENV = {
     # them. Two server-kill tests at once: 135 and 143 s with vLLM's binding, 98 and 103 s so (benchmarks/RESULTS.md).
     "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    # With those two settings a server's engine core is forked from its API server (eyrie/vllm/plugin/fork.py), as
+    # vLLM does on GPU nodes, instead of a second interpreter importing torch and vLLM again: a tiny target's server
+    # start took 43 s of CPU against 80 s (benchmarks/RESULTS.md).
+    "EYRIE_CPU_ENGINE_FORK": "1",
     # Re-runs go through the flow, whose log the tests read (Prefect's Cached states, the servers reused); the
     # "nothing to do" fast path of `eyrie run` (flows/finished.py) is tested where it is named.
     "EYRIE_ALWAYS_FLOW": "1",

@@ -15,6 +15,9 @@ SKIP_HIDDEN_STATES = "eyrie_skip_hidden_states"
 # Test-only: comma-separated vLLM class names whose EAGLE-3 interface is hidden, in preflight and in every vLLM
 # process, to reproduce vLLMs whose classes lack it (DeepseekV3 and Kimi-K2.5 before 0.18) on the installed one.
 HIDE_EAGLE3 = "EYRIE_TEST_HIDE_EAGLE3"
+# Set to 1: on vLLM's CPU platform the engine core is forked from the API server, as vLLM does on GPUs, instead of
+# spawned (eyrie/vllm/plugin/fork.py).
+CPU_ENGINE_FORK = "EYRIE_CPU_ENGINE_FORK"
 
 
 def hidden_eagle3_classes() -> set[str]:
@@ -49,6 +52,10 @@ def register() -> None:
     hidden = hidden_eagle3_classes()
     if hidden:
         _hide_eagle3(hidden)
+    if os.environ.get(CPU_ENGINE_FORK) == "1":
+        from eyrie.vllm.plugin.fork import fork_cpu_engine
+
+        fork_cpu_engine()
     if os.environ.get("EYRIE_EAGLE3_COMPAT", "1") != "0":
         from eyrie.vllm.plugin.compat import install
 
