@@ -14,9 +14,9 @@ BF16_WEIGHTS = True  # forward and backward on bfloat16 copies of the float32 we
 FP8_ON_GPU = True  # with GPU_FEED: fp8 hidden-state files reach the GPU as fp8 and are decoded there (gpu_decode.py)
 FEED_AHEAD = 2  # batches on the GPU, or being copied there, ahead of the step that takes them
 # The start-up switches, off by default: with all four of DEFERRED_MASK_COMPILE, ONE_KV_LENGTH, EAGER_ROTARY and
-# ONE_POINTWISE_CONFIG on, the first step from a cold compile cache on one H200 at Kimi-K2.5 width came 56.5, 58.6 and
-# 66.7 s after launch (bf16, fp8, bf16; 0.926-0.928 of the bare step), so under 60 s is not reliably met, the one bar
-# for turning a start-up change on (docs/stages/train.md, Start-up, which has each one's measurements).
+# ONE_POINTWISE_CONFIG on, the first step from a cold compile cache on one H200 at Kimi-K2.5 width came 56.5, 58.6,
+# 66.7 and 61.7 s after launch (bf16, fp8, bf16, bf16; 0.926-0.93 of the bare step), so under 60 s is not reliably
+# met, the one bar for turning a start-up change on (docs/stages/train.md, Start-up, has each one's measurements).
 # the block mask built eagerly until a background thread has compiled its builder (patches/compile.py), FX tracing
 # made per-thread so that thread cannot race the training thread (no crash in 7 cold runs on an H200); tokens/s
 # unchanged with it alone (33,552 vs 33,331, an earlier call)
