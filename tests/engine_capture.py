@@ -24,7 +24,6 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -43,42 +42,6 @@ def _flush(llm, path: str, timeout_s: float = 120) -> None:
     _wait_and_release(path)
 
 
-def _scan_only_plain_namespaces() -> None:
-    """vLLM 0.32's CPU platform rebinds its kernel overrides by scanning the namespace of every module and of every
-    object they hold; llvmlite's `ffi.lib` (imported with numba by Kimi's vision processor) answers `__dict__`
-    with an object of its own, and the scan fails building the engine. Kimi's server does not meet it (its engine
-    core serves), so the scan here runs with such objects out of sight, put back after it."""
-    import vllm.triton_utils.dispatcher as dispatcher
-
-    rebind = dispatcher._rebind_kernels
-
-    def plain(value) -> bool:
-        try:
-            return not hasattr(value, "__dict__") or isinstance(vars(value), Mapping)
-        except TypeError:  # no __dict__ after all
-            return True
-
-    def scan(overrides):
-        hidden_modules = {k: m for k, m in list(sys.modules.items()) if not plain(m)}
-        for k in hidden_modules:
-            del sys.modules[k]
-        hidden = []
-        for module in list(sys.modules.values()):
-            namespace = getattr(module, "__dict__", None) or {}
-            for attr, value in list(namespace.items()):
-                if not plain(value):
-                    hidden.append((namespace, attr, value))
-                    del namespace[attr]
-        try:
-            rebind(overrides)
-        finally:
-            for namespace, attr, value in hidden:
-                namespace[attr] = value
-            sys.modules.update(hidden_modules)
-
-    dispatcher._rebind_kernels = scan
-
-
 def main(jobs_path: str, results_path: str) -> int:
     from vllm import LLM, SamplingParams
     from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
@@ -86,8 +49,10 @@ def main(jobs_path: str, results_path: str) -> int:
     from vllm.inputs import TokensPrompt
 
     from eyrie.stages.preflight.installed_vllm import parse_server_arguments
+    from eyrie.vllm.plugin.fork import scan_only_plain_namespaces
 
-    _scan_only_plain_namespaces()
+    # Kimi's vision processor imports numba, whose llvmlite objects vLLM 0.32's kernel scan cannot read.
+    scan_only_plain_namespaces()
 
     with open(jobs_path) as f:
         jobs = json.load(f)

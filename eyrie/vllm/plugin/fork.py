@@ -6,11 +6,19 @@ for the OpenMP settings it gives each process. A spawned engine core is a second
 transformers and vLLM again: a tiny target's server took 81 s to ready with it and 44 s forked, on an idle 2-core
 machine (benchmarks/RESULTS.md). The tests run vLLM with one OpenMP thread per process and no binding
 (`OMP_NUM_THREADS=1`, `VLLM_CPU_OMP_THREADS_BIND=nobind`), where the API server has no OpenMP pool for a fork to lose.
+
+A forked process also holds every module its parent imported, and vLLM 0.32's CPU platform rebinds its kernel
+overrides by scanning every module's namespace and every object in it: llvmlite's `ffi.lib` (imported with numba
+by Kimi-K2.5's vision processor) answers `__dict__` with an object of its own, and the scan raises in the engine
+(a spawned one had not imported numba yet). `scan_only_plain_namespaces` runs that scan with such objects out of
+sight, then puts them back; tests/engine_capture.py, which builds Kimi's engine in its own process, uses it too.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -18,6 +26,7 @@ def fork_cpu_engine() -> None:
     """Put `fork` back after the CPU platform's `check_and_update_config` set `spawn` (idempotent)."""
     from vllm.platforms import cpu
 
+    scan_only_plain_namespaces()
     platform: Any = cpu.CpuPlatform
     if getattr(platform.check_and_update_config, "_eyrie_forks", False):
         return
@@ -29,3 +38,40 @@ def fork_cpu_engine() -> None:
 
     check_and_update_config._eyrie_forks = True  # type: ignore[attr-defined]
     platform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def scan_only_plain_namespaces() -> None:
+    """vLLM's kernel-override scan (`vllm.triton_utils.dispatcher._rebind_kernels`) with the modules and module
+    attributes whose `__dict__` is not a mapping hidden for its length (idempotent)."""
+    import vllm.triton_utils.dispatcher as dispatcher
+
+    rebind = dispatcher._rebind_kernels
+    if getattr(rebind, "_eyrie_plain", False):
+        return
+
+    def plain(value) -> bool:
+        try:
+            return not hasattr(value, "__dict__") or isinstance(vars(value), Mapping)
+        except TypeError:  # no __dict__ after all
+            return True
+
+    def scan(overrides):
+        hidden_modules = {k: m for k, m in list(sys.modules.items()) if not plain(m)}
+        for k in hidden_modules:
+            del sys.modules[k]
+        hidden = []
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None) or {}
+            for attr, value in list(namespace.items()):
+                if not plain(value):
+                    hidden.append((namespace, attr, value))
+                    del namespace[attr]
+        try:
+            rebind(overrides)
+        finally:
+            for namespace, attr, value in hidden:
+                namespace[attr] = value
+            sys.modules.update(hidden_modules)
+
+    scan._eyrie_plain = True  # type: ignore[attr-defined]
+    dispatcher._rebind_kernels = scan
