@@ -55,7 +55,7 @@ TEST_ENV = {
     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
     # With those two settings a server's engine core is forked from its API server (eyrie/vllm/plugin/fork.py), as
     # vLLM does on GPU nodes, instead of a second interpreter importing torch and vLLM again: a tiny target's server
-    # start took 43 s of CPU against 80 s (benchmarks/RESULTS.md).
+    # ready in 44 s against 81 s, 47 s of CPU against 85 s (benchmarks/RESULTS.md, Server start-up).
     "EYRIE_CPU_ENGINE_FORK": "1",
     # Re-runs go through the flow, whose log the tests read (Prefect's Cached states, the servers reused); the
     # "nothing to do" fast path of `eyrie run` (flows/finished.py) is tested where it is named.

@@ -1,12 +1,16 @@
-"""EYRIE_CPU_ENGINE_FORK: the CPU platform's `spawn` is put back to `fork` after its config check, once."""
+"""EYRIE_CPU_ENGINE_FORK: the CPU platform's `spawn` is put back to `fork` after its config check, once; and vLLM's
+kernel scan, which a forked process runs over its parent's modules, sees no namespace that is not a mapping."""
 
 from __future__ import annotations
 
 import os
+import sys
+import types
 
+import vllm.triton_utils.dispatcher as dispatcher
 from vllm.platforms import cpu
 
-from eyrie.vllm.plugin.fork import fork_cpu_engine
+from eyrie.vllm.plugin.fork import fork_cpu_engine, scan_only_plain_namespaces
 
 
 def test_the_engine_core_is_forked_after_the_cpu_platform_chose_spawn(monkeypatch):
@@ -17,9 +21,42 @@ def test_the_engine_core_is_forked_after_the_cpu_platform_chose_spawn(monkeypatc
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
     monkeypatch.setattr(cpu.CpuPlatform, "check_and_update_config", classmethod(like_vllm))
+    monkeypatch.setattr(dispatcher, "_rebind_kernels", dispatcher._rebind_kernels)  # put back after the test
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
     fork_cpu_engine()
     fork_cpu_engine()  # vLLM may load its plugins more than once in a process: one wrapper, not two
     cpu.CpuPlatform.check_and_update_config("config")
     assert calls == ["config"]  # the platform's own checks still run, once
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+    assert getattr(dispatcher._rebind_kernels, "_eyrie_plain", False)
+
+
+class _OddNamespace:
+    """Like llvmlite's `ffi.lib`: `__dict__` answers with an object that is not a mapping."""
+
+    @property
+    def __dict__(self):  # type: ignore[override]
+        return object()
+
+
+def test_the_kernel_scan_runs_with_odd_namespaces_hidden_and_puts_them_back(monkeypatch):
+    seen = []
+
+    def like_vllm(overrides):  # vLLM's _rebind_kernels: `vars(value).get(...)` on every module attribute
+        for module in list(sys.modules.values()):
+            for value in list((getattr(module, "__dict__", None) or {}).values()):
+                if hasattr(value, "__dict__"):
+                    vars(value).get("kernel")
+        seen.append(overrides)
+
+    odd_module = _OddNamespace()
+    holder = types.ModuleType("eyrie_test_holder")
+    holder.lib = _OddNamespace()
+    monkeypatch.setitem(sys.modules, "eyrie_test_odd", odd_module)
+    monkeypatch.setitem(sys.modules, "eyrie_test_holder", holder)
+    monkeypatch.setattr(dispatcher, "_rebind_kernels", like_vllm)
+    scan_only_plain_namespaces()
+    scan_only_plain_namespaces()  # idempotent
+    dispatcher._rebind_kernels(["overrides"])
+    assert seen == [["overrides"]]
+    assert sys.modules["eyrie_test_odd"] is odd_module and isinstance(holder.lib, _OddNamespace)
