@@ -10,7 +10,7 @@ import types
 import vllm.triton_utils.dispatcher as dispatcher
 from vllm.platforms import cpu
 
-from eyrie.vllm.plugin.fork import fork_cpu_engine, scan_only_plain_namespaces
+from eyrie.vllm.plugin.fork import fork_cpu_engine, preloads_not_mapped, scan_only_plain_namespaces
 
 
 def test_the_engine_core_is_forked_after_the_cpu_platform_chose_spawn(monkeypatch):
@@ -60,3 +60,37 @@ def test_the_kernel_scan_runs_with_odd_namespaces_hidden_and_puts_them_back(monk
     dispatcher._rebind_kernels(["overrides"])
     assert seen == [["overrides"]]
     assert sys.modules["eyrie_test_odd"] is odd_module and isinstance(holder.lib, _OddNamespace)
+
+
+def test_the_engine_core_is_spawned_when_a_fork_would_lack_what_vllm_preloads(monkeypatch, tmp_path, caplog):
+    """vLLM's CPU platform preloads its OpenMP runtime (and tcmalloc) into a spawned engine core through LD_PRELOAD;
+    a fork has only what its parent loaded, so a library the API server has not loaded keeps vLLM's spawn."""
+    absent = str(tmp_path / "libgomp-not-loaded.so.1")
+
+    def like_vllm(cls, vllm_config):
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        os.environ["LD_PRELOAD"] = absent
+
+    monkeypatch.setattr(cpu.CpuPlatform, "check_and_update_config", classmethod(like_vllm))
+    monkeypatch.setattr(dispatcher, "_rebind_kernels", dispatcher._rebind_kernels)
+    monkeypatch.setenv("LD_PRELOAD", "")
+    fork_cpu_engine()
+    cpu.CpuPlatform.check_and_update_config("config")
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert absent in caplog.text
+
+
+def test_preloads_are_checked_against_the_libraries_this_process_mapped(tmp_path):
+    lib = tmp_path / "libfoo.so.1"
+    lib.write_bytes(b"")
+    link = tmp_path / "libfoo.so"
+    link.symlink_to(lib)  # a preload may name a link to what is mapped
+    maps = tmp_path / "maps"
+    maps.write_text(
+        f"7f00-7f01 r-xp 00000000 08:01 42   {lib}\n7f02-7f03 rw-p 00000000 00:00 0 \n7f04-7f05 r--p 0 08:01 7 [heap]\n"
+    )
+    other = str(tmp_path / "libbar.so")
+    assert preloads_not_mapped(f"{link}:{other}", maps) == [other]
+    assert preloads_not_mapped(f" {lib} ", maps) == []
+    assert preloads_not_mapped("", maps) == []
+    assert preloads_not_mapped(other, tmp_path / "no-proc") == [other]  # nothing to check: nothing vouched for

@@ -12,14 +12,22 @@ overrides by scanning every module's namespace and every object in it: llvmlite'
 by Kimi-K2.5's vision processor) answers `__dict__` with an object of its own, and the scan raises in the engine
 (a spawned one had not imported numba yet). `scan_only_plain_namespaces` runs that scan with such objects out of
 sight, then puts them back; tests/engine_capture.py, which builds Kimi's engine in its own process, uses it too.
+
+The CPU platform also sets LD_PRELOAD (torch's libgomp, and the tcmalloc vLLM bundles where it does) for the engine
+core it spawns; exec reads it, a fork does not. So the fork is taken only when this process has already mapped every
+library named there, and otherwise vLLM's spawn stays, with a warning that says which library was missing.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def fork_cpu_engine() -> None:
@@ -34,10 +42,29 @@ def fork_cpu_engine() -> None:
 
     def check_and_update_config(cls, vllm_config) -> None:
         original(cls, vllm_config)
+        missing = preloads_not_mapped(os.environ.get("LD_PRELOAD", ""))
+        if missing:  # a fork would run without them: keep vLLM's spawn
+            logger.warning("engine core spawned, not forked: this process has not loaded %s", ", ".join(missing))
+            return
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
 
     check_and_update_config._eyrie_forks = True  # type: ignore[attr-defined]
     platform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def preloads_not_mapped(ld_preload: str, maps: Path = Path("/proc/self/maps")) -> list[str]:
+    """The libraries of `ld_preload` this process has not loaded. vLLM's CPU platform preloads torch's OpenMP
+    runtime and its own tcmalloc into the engine core it spawns (through LD_PRELOAD, read at exec); a forked engine
+    core has only what its parent loaded, so it forks only when that includes them."""
+    try:
+        loaded = {
+            os.path.realpath(line.split(maxsplit=5)[5])
+            for line in maps.read_text().splitlines()
+            if len(line.split(maxsplit=5)) == 6
+        }
+    except OSError:  # no /proc: nothing can be checked, so nothing is vouched for
+        return [lib for lib in ld_preload.replace(":", " ").split() if lib]
+    return [lib for lib in ld_preload.replace(":", " ").split() if lib and os.path.realpath(lib) not in loaded]
 
 
 def scan_only_plain_namespaces() -> None:
