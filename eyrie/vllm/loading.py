@@ -74,4 +74,22 @@ def load_warnings(
                     f"vLLM's compile cache ({root}) is not writable here: every start compiles again; set "
                     "VLLM_CACHE_ROOT to a writable folder on the node's local disk"
                 )
-    return warnings
+    return warnings + bytecode_warnings({**env, **server_env})
+
+
+def bytecode_warnings(env: dict[str, str], package: str = "vllm") -> list[str]:
+    """Where the server's Python may not write bytecode (PYTHONDONTWRITEBYTECODE) and the install wrote none (uv
+    installs without .pyc unless asked), every vLLM process compiles vLLM's ~9,000 modules from source again: about
+    40 s of CPU at each start on a 2-core machine, in the server's API process, its engine core and each worker."""
+    import importlib.util
+
+    if not env.get("PYTHONDONTWRITEBYTECODE"):
+        return []
+    spec = importlib.util.find_spec(package)  # the package's location; nothing of it is run
+    if spec is None or spec.origin is None or Path(importlib.util.cache_from_source(spec.origin)).exists():
+        return []
+    return [
+        f"PYTHONDONTWRITEBYTECODE is set and {package} was installed without bytecode ({Path(spec.origin).parent} "
+        "has no __pycache__): every vLLM process compiles its modules again at start; unset the variable for "
+        "Eyrie, or install with compiled bytecode (`uv pip install --compile-bytecode`, or pip, which compiles)"
+    ]
