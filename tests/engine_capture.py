@@ -5,8 +5,9 @@ arguments, one target after the other (tests/integration/test_extraction_correct
 A server start on two cores costs two interpreters importing torch and vLLM (its API server and its engine core,
 45-100 s in the suite); here the imports are paid once and each further target costs its engine's build (4-9 s).
 The engine is the one a server runs: the same arguments (parsed by the installed vLLM's `vllm serve` parser), the
-same model runner, Eyrie's plugin (connector and compatibility layer) loaded by vLLM itself. What a server adds, its
-HTTP front end, is the same for every target: the test keeps one target on a real server.
+same model runner, Eyrie's plugin (connector and compatibility layer) loaded by vLLM itself; only vLLM's inspection
+of each model class runs here rather than in a subprocess of its own. What a server adds, its HTTP front end, is
+the same for every target: the test keeps one target on a real server.
 
     python tests/engine_capture.py JOBS.json RESULTS.jsonl
 
@@ -47,12 +48,17 @@ def main(jobs_path: str, results_path: str) -> int:
     from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
     from vllm.engine.arg_utils import EngineArgs
     from vllm.inputs import TokensPrompt
+    from vllm.model_executor.models import registry
 
     from eyrie.stages.preflight.installed_vllm import parse_server_arguments
     from eyrie.vllm.plugin.fork import scan_only_plain_namespaces
 
     # Kimi's vision processor imports numba, whose llvmlite objects vLLM 0.32's kernel scan cannot read.
     scan_only_plain_namespaces()
+    # vLLM inspects a model class it has not cached (VLLM_CACHE_ROOT/modelinfos) in a subprocess, to keep CUDA out
+    # of the caller: another interpreter importing vLLM, 15-20 s per architecture on a fresh clone's empty cache.
+    # This process is CPU-only and imports each class to build its engine anyway, so it inspects them itself.
+    registry._run_in_subprocess = lambda inspect: inspect()
 
     with open(jobs_path) as f:
         jobs = json.load(f)

@@ -472,10 +472,10 @@ def _whole(path: Path) -> str:
 
 def classify(rel: Path) -> str | None:
     """Which identity a file of a model folder belongs to: target, generation_config, tokenizer, or None
-    (documentation, hidden files)."""
+    (documentation, hidden files, bytecode)."""
     name = rel.name.lower()
-    if any(p.startswith(".") for p in rel.parts):
-        return None
+    if any(p.startswith(".") or p == "__pycache__" for p in rel.parts) or name.endswith((".pyc", ".pyo")):
+        return None  # hidden files, and bytecode Python compiled from the folder's own code (counted as source)
     if name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json") or name == MODEL_CONFIG or name.endswith(".py"):
         return "target"  # the weights, the model's config, its own code
     if name == GENERATION_CONFIG:

@@ -228,6 +228,11 @@ def test_each_input_file_changes_exactly_the_keys_that_read_it(world):
     assert all_keys(config, drafter) == before  # restored
     (target / "README.md").write_text("a model card edit")  # documentation shapes nothing
     assert all_keys(config, drafter) == before
+    # nor does bytecode Python compiles from the folder's own code (the code itself is the target's identity)
+    (target / "__pycache__").mkdir()
+    (target / "__pycache__" / "modeling_tiny.cpython-311.pyc").write_bytes(b"\x00compiled")
+    (target / "configuration_tiny.pyc").write_bytes(b"\x00compiled")
+    assert all_keys(config, drafter) == before
 
 
 def test_scheduling_flags_are_not_outputs():

@@ -76,7 +76,7 @@ IMAGE = REPO / "infra" / "Dockerfile.gpu-worker"
 NAMING_FILES = [
     REPO / "README.md",
     *sorted(p for p in (REPO / "infra").iterdir() if p.is_file()),
-    *sorted((REPO / "deployments").iterdir()),
+    *sorted(p for p in (REPO / "deployments").iterdir() if p.is_file()),  # not its __pycache__
     *sorted((REPO / "flows").glob("*.py")),
     REPO / "tests" / "e2e" / "test_production.py",
 ]
