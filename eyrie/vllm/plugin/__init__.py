@@ -56,6 +56,9 @@ def register() -> None:
         from eyrie.vllm.plugin.fork import fork_cpu_engine
 
         fork_cpu_engine()
+    from eyrie.vllm.plugin.model_inspection import inspect_models_in_process
+
+    inspect_models_in_process()
     if os.environ.get("EYRIE_EAGLE3_COMPAT", "1") != "0":
         from eyrie.vllm.plugin.compat import install
 
