@@ -48,17 +48,16 @@ def main(jobs_path: str, results_path: str) -> int:
     from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
     from vllm.engine.arg_utils import EngineArgs
     from vllm.inputs import TokensPrompt
-    from vllm.model_executor.models import registry
 
     from eyrie.stages.preflight.installed_vllm import parse_server_arguments
     from eyrie.vllm.plugin.fork import scan_only_plain_namespaces
+    from eyrie.vllm.plugin.model_inspection import inspect_models_in_process
 
     # Kimi's vision processor imports numba, whose llvmlite objects vLLM 0.32's kernel scan cannot read.
     scan_only_plain_namespaces()
-    # vLLM inspects a model class it has not cached (VLLM_CACHE_ROOT/modelinfos) in a subprocess, to keep CUDA out
-    # of the caller: another interpreter importing vLLM, 15-20 s per architecture on a fresh clone's empty cache.
-    # This process is CPU-only and imports each class to build its engine anyway, so it inspects them itself.
-    registry._run_in_subprocess = lambda inspect: inspect()
+    # vLLM's inspection of each uncached model class here, not in a subprocess importing vLLM again (15-20 s per
+    # architecture on a fresh clone): what the plugin does in every CPU server.
+    inspect_models_in_process()
 
     with open(jobs_path) as f:
         jobs = json.load(f)
