@@ -5,9 +5,9 @@ arguments, one target after the other (tests/integration/test_extraction_correct
 A server start on two cores costs two interpreters importing torch and vLLM (its API server and its engine core,
 45-100 s in the suite); here the imports are paid once and each further target costs its engine's build (4-9 s).
 The engine is the one a server runs: the same arguments (parsed by the installed vLLM's `vllm serve` parser), the
-same model runner, Eyrie's plugin (connector and compatibility layer) loaded by vLLM itself; only vLLM's inspection
-of each model class runs here rather than in a subprocess of its own. What a server adds, its HTTP front end, is
-the same for every target: the test keeps one target on a real server.
+same model runner, Eyrie's plugin (connector, compatibility layer, the CPU platform's in-process model inspection)
+loaded by vLLM itself. What a server adds, its HTTP front end, is the same for every target: the test keeps one
+target on a real server.
 
     python tests/engine_capture.py JOBS.json RESULTS.jsonl
 
@@ -51,13 +51,9 @@ def main(jobs_path: str, results_path: str) -> int:
 
     from eyrie.stages.preflight.installed_vllm import parse_server_arguments
     from eyrie.vllm.plugin.fork import scan_only_plain_namespaces
-    from eyrie.vllm.plugin.model_inspection import inspect_models_in_process
 
     # Kimi's vision processor imports numba, whose llvmlite objects vLLM 0.32's kernel scan cannot read.
     scan_only_plain_namespaces()
-    # vLLM's inspection of each uncached model class here, not in a subprocess importing vLLM again (15-20 s per
-    # architecture on a fresh clone): what the plugin does in every CPU server.
-    inspect_models_in_process()
 
     with open(jobs_path) as f:
         jobs = json.load(f)

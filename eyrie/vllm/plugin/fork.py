@@ -56,15 +56,13 @@ def preloads_not_mapped(ld_preload: str, maps: Path = Path("/proc/self/maps")) -
     """The libraries of `ld_preload` this process has not loaded. vLLM's CPU platform preloads torch's OpenMP
     runtime and its own tcmalloc into the engine core it spawns (through LD_PRELOAD, read at exec); a forked engine
     core has only what its parent loaded, so it forks only when that includes them."""
-    try:
-        loaded = {
-            os.path.realpath(line.split(maxsplit=5)[5])
-            for line in maps.read_text().splitlines()
-            if len(line.split(maxsplit=5)) == 6
-        }
+    libs = ld_preload.replace(":", " ").split()
+    try:  # a mapping's line: address, perms, offset, device, inode, then the file's path (if any)
+        fields = [line.split(maxsplit=5) for line in maps.read_text().splitlines()]
     except OSError:  # no /proc: nothing can be checked, so nothing is vouched for
-        return [lib for lib in ld_preload.replace(":", " ").split() if lib]
-    return [lib for lib in ld_preload.replace(":", " ").split() if lib and os.path.realpath(lib) not in loaded]
+        return libs
+    loaded = {os.path.realpath(f[5]) for f in fields if len(f) == 6}
+    return [lib for lib in libs if os.path.realpath(lib) not in loaded]
 
 
 def scan_only_plain_namespaces() -> None:
