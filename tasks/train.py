@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextvars
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,13 +23,21 @@ __all__ = [
 ]  # TrainingData: flows build jobs from it
 
 
-def _watch_progress(save_path: Path, total_epochs: int, stop: threading.Event) -> None:
-    """Move the UI's progress bar as speculators writes epoch checkpoints."""
-    artifact = create_progress_artifact(0.0, description="train: epochs checkpointed")
-    while not stop.wait(10):
-        last = newest_whole_checkpoint(save_path)
-        if last is not None:
-            update_progress_artifact(artifact, min(100.0, 100.0 * (int(last.name) + 1) / total_epochs))
+def watch_progress(save_path: Path, total_epochs: int, every_s: float = 10) -> threading.Event:
+    """Move the UI's progress bar as speculators writes epoch checkpoints, from a thread, until the returned event
+    is set. The thread runs in a copy of the caller's context: the bar then belongs to the caller's task run (a bare
+    thread has no run context, and Prefect deprecates an artifact made outside one)."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        artifact = create_progress_artifact(0.0, description="train: epochs checkpointed")
+        while not stop.wait(every_s):
+            last = newest_whole_checkpoint(save_path)
+            if last is not None:
+                update_progress_artifact(artifact, min(100.0, 100.0 * (int(last.name) + 1) / total_epochs))
+
+    threading.Thread(target=contextvars.copy_context().run, args=(watch,), daemon=True).start()
+    return stop
 
 
 @dataclass
@@ -52,13 +61,7 @@ class UntrainedJob:
 @stage_task("train", manifest="{job.out_dir}/manifest.json", argument="job.key", retries=1, retry_delay_seconds=5)
 def train_task(config: PipelineConfig, job: TrainJob) -> dict:
     log = get_run_logger()
-    stop = threading.Event()
-    watcher = threading.Thread(
-        target=_watch_progress,
-        args=(Path(job.out_dir) / job.key / "checkpoints", config.train.epochs, stop),
-        daemon=True,
-    )
-    watcher.start()
+    stop = watch_progress(Path(job.out_dir) / job.key / "checkpoints", config.train.epochs)
     try:
         manifest = run_training(
             config,
