@@ -10,7 +10,7 @@ import types
 import vllm.triton_utils.dispatcher as dispatcher
 from vllm.platforms import cpu
 
-from eyrie.vllm.plugin.fork import fork_cpu_engine, preloads_not_mapped, scan_only_plain_namespaces
+from eyrie.vllm.plugin.fork import fork_cpu_engine, preloads_not_mapped, scan_only_plain_namespaces, spawn_reason
 
 
 def test_the_engine_core_is_forked_after_the_cpu_platform_chose_spawn(monkeypatch):
@@ -23,6 +23,7 @@ def test_the_engine_core_is_forked_after_the_cpu_platform_chose_spawn(monkeypatc
     monkeypatch.setattr(cpu.CpuPlatform, "check_and_update_config", classmethod(like_vllm))
     monkeypatch.setattr(dispatcher, "_rebind_kernels", dispatcher._rebind_kernels)  # put back after the test
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the tests' setting: vLLM binds no threads
     fork_cpu_engine()
     fork_cpu_engine()  # vLLM may load its plugins more than once in a process: one wrapper, not two
     cpu.CpuPlatform.check_and_update_config("config")
@@ -74,10 +75,40 @@ def test_the_engine_core_is_spawned_when_a_fork_would_lack_what_vllm_preloads(mo
     monkeypatch.setattr(cpu.CpuPlatform, "check_and_update_config", classmethod(like_vllm))
     monkeypatch.setattr(dispatcher, "_rebind_kernels", dispatcher._rebind_kernels)
     monkeypatch.setenv("LD_PRELOAD", "")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     fork_cpu_engine()
     cpu.CpuPlatform.check_and_update_config("config")
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
     assert absent in caplog.text
+
+
+def test_the_engine_core_is_spawned_when_vllm_binds_its_threads(monkeypatch, caplog):
+    """With vLLM's binding (`auto`, its default, or a core list) each worker gets its OpenMP thread count and
+    affinity in its environment, read when the process starts: a forked worker would run unbound on the parent's
+    runtime (the demo's servers generated a third more slowly so), so vLLM's spawn stays."""
+
+    def like_vllm(cls, vllm_config):
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+    monkeypatch.setattr(cpu.CpuPlatform, "check_and_update_config", classmethod(like_vllm))
+    monkeypatch.setattr(dispatcher, "_rebind_kernels", dispatcher._rebind_kernels)
+    monkeypatch.setenv("LD_PRELOAD", "")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # vLLM's default: auto
+    fork_cpu_engine()
+    cpu.CpuPlatform.check_and_update_config("config")
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert "VLLM_CPU_OMP_THREADS_BIND=auto" in caplog.text and "nobind" in caplog.text
+
+
+def test_a_fork_is_vouched_for_only_with_every_preload_mapped_and_no_binding(tmp_path):
+    lib = tmp_path / "libgomp.so.1"
+    maps = tmp_path / "maps"
+    maps.write_text(f"7f00-7f01 r-xp 00000000 08:01 42   {lib}\n")
+    assert spawn_reason(str(lib), "nobind", maps) is None
+    assert spawn_reason("", "nobind", maps) is None
+    assert "not loaded" in (spawn_reason(str(tmp_path / "libtcmalloc.so"), "nobind", maps) or "")
+    for binding in ("auto", "0-1", "0|1"):
+        assert f"VLLM_CPU_OMP_THREADS_BIND={binding}" in (spawn_reason(str(lib), binding, maps) or "")
 
 
 def test_preloads_are_checked_against_the_libraries_this_process_mapped(tmp_path):

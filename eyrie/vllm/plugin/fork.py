@@ -16,6 +16,12 @@ sight, then puts them back; tests/engine_capture.py, which builds Kimi's engine 
 The CPU platform also sets LD_PRELOAD (torch's libgomp, and the tcmalloc vLLM bundles where it does) for the engine
 core it spawns; exec reads it, a fork does not. So the fork is taken only when this process has already mapped every
 library named there, and otherwise vLLM's spawn stays, with a warning that says which library was missing.
+
+The same holds for vLLM's thread binding: unless VLLM_CPU_OMP_THREADS_BIND is `nobind`, each worker is started with
+its own OpenMP settings in its environment (OMP_NUM_THREADS and the cores' affinity, vllm/utils/ompmultiprocessing.py),
+which the OpenMP runtime reads when the process starts; a forked worker keeps its parent's runtime and runs unbound,
+with the machine's thread count. That is what made the demo's forked servers generate more slowly (regeneration 22 s
+against 15 s, evaluation 56 s against 40 s, benchmarks/RESULTS.md). So a binding vLLM sets keeps the spawn too.
 """
 
 from __future__ import annotations
@@ -42,14 +48,34 @@ def fork_cpu_engine() -> None:
 
     def check_and_update_config(cls, vllm_config) -> None:
         original(cls, vllm_config)
-        missing = preloads_not_mapped(os.environ.get("LD_PRELOAD", ""))
-        if missing:  # a fork would run without them: keep vLLM's spawn
-            logger.warning("engine core spawned, not forked: this process has not loaded %s", ", ".join(missing))
+        why = spawn_reason(os.environ.get("LD_PRELOAD", ""), thread_binding())
+        if why:  # a fork would run without it: keep vLLM's spawn
+            logger.warning("engine core spawned, not forked (%s=1): %s", "EYRIE_CPU_ENGINE_FORK", why)
             return
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
 
     check_and_update_config._eyrie_forks = True  # type: ignore[attr-defined]
     platform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def thread_binding() -> str:
+    from vllm import envs
+
+    return envs.VLLM_CPU_OMP_THREADS_BIND
+
+
+def spawn_reason(ld_preload: str, binding: str, maps: Path = Path("/proc/self/maps")) -> str | None:
+    """Why a forked engine core (and its workers) would not run as vLLM set them up, or None when it would."""
+    missing = preloads_not_mapped(ld_preload, maps)
+    if missing:
+        return f"this process has not loaded {', '.join(missing)}, which vLLM preloads"
+    if binding != "nobind":
+        return (
+            f"VLLM_CPU_OMP_THREADS_BIND={binding} gives each worker OpenMP settings read when it starts, which a fork "
+            "would lose; fork with VLLM_CPU_OMP_THREADS_BIND=nobind and OMP_NUM_THREADS set, or unset "
+            "EYRIE_CPU_ENGINE_FORK"
+        )
+    return None
 
 
 def preloads_not_mapped(ld_preload: str, maps: Path = Path("/proc/self/maps")) -> list[str]:
