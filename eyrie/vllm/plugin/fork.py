@@ -19,9 +19,9 @@ library named there, and otherwise vLLM's spawn stays, with a warning that says 
 
 The same holds for vLLM's thread binding: unless VLLM_CPU_OMP_THREADS_BIND is `nobind`, each worker is started with
 its own OpenMP settings in its environment (OMP_NUM_THREADS and the cores' affinity, vllm/utils/ompmultiprocessing.py),
-which the OpenMP runtime reads when the process starts; a forked worker keeps its parent's runtime and runs unbound,
-with the machine's thread count. That is what made the demo's forked servers generate more slowly (regeneration 22 s
-against 15 s, evaluation 56 s against 40 s, benchmarks/RESULTS.md). So a binding vLLM sets keeps the spawn too.
+which the OpenMP runtime reads when the process starts; a forked worker keeps its parent's runtime, unbound. That is
+the likely cause (read from vLLM's code, not measured apart) of the demo's forked servers generating more slowly
+(regeneration 22 s against 15 s, evaluation 56 s against 40 s, benchmarks/RESULTS.md). So a binding keeps the spawn.
 """
 
 from __future__ import annotations
