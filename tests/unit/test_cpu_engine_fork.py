@@ -84,8 +84,8 @@ def test_the_engine_core_is_spawned_when_a_fork_would_lack_what_vllm_preloads(mo
 
 def test_the_engine_core_is_spawned_when_vllm_binds_its_threads(monkeypatch, caplog):
     """With vLLM's binding (`auto`, its default, or a core list) each worker gets its OpenMP thread count and
-    affinity in its environment, read when the process starts: a forked worker would run unbound on the parent's
-    runtime (the demo's servers generated a third more slowly so), so vLLM's spawn stays."""
+    affinity in its environment, read when the process starts: a forked worker would keep the parent's runtime,
+    unbound, so vLLM's spawn stays."""
 
     def like_vllm(cls, vllm_config):
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"

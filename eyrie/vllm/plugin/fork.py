@@ -40,6 +40,8 @@ def fork_cpu_engine() -> None:
     """Put `fork` back after the CPU platform's `check_and_update_config` set `spawn` (idempotent)."""
     from vllm.platforms import cpu
 
+    from eyrie.vllm.plugin import CPU_ENGINE_FORK
+
     scan_only_plain_namespaces()
     platform: Any = cpu.CpuPlatform
     if getattr(platform.check_and_update_config, "_eyrie_forks", False):
@@ -50,7 +52,7 @@ def fork_cpu_engine() -> None:
         original(cls, vllm_config)
         why = spawn_reason(os.environ.get("LD_PRELOAD", ""), thread_binding())
         if why:  # a fork would run without it: keep vLLM's spawn
-            logger.warning("engine core spawned, not forked (%s=1): %s", "EYRIE_CPU_ENGINE_FORK", why)
+            logger.warning("engine core spawned, not forked (%s=1): %s", CPU_ENGINE_FORK, why)
             return
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
 
