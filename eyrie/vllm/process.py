@@ -18,6 +18,7 @@ several consecutive failed health probes.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,7 +29,6 @@ from typing import TYPE_CHECKING
 import requests
 
 from eyrie.errors import ExtractionError
-from eyrie.run.environment import child_environment
 from eyrie.run.files import atomic_write_json, private_dir, read_json
 from eyrie.vllm.client import ServerClient
 from eyrie.vllm.phases import phases as start_phases
@@ -46,6 +46,27 @@ STARTUP_POLL_S = 1.0  # how often a starting server is probed
 # States written before start times were recorded: the process must have started within this many seconds of the
 # recorded `started_at` (the same instant, give or take the clock's adjustments since).
 LEGACY_START_TOLERANCE_S = 30.0
+START_MARK = "===== eyrie: starting vLLM at "
+# An exception's own line, behind vLLM's "(Worker pid=N) ERROR 12-03 07:44:49 [file.py:953] " prefix where it has one.
+EXCEPTION_LINE = re.compile(
+    r"^(?:\(\S+ pid=\d+\) )?(?:ERROR \S+ \S+ \[[^\]]*\] )?((?:[A-Za-z_]\w*\.)*\w*(?:Error|Exception): .+)$"
+)
+# What vLLM's API server raises for any engine core that failed: the engine core's own exception is the cause.
+WRAPPERS = ("RuntimeError: Engine core initialization failed",)
+
+
+def start_error(log_text: str) -> str | None:
+    """The exception that ended the last start recorded in a server log: the first raised after Eyrie's start mark
+    that is not vLLM's wrapper of it (the worker's ValueError, not the API server's "Engine core initialization
+    failed"), which a log's last lines, the API server's traceback, usually leave out."""
+    last_start = log_text.rfind(START_MARK)
+    found = None
+    for line in log_text[max(last_start, 0) :].splitlines():
+        m = EXCEPTION_LINE.match(line.strip())
+        if m and not m[1].startswith(WRAPPERS):
+            return m[1]
+        found = found or (m and m[1])
+    return found
 
 
 def _proc_stat(pid: int) -> list[str] | None:
@@ -233,7 +254,7 @@ class VllmServer:
                     )
                 else:
                     log(
-                        f"vLLM server pid {state['pid']} exited while starting; the end of its log "
+                        f"vLLM server pid {state['pid']} exited while starting{self.start_error()}; the end of its log "
                         f"({self.log_path}):\n{self.log_tail()}\nstarting a new one"
                     )
             elif self.healthy(state, headers):
@@ -248,7 +269,7 @@ class VllmServer:
             return ServerClient(self.url(state), key)
         if proc.poll() is not None:
             raise ExtractionError(
-                f"the vLLM server exited with code {proc.returncode} while starting; the "
+                f"the vLLM server exited with code {proc.returncode} while starting{self.start_error()}; the "
                 f"end of its log ({self.log_path}):\n{self.log_tail()}"
             )
         self.stop(log=log)
@@ -268,11 +289,11 @@ class VllmServer:
         port = spec.port or free_port(spec.host)
         # An allow-list, not the flow's environment (no Prefect key, no hub token: eyrie/run/environment.py), then the
         # operator's extraction.server_env over it.
-        env = child_environment(spec.server_env)
+        env = spec.environment()
         if key:
             env["VLLM_API_KEY"] = key  # through the environment: a command line shows in `ps` and in logs
         with open(self.log_path, "ab") as logf:
-            logf.write(f"\n===== eyrie: starting vLLM at {time.strftime('%F %T')} =====\n".encode())
+            logf.write(f"\n{START_MARK}{time.strftime('%F %T')} =====\n".encode())
             logf.flush()
             proc = subprocess.Popen(
                 spec.command(port),
@@ -333,6 +354,14 @@ class VllmServer:
             atomic_write_json(self.state_path, state)
         except OSError:  # advisory (a full disk must not fail a server that runs)
             pass
+
+    def start_error(self) -> str:
+        """`: <the exception that ended the last start>` (see `start_error`), or nothing."""
+        try:
+            found = start_error(self.log_path.read_text(errors="replace"))
+        except OSError:
+            return ""
+        return f": {found}" if found else ""
 
     def log_tail(self, lines: int = 30) -> str:
         try:

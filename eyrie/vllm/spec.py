@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from eyrie.config import is_loopback
 from eyrie.errors import ExtractionError
 from eyrie.hidden_states.encoding import ENV as HIDDEN_STATES_DTYPE_ENV
+from eyrie.run.environment import child_environment
 from eyrie.vllm.plugin import CONNECTOR_NAME
 from eyrie.vllm.plugin.auth import MIDDLEWARE as AUTH_MIDDLEWARE
 
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; the package supports 3.10
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# On vLLM's CPU build a server's KV cache gets this many GiB unless the operator sizes it (see `environment`).
+CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+CPU_KV_CACHE_GIB = "1"
 GENERATION_CACHE_SALT = "eyrie-regenerate"  # see ServerClient.generate
 
 
@@ -189,6 +193,22 @@ class ServerSpec:
             cmd += ["--middleware", AUTH_MIDDLEWARE]
         return cmd + list(self.server_args)
 
+    def environment(self, environ: dict[str, str] | None = None, cpu_build: bool | None = None) -> dict[str, str]:
+        """The server's environment: the allow-listed one (`eyrie.run.environment`) with `server_env` over it.
+
+        On vLLM's CPU build, with no KV-cache size chosen (VLLM_CPU_KVCACHE_SPACE, `--kv-cache-memory-bytes` or
+        `extraction.gpu_memory_utilization`), the KV cache gets CPU_KV_CACHE_GIB GiB. vLLM's own default there is
+        `--gpu-memory-utilization` 0.92 of the machine's memory, which its worker refuses to start without
+        ("Available memory on node 0 (19.0/21.09 GiB) on startup is less than desired CPU memory utilization")
+        wherever the flow, the Prefect server and vLLM's own API server already hold more than 8% of it, and which
+        would leave nothing for a trainer beside an online server. 1 GiB holds 419,328 tokens of the demo's target."""
+        env = child_environment(self.server_env, environ=environ)
+        sized = CPU_KV_CACHE_ENV in env or self.gpu_memory_utilization is not None
+        sized = sized or any(a.split("=")[0] == "--kv-cache-memory-bytes" for a in self.server_args)
+        if not sized and (vllm_cpu_build() if cpu_build is None else cpu_build):
+            env[CPU_KV_CACHE_ENV] = CPU_KV_CACHE_GIB
+        return env
+
     def check_bind(self) -> None:
         """A server listens beyond loopback only with an API key, which then guards every route (`arguments`)."""
         if not is_loopback(self.host) and not self.api_key_env:
@@ -219,6 +239,19 @@ class ServingSpec(ServerSpec):
         super().__post_init__()
         if self.layer_ids is not None or self.storage_path:
             raise ValueError("a serving server captures no hidden states: no layer_ids, no storage_path")
+
+
+def vllm_cpu_build() -> bool:
+    """The installed vLLM is its CPU build: the `vllm-cpu` distribution, or a source build versioned `+cpu`."""
+    from importlib import metadata
+
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            version = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+        return name == "vllm-cpu" or "+cpu" in version
+    return False
 
 
 def free_port(host: str) -> int:

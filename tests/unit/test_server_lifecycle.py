@@ -43,10 +43,18 @@ ap.add_argument("--delay", type=float, default=0.0)
 ap.add_argument("--flaky")
 ap.add_argument("--child", action="store_true")
 ap.add_argument("--vllm-log", action="store_true")  # the lines of vLLM's log that name its start-up's phases
+ap.add_argument("--fail")  # exits 1 as a failed vLLM start does: the worker's error, then the API server's wrapper
 a, _ = ap.parse_known_args()
 if a.child:
     subprocess.Popen(["sleep", "300"])
 time.sleep(a.delay)
+if a.fail:
+    print(f"(Worker pid={os.getpid()}) ERROR 12-03 07:44:49 [multiproc_executor.py:953] {a.fail}")
+    print("Traceback (most recent call last):")
+    for _ in range(40):
+        print('  File "vllm/v1/engine/core_client.py", line 682, in __init__')
+    print("RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}", flush=True)
+    raise SystemExit(1)
 if a.vllm_log:
     now = time.strftime("%m-%d %H:%M:%S")
     for line in ("version 0.32.0", "Starting to load model fake-target...", "Loading weights took 0.01 seconds",
@@ -378,6 +386,32 @@ def test_server_env_reaches_the_server_and_is_part_of_its_identity(tmp_path, fak
     server.ensure(changed, startup_timeout_s=30, log=quiet)
     assert server.state["pid"] != first and not _alive(first)
     assert environ(server.state["pid"])["EYRIE_TEST_MARK"] == "b"
+
+
+def test_a_failed_start_names_the_error_that_ended_it(tmp_path, fake):
+    """vLLM's API server ends a failed start with its own traceback ("Engine core initialization failed"), dozens of
+    lines after the worker's error that caused it: the failure names the cause, not only the log's last lines."""
+    cause = "ValueError: Available memory on node 0 (19.0/21.09 GiB) on startup is less than desired"
+    folder = fake.folder(tmp_path / "extract")
+    with pytest.raises(ExtractionError) as err:
+        VllmServer(folder).ensure(fake.spec("--fail", cause), startup_timeout_s=30, log=quiet)
+    assert f"exited with code 1 while starting: {cause}; the end of its log" in str(err.value)
+    assert cause not in str(err.value).split("the end of its log", 1)[1]  # beyond the 30 lines of the tail
+
+
+def test_the_error_of_a_start_is_the_first_of_the_last_start_that_is_not_vllms_wrapper():
+    mark = server_mod.START_MARK
+    wrapper = "RuntimeError: Engine core initialization failed. See root cause above."
+    log = (
+        f"{mark}2026-12-03 07:40:00 =====\n(Worker pid=1) ERROR x y [a.py:1] OSError: an earlier start's\n"
+        f"{mark}2026-12-03 07:44:00 =====\n(APIServer pid=2) WARNING 12-03 07:44:14 [s.py:255] Found ulimit: "
+        "`OSError: [Errno 24] Too many open files`\n"
+        "(EngineCore pid=3) ERROR 12-03 07:44:49 [core.py:9] torch.OutOfMemoryError: no memory\n"
+        f"{wrapper}\n"
+    )
+    assert server_mod.start_error(log) == "torch.OutOfMemoryError: no memory"
+    assert server_mod.start_error(f"{mark}x =====\n{wrapper}\n") == wrapper  # only the wrapper: it is what there is
+    assert server_mod.start_error(f"{mark}x =====\nINFO loading\n") is None
 
 
 def test_a_server_spec_is_one_kind(tmp_path):
