@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,13 @@ def scan_only_plain_namespaces() -> None:
             return True
 
     def scan(overrides):
+        # Reading every module's attributes touches deprecated ones (torch.distributed.reduce_op), whose
+        # FutureWarnings would fill the server's log without anyone having used them.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            scan_quietly(overrides)
+
+    def scan_quietly(overrides):
         hidden_modules = {k: m for k, m in list(sys.modules.items()) if not plain(m)}
         for k in hidden_modules:
             del sys.modules[k]
