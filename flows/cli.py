@@ -120,7 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Where no Prefect server is configured, `eyrie run` starts Prefect's temporary one, which must answer within
+# PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS (Prefect's default: 20). Its first start creates and migrates its
+# database: 15-23 s on a loaded 2-core machine, so a run failed before its first stage where the Makefile's longer
+# wait was not set. An operator's own value wins.
+EPHEMERAL_STARTUP_TIMEOUT = ("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+
+
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault(*EPHEMERAL_STARTUP_TIMEOUT)  # before Prefect reads its settings
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -186,3 +186,21 @@ def test_eyrie_run_takes_it_only_while_nothing_changed(tmp_path, monkeypatch, ca
     assert main([*argv, "--always-flow"]) == 0 and flows_run == [256, 128, 128]
     monkeypatch.setenv("EYRIE_ALWAYS_FLOW", "1")
     assert main(argv) == 0 and flows_run == [256, 128, 128, 128]
+
+
+@pytest.mark.parametrize("given, waits", [(None, 180), ("45", 45)])
+def test_the_eyrie_command_waits_for_prefects_temporary_server_longer_than_prefects_20_s(tmp_path, given, waits):
+    """Without the Makefile too: the temporary server's first start migrates its database, 15-23 s on a loaded
+    2-core machine, past Prefect's default wait of 20 s. An operator's value wins."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"}
+    if given:
+        env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = given
+    code = (
+        f"from flows.cli import main; main(['status', '--run-dir', {str(tmp_path / 'none')!r}]); "
+        "from prefect.settings import get_current_settings; "
+        "print(get_current_settings().server.ephemeral.startup_timeout_seconds)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == str(waits)
