@@ -5,6 +5,7 @@ from pathlib import Path
 from prefect.artifacts import create_table_artifact
 
 from eyrie.config import DataConfig, TargetConfig
+from eyrie.stages.preflight.ahead import import_ahead
 from eyrie.stages.prepare import prepare, prepare_key
 from eyrie.target.tiny import build_target
 from tasks.caching import eyrie_task, stage_task
@@ -14,6 +15,7 @@ from tasks.caching import eyrie_task, stage_task
 def ensure_target(target: TargetConfig) -> str:
     """Build the configured tiny target if its folder is missing (demo and tests); real targets are left alone."""
     if target.tiny and not Path(target.model, "config.json").exists():
+        import_ahead()  # preflight's vLLM imports, on the core the teaching child leaves idle
         build_target(target.tiny, target.model)
     return target.model
 

@@ -18,6 +18,7 @@ from eyrie.errors import ConfigError, PreflightError
 from eyrie.hidden_states.encoding import check_config as check_hidden_states_dtype
 from eyrie.run.folder import RunFolder
 from eyrie.stages.evaluate import evaluation_sets, template_variant_warnings, template_variants
+from eyrie.stages.preflight.ahead import wait_for_imports_ahead
 from eyrie.stages.preflight.installed_vllm import check_server_arguments, check_server_env, check_vllm_version
 from eyrie.stages.preflight.node import (
     bytes_still_to_write,
@@ -50,6 +51,7 @@ def check_target(config: PipelineConfig, serve: bool) -> PreflightReport:
     """The verdict on the target, the installed vLLM and the config (the part that imports vLLM and loads the
     tokenizer): what it found and every failure. Keyed (`eyrie.stages.preflight.verdict`) on everything it reads.
     The whole config: it checks every section its verdict's key holds (`VERDICTS["preflight"]`)."""
+    wait_for_imports_ahead()  # vLLM may be being imported already (ahead.py): never two importers at once
     import vllm
 
     cfg = read_target_config(config.target)
