@@ -121,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Where no Prefect server is configured, `eyrie run` starts Prefect's temporary one, which must answer within
-# PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS (Prefect's default: 20). Its first start creates and migrates its
-# database: 15-23 s on a loaded 2-core machine, so a run failed before its first stage where the Makefile's longer
-# wait was not set. An operator's own value wins.
+# PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS (Prefect's default: 20) or the run fails before its first stage.
+# A first start creates and migrates its database: 15 s and 23 s on a loaded 2-core machine. The Makefile used to set
+# the longer wait; `eyrie run` alone did not. An operator's own value wins.
 EPHEMERAL_STARTUP_TIMEOUT = ("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
