@@ -203,7 +203,7 @@ class ServerSpec:
         wherever the flow, the Prefect server and vLLM's own API server already hold more than 8% of it, and which
         would leave nothing for a trainer beside an online server. 1 GiB holds 419,328 tokens of the demo's target."""
         env = child_environment(self.server_env, environ=environ)
-        sized = CPU_KV_CACHE_ENV in env or self.gpu_memory_utilization is not None
+        sized = env.get(CPU_KV_CACHE_ENV, "") != "" or self.gpu_memory_utilization is not None  # vLLM: '' is unset
         sized = sized or any(a.split("=")[0] == "--kv-cache-memory-bytes" for a in self.server_args)
         if not sized and (vllm_cpu_build() if cpu_build is None else cpu_build):
             env[CPU_KV_CACHE_ENV] = CPU_KV_CACHE_GIB

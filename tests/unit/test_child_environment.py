@@ -94,6 +94,7 @@ def test_on_vllms_cpu_build_a_server_whose_kv_cache_nobody_sized_gets_one_gib():
     assert spec.environment(environ, cpu_build=True)[CPU_KV_CACHE_ENV] == "1"
     assert CPU_KV_CACHE_ENV not in spec.environment(environ, cpu_build=False)  # a GPU build sizes its own
     assert spec.environment({**environ, CPU_KV_CACHE_ENV: "8"}, cpu_build=True)[CPU_KV_CACHE_ENV] == "8"
+    assert spec.environment({**environ, CPU_KV_CACHE_ENV: ""}, cpu_build=True)[CPU_KV_CACHE_ENV] == "1"  # vLLM: unset
     sized = [
         ServerSpec(model="m", server_env={CPU_KV_CACHE_ENV: "4"}),
         ServerSpec(model="m", gpu_memory_utilization=0.5),
