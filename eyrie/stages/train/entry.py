@@ -11,10 +11,10 @@ progress bar is off, a fresh drafter is initialised on its GPU, data-loader work
 forked from a server started first thing, never initialising CUDA, and on one GPU forward and backward run on
 bfloat16 copies of the float32 weights made once a step (float32 master weights, gradients and optimizer state).
 Each lives in a module of eyrie/stages/train/patches/ behind a switch in patches/switches.py (GPU_FEED, ...), which
-benchmarks/train_throughput.py turns off (`--off NAME`) to measure it. Start-up switches, off by default (`--on
-NAME`): DEFERRED_MASK_COMPILE (the first step builds the block mask eagerly, a background thread compiles its
-builder), ONE_KV_LENGTH, WARM_COMPILE_WORKERS, EAGER_ROTARY and ONE_POINTWISE_CONFIG (patches/startup.py;
-docs/stages/train.md, Start-up).
+benchmarks/train_throughput.py turns off (`--off NAME`) to measure it; $EYRIE_TRAIN_SWITCHES_OFF turns any off in a
+run. The start-up switches, on: DEFERRED_MASK_COMPILE (the first step builds the block mask eagerly, a background
+thread compiles its builder), ONE_KV_LENGTH, EAGER_ROTARY and ONE_POINTWISE_CONFIG (patches/startup.py); and
+WARM_COMPILE_WORKERS, off (docs/stages/train.md, Start-up).
 torch.compile's cache goes beside the run's checkpoints, so a retry or resume finds its kernels compiled. Every save
 keeps the whole checkpoint it overwrites until the new one is whole (eyrie/stages/train/checkpoints.py).
 """
@@ -76,6 +76,7 @@ def _online_hidden_states(argv: list[str]) -> None:
 
 
 def main(argv: list[str]) -> None:
+    switches.off_by_environment()
     if os.environ.get("EYRIE_TRAIN_DEVICE") != "cpu":
         if switches.FORKSERVER_WORKERS:
             _start_worker_server()
