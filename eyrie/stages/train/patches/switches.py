@@ -15,13 +15,14 @@ FP8_ON_GPU = True  # with GPU_FEED: fp8 hidden-state files reach the GPU as fp8 
 FEED_AHEAD = 2  # batches on the GPU, or being copied there, ahead of the step that takes them
 # The start-up switches. With DEFERRED_MASK_COMPILE, ONE_KV_LENGTH, EAGER_ROTARY and ONE_POINTWISE_CONFIG on, the
 # first step from a cold compile cache on one H200 at Kimi-K2.5 width came 55.2, 44.1, 45.3 (bf16) and 44.7 s (fp8)
-# after launch on two machines, at 0.929-0.936 of the bare step, with the image's bytecode compiled (2026-12-03;
-# 56.5-66.7 s before, when every trainer compiled torch's compiler from source); 94.7 s with all four off. So they
-# are on. ONE_KV_LENGTH costs 2.5-3% of tokens/s for about 20 s of the start: a run of more than ~15 minutes of
-# training loses more GPU time to it than it saves, so EYRIE_TRAIN_SWITCHES_OFF=ONE_KV_LENGTH turns it off (any
-# switch of this module, comma-separated; `off_by_environment`). docs/stages/train.md, Start-up, has each one's figures.
+# after launch on two machines, and 49.3 s as the defaults on a third, at 0.929-0.936 of the bare step, with the
+# image's bytecode compiled (2026-12-03; 56.5-66.7 s before, when every trainer compiled torch's compiler from
+# source); 94.7 s with all four off. So they are on. ONE_KV_LENGTH costs 2.5-3% of tokens/s for about 20 s of the
+# start: a run of more than ~15 minutes of training loses more GPU time to it than it saves, so
+# EYRIE_TRAIN_SWITCHES_OFF=ONE_KV_LENGTH turns it off (any switch of this module, comma-separated;
+# `off_by_environment`). docs/stages/train.md, Start-up, has each one's figures.
 # The block mask built eagerly until a background thread has compiled its builder (patches/compile.py), FX tracing
-# made per-thread so that thread cannot race the training thread (no crash in 11 cold runs on an H200); tokens/s
+# made per-thread so that thread cannot race the training thread (no crash in 12 cold runs on an H200); tokens/s
 # unchanged with it alone (33,552 vs 33,331, an earlier call)
 DEFERRED_MASK_COMPILE = True
 # every TTT step's attention at one padded key length, one compile for all (one_kv_length.py): about 20 s of the cold
