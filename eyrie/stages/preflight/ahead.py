@@ -3,8 +3,8 @@
 Preflight's checks of the target import vLLM and its server parser: 10.5 s of a fresh preflight's 15.4 s on a 2-core
 machine. Before preflight, a tiny target is taught in a child process with one OpenMP thread (34-44 s), during which
 the flow's process only waits, and the second core idles. `import_ahead` imports those modules in a thread then;
-`wait_for_imports_ahead` (preflight's first step) waits for that thread, so no module is ever imported by two threads
-at once.
+`wait_for_imports_ahead` (preflight's first step, before its key reads anything) waits for that thread, so no module
+is ever imported by two threads at once.
 """
 
 from __future__ import annotations

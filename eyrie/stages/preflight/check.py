@@ -51,7 +51,6 @@ def check_target(config: PipelineConfig, serve: bool) -> PreflightReport:
     """The verdict on the target, the installed vLLM and the config (the part that imports vLLM and loads the
     tokenizer): what it found and every failure. Keyed (`eyrie.stages.preflight.verdict`) on everything it reads.
     The whole config: it checks every section its verdict's key holds (`VERDICTS["preflight"]`)."""
-    wait_for_imports_ahead()  # vLLM may be being imported already (ahead.py): never two importers at once
     import vllm
 
     cfg = read_target_config(config.target)
@@ -160,6 +159,7 @@ def run_preflight(
 
     The verdict on the target, vLLM and the config is a keyed result: a run folder holding a passing verdict under
     the same key (`eyrie.stages.preflight.verdict`) reuses it and imports no vLLM. The node's checks run every time."""
+    wait_for_imports_ahead()  # vLLM may be being imported already (ahead.py): never two importers at once
     key = verdict_key(config, serve)
     report = load_verdict(run_dir, key)
     if report is None:
