@@ -63,7 +63,8 @@ TEST_ENV = {
 }
 VLLM_SERVER_ARGS = ["--distributed-executor-backend", "uni"]
 os.environ.update(TEST_ENV)
-# The Makefile lets a caller override these two (`?=`); so do the tests.
+# Eyrie's own defaults for these two (eyrie/vllm/spec.py, flows/cli.py) apply only where Eyrie starts the server or
+# the command; tests that build vLLM's engine in process or run a flow directly need them too. A caller's value wins.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 for _var in ("HF_HOME", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "PREFECT_HOME"):

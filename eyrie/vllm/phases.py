@@ -28,7 +28,8 @@ import re
 import time
 from datetime import datetime
 
-EYRIE_START = re.compile(r"===== eyrie: starting vLLM at (\d{4})-(\d\d-\d\d \d\d:\d\d:\d\d) =====")
+START_MARK = "===== eyrie: starting vLLM at "  # the line Eyrie writes into a server's log before each launch
+EYRIE_START = re.compile(re.escape(START_MARK) + r"(\d{4})-(\d\d-\d\d \d\d:\d\d:\d\d) =====")
 STAMP = re.compile(r"\b(?:INFO|WARNING|ERROR|DEBUG) (\d\d-\d\d \d\d:\d\d:\d\d) ")
 LOAD_START = "Starting to load model"
 LOAD_END = re.compile(r"Loading weights took|Model loading took")

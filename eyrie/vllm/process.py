@@ -31,6 +31,7 @@ import requests
 from eyrie.errors import ExtractionError
 from eyrie.run.files import atomic_write_json, private_dir, read_json
 from eyrie.vllm.client import ServerClient
+from eyrie.vllm.phases import START_MARK
 from eyrie.vllm.phases import phases as start_phases
 from eyrie.vllm.spec import ServerSpec, free_port
 
@@ -46,7 +47,6 @@ STARTUP_POLL_S = 1.0  # how often a starting server is probed
 # States written before start times were recorded: the process must have started within this many seconds of the
 # recorded `started_at` (the same instant, give or take the clock's adjustments since).
 LEGACY_START_TOLERANCE_S = 30.0
-START_MARK = "===== eyrie: starting vLLM at "
 # An exception's own line, behind vLLM's "(Worker pid=N) ERROR 12-03 07:44:49 [file.py:953] " prefix where it has one.
 EXCEPTION_LINE = re.compile(
     r"^(?:\(\S+ pid=\d+\) )?(?:ERROR \S+ \S+ \[[^\]]*\] )?((?:[A-Za-z_]\w*\.)*\w*(?:Error|Exception): .+)$"

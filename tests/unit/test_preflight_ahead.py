@@ -14,8 +14,9 @@ from eyrie.stages.preflight import ahead
 def test_the_imports_run_in_one_thread_that_preflight_waits_for(monkeypatch):
     monkeypatch.setattr(ahead, "_STATE", {})
     monkeypatch.setattr(ahead, "MODULES", ("wave", "no_such_module_here", "chunk"))
-    monkeypatch.setattr(ahead, "SERVE_PARSER_MODULES", ("tabnanny",))
-    for name in ("wave", "chunk", "tabnanny"):
+    parsers = []
+    monkeypatch.setattr(ahead, "serve_parser", lambda: parsers.append("built"))
+    for name in ("wave", "chunk"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     started = threading.Event()
     real = ahead._import_all
@@ -32,6 +33,12 @@ def test_the_imports_run_in_one_thread_that_preflight_waits_for(monkeypatch):
     ahead.wait_for_imports_ahead()
     assert not ahead._STATE["thread"].is_alive()
     assert "wave" in sys.modules and "chunk" not in sys.modules  # a failed import ends the list: preflight reports it
+    assert parsers == []
+    monkeypatch.setattr(ahead, "_STATE", {})
+    monkeypatch.setattr(ahead, "MODULES", ("wave",))
+    ahead.import_ahead()
+    ahead.wait_for_imports_ahead()
+    assert parsers == ["built"]  # all imported: vLLM's server parser built once, for preflight to reuse
     ahead.wait_for_imports_ahead()  # again, and with no thread at all: nothing to wait for
     monkeypatch.setattr(ahead, "_STATE", {})
     ahead.wait_for_imports_ahead()

@@ -12,14 +12,13 @@ from __future__ import annotations
 import importlib
 import threading
 
-from eyrie.stages.preflight.installed_vllm import SERVE_PARSER_MODULES
+from eyrie.stages.preflight.installed_vllm import serve_parser
 
 MODULES = (
     "vllm",
     "vllm.platforms",
     "vllm.config.speculative",
     "vllm.model_executor.models.registry",
-    "vllm.utils.argparse_utils",
     "transformers",
 )
 _STATE: dict = {}  # "thread": the importing thread, once started
@@ -31,12 +30,10 @@ def _import_all() -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001  (preflight imports it again and reports what is wrong)
             return
-    for name in SERVE_PARSER_MODULES:  # the first this vLLM has (installed_vllm.serve_parser's search)
-        try:
-            importlib.import_module(name)
-            return
-        except Exception:  # noqa: BLE001
-            continue
+    try:
+        serve_parser()  # built and cached: preflight's checks of the server arguments take this one
+    except Exception:  # noqa: BLE001
+        return
 
 
 def import_ahead() -> None:
