@@ -56,17 +56,32 @@ WRAPPERS = ("RuntimeError: Engine core initialization failed",)
 
 
 def start_error(log_text: str) -> str | None:
-    """The exception that ended the last start recorded in a server log: the first raised after Eyrie's start mark
-    that is not vLLM's wrapper of it (the worker's ValueError, not the API server's "Engine core initialization
-    failed"), which a log's last lines, the API server's traceback, usually leave out."""
+    """The exception that ended the last start recorded in a server log, with the indented lines that carry on its
+    message: the first raised after Eyrie's start mark that is not vLLM's wrapper of it (the worker's ValueError, not
+    the API server's "Engine core initialization failed"), which a log's last lines, the API server's traceback,
+    usually leave out."""
     last_start = log_text.rfind(START_MARK)
+    lines = log_text[max(last_start, 0) :].splitlines()
     found = None
-    for line in log_text[max(last_start, 0) :].splitlines():
+    for i, line in enumerate(lines):
         m = EXCEPTION_LINE.match(line.strip())
-        if m and not m[1].startswith(WRAPPERS):
-            return m[1]
-        found = found or (m and m[1])
+        if m:
+            error = " ".join([m[1], *_continuation(lines[i + 1 :])])
+            if not m[1].startswith(WRAPPERS):
+                return error
+            found = found or error
     return found
+
+
+def _continuation(lines: list[str], most: int = 2) -> list[str]:
+    """The indented lines that carry on an exception's message (pydantic's "1 validation error for ModelConfig" puts
+    its reason on the next line), up to `most`; a traceback's frames are not one."""
+    out = []
+    for line in lines[:most]:
+        if not line[:1].isspace() or line.lstrip().startswith("File "):
+            break
+        out.append(line.strip())
+    return out
 
 
 def _proc_stat(pid: int) -> list[str] | None:

@@ -412,6 +412,18 @@ def test_the_error_of_a_start_is_the_first_of_the_last_start_that_is_not_vllms_w
     assert server_mod.start_error(log) == "torch.OutOfMemoryError: no memory"
     assert server_mod.start_error(f"{mark}x =====\n{wrapper}\n") == wrapper  # only the wrapper: it is what there is
     assert server_mod.start_error(f"{mark}x =====\nINFO loading\n") is None
+    # vLLM's config check (seen with --max-model-len past the model's): pydantic gives the reason on the next lines
+    pydantic = (
+        f"{mark}x =====\npydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+        "  Value error, User-specified max_model_len (100000) is greater than the derived max_model_len\n"
+        "    For further information visit https://errors.pydantic.dev/2.14/v/value_error\n"
+        '  File "vllm/engine/arg_utils.py", line 1, in create_model_config\n'
+    )
+    assert server_mod.start_error(pydantic) == (
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig Value error, "
+        "User-specified max_model_len (100000) is greater than the derived max_model_len For further information "
+        "visit https://errors.pydantic.dev/2.14/v/value_error"
+    )
 
 
 def test_a_server_spec_is_one_kind(tmp_path):
