@@ -30,7 +30,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from eyrie.run.files import atomic_write_json, read_json
+from eyrie.run.files import atomic_write_json, fsync_path, fsync_tree, read_json
 
 CURRENT = "current"
 
@@ -140,11 +140,16 @@ def promote(promo_dir: Path, drafter: Path, version: str, record: dict) -> Path:
         shutil.rmtree(dest, ignore_errors=True)
         shutil.copytree(drafter, staging)
         atomic_write_json(staging / "promotion.json", record)
+        # Every byte of the copy on disk before its name says it is whole: a power cut after the swap must not
+        # leave `current` pointing at a version whose files never reached the disk.
+        fsync_tree(staging)
         os.replace(staging, dest)
+        fsync_path(versions)
     link = promo_dir / f".{CURRENT}.{os.getpid()}"
     link.unlink(missing_ok=True)
     os.symlink(dest.relative_to(promo_dir), link)
     os.replace(link, promo_dir / CURRENT)
+    fsync_path(promo_dir)  # the swap itself survives a power cut
     return dest
 
 

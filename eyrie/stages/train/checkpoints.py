@@ -125,12 +125,16 @@ def recover(save_path: Path) -> list[str]:
         if folder.exists() or not folder.name.isdigit():
             continue
         state = read_state(previous) or {}
-        os.replace(previous, folder)
-        # The interrupted save removed this checkpoint's link before it wrote its own; put it back.
+        # The interrupted save removed this checkpoint's link before it wrote its own; put it back, and only then
+        # the folder: a kill between the two leaves the link waiting for its folder and `<N>.previous` whole, so the
+        # next recover does the same again. (Folder first, a kill before the link left `<N>/` whole but unlinked,
+        # and the next recover set it aside as a cut save: the only whole checkpoint gone.)
         for old in save_path.glob(f"epoch{folder.name}_*"):
             if old.is_symlink():
                 old.unlink()
         completion_link(save_path, int(folder.name), int(state.get("local_step") or 0)).symlink_to(folder.name)
+        os.replace(previous, folder)
+        fsync_path(save_path)
         notes.append(
             f"restored checkpoint {folder} (global step {state.get('global_step')}) that the cut save replaced"
         )
