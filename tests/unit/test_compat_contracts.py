@@ -132,3 +132,54 @@ def test_the_signatures_guess_is_wrong_for_the_cohere_contract():
         _, aux = model(torch.randint(0, 32, (12,)), torch.arange(12))
     rel = float((aux[-1] - model.truth[LAYERS]).norm() / model.truth[LAYERS].norm())
     assert rel > 0.3, rel
+
+
+def _spec_config(ids):
+    """What `set_eagle3_aux_hidden_state_layers` reads of vLLM's SpeculativeConfig: the drafter's aux layer ids."""
+    from types import SimpleNamespace
+
+    hf_config = SimpleNamespace(eagle_aux_hidden_state_layer_ids=list(ids))
+    return SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf_config))
+
+
+def test_model_runner_v2_gives_a_class_without_the_interface_its_aux_outputs(monkeypatch):
+    """GPU vLLM's Model Runner V2 sets EAGLE-3 up through `eagle3_utils.set_eagle3_aux_hidden_state_layers`, which
+    raised "Model does not support EAGLE3 interface" for a class lacking it (the layer wrapped V1's runner only).
+    Installed, the function V2 calls (also through a module that imported it by name before the install) grafts
+    the interface first, and the model returns the requested streams."""
+    import sys
+    import types
+
+    from vllm.model_executor.models.interfaces import supports_eagle3
+    from vllm.v1.worker.gpu.spec_decode.eagle import eagle3_utils
+
+    from eyrie.vllm.plugin import compat
+
+    importer = types.ModuleType("vllm._eyrie_test_v2_runner")  # as the V2 runner binds it: `from ... import name`
+    importer.set_eagle3_aux_hidden_state_layers = eagle3_utils.set_eagle3_aux_hidden_state_layers
+    monkeypatch.setitem(sys.modules, importer.__name__, importer)
+    torch.manual_seed(0)
+    model = _fresh(SumLayer, FusedAddNorm)
+    assert not supports_eagle3(model)
+    installed = compat.install()
+    assert compat.install() == installed  # idempotent
+    importer.set_eagle3_aux_hidden_state_layers(model, _spec_config((1, 2, LAYERS)))
+    assert supports_eagle3(model) and "V2" in installed
+    with torch.no_grad():
+        _, aux = model(torch.randint(0, 32, (12,)), torch.arange(12))
+    for k, got in zip((1, 2, LAYERS), aux, strict=True):
+        assert torch.allclose(got, model.truth[k], atol=1e-5), k
+    # the function itself, as a module importing it after the install gets it
+    other = _fresh(SumLayer, FusedAddNorm)
+    eagle3_utils.set_eagle3_aux_hidden_state_layers(other, _spec_config((2,)))
+    assert supports_eagle3(other)
+
+
+def test_a_runner_whose_hook_this_vllm_lacks_is_named(monkeypatch):
+    """Preflight refuses a compat target on a runner whose hook the installed vLLM moved or dropped."""
+    from eyrie.vllm.plugin import compat
+
+    assert compat.missing_hooks() == {}  # the installed vLLM (0.32) has both runners' hooks
+    monkeypatch.setitem(compat.HOOKS, "V2", ("vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils", "moved_away"))
+    missing = compat.missing_hooks({"V1", "V2"})
+    assert list(missing) == ["V2"] and "moved_away" in missing["V2"]

@@ -11,6 +11,13 @@ residual to add, or the stream itself beside the layer's input); it is measured 
 pass, at its final norm (`_Capture`), for whatever class is served. For serving a drafter, the target's
 embeddings are also exposed where vLLM's proposer looks for them (`model.embed_tokens`). Classes that implement
 the interface are never touched. Hooks need eager execution (`enforce_eager`), which preflight checks.
+
+vLLM has two model runners, and each asks for the interface in its own place: V1 (`GPUModelRunner`, the only one on
+the CPU build, which has no Triton) in `_setup_eagle3_aux_hidden_state_outputs`; Model Runner V2 (`vllm.v1.worker.gpu`,
+what GPU vLLM picks when Triton is present; 0.34 has no V1) in `eagle3_utils.set_eagle3_aux_hidden_state_layers`,
+called right after the load, which raises "Model does not support EAGLE3 interface". Both are wrapped, each where
+the installed vLLM has it (`HOOKS`); `missing_hooks` names a runner whose hook this vLLM lacks, for preflight to
+refuse before any load.
 """
 
 from __future__ import annotations
@@ -247,24 +254,63 @@ def graft_eagle3(model: nn.Module) -> None:
     )
 
 
-def install() -> None:
-    """Wrap the model runner's EAGLE-3 setup and the proposer's embedding sharing (which runs first, when a drafter
-    is loaded beside the target). Idempotent: vLLM may load plugins more than once."""
+# Where each model runner asks for the interface: (runner, module, attribute). V1's is a method of its runner class,
+# V2's a function of a module that the runner and others import by name (so every loaded importer is rebound too).
+HOOKS = {
+    "V1": ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._setup_eagle3_aux_hidden_state_outputs"),
+    "V2": ("vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils", "set_eagle3_aux_hidden_state_layers"),
+}
+
+
+def _lookup(module: str, attr: str):
+    """The hook's current object, or None where this vLLM has no such module or attribute. V2's module is imported
+    (light: vLLM's interfaces and config); V1's runner module only where already loaded or importable."""
+    import importlib
+
+    try:
+        obj = importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - a vLLM without this runner (0.34 drops V1), or one that fails to import
+        return None
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def missing_hooks(runners: set[str] | None = None) -> dict[str, str]:
+    """Runner -> why the compatibility layer cannot serve a class lacking the interface on it, in the installed
+    vLLM (its hook is not where Eyrie wraps it); empty when every runner asked about has it."""
+    out = {}
+    for runner in sorted(runners or HOOKS):
+        module, attr = HOOKS[runner]
+        if _lookup(module, attr) is None:
+            out[runner] = (
+                f"this vLLM has no {module}.{attr}, where Eyrie's compatibility layer gives a class the EAGLE-3 "
+                f"interface on model runner {runner}"
+            )
+    return out
+
+
+def _install_v1() -> bool:
     from vllm.model_executor.models.interfaces import supports_eagle3
-    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    original = GPUModelRunner._setup_eagle3_aux_hidden_state_outputs
+    runner = _lookup("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
+    if runner is None or not hasattr(runner, "_setup_eagle3_aux_hidden_state_outputs"):
+        return False
+    original = runner._setup_eagle3_aux_hidden_state_outputs
     if getattr(original, _INSTALLED, False):
-        return
-    share = SpecDecodeBaseProposer._maybe_share_embeddings
+        return True
+    proposer = _lookup("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer")
+    share = getattr(proposer, "_maybe_share_embeddings", None)
+    if share is not None:
 
-    def _maybe_share_embeddings(self, target_language_model) -> None:
-        if not supports_eagle3(target_language_model):
-            expose_embeddings(target_language_model)
-        return share(self, target_language_model)
+        def _maybe_share_embeddings(self, target_language_model) -> None:
+            if not supports_eagle3(target_language_model):
+                expose_embeddings(target_language_model)
+            return share(self, target_language_model)
 
-    SpecDecodeBaseProposer._maybe_share_embeddings = _maybe_share_embeddings  # type: ignore[method-assign]
+        proposer._maybe_share_embeddings = _maybe_share_embeddings
 
     def _setup_eagle3_aux_hidden_state_outputs(self) -> None:
         if self.use_aux_hidden_state_outputs and not supports_eagle3(self.get_model()):
@@ -272,6 +318,40 @@ def install() -> None:
         return original(self)
 
     setattr(_setup_eagle3_aux_hidden_state_outputs, _INSTALLED, True)
-    GPUModelRunner._setup_eagle3_aux_hidden_state_outputs = (  # type: ignore[method-assign]
-        _setup_eagle3_aux_hidden_state_outputs
-    )
+    runner._setup_eagle3_aux_hidden_state_outputs = _setup_eagle3_aux_hidden_state_outputs
+    return True
+
+
+def _install_v2() -> bool:
+    """Model Runner V2: graft before `set_eagle3_aux_hidden_state_layers` checks the interface. The V2 runner loads
+    its EAGLE drafter after this call and shares the target's embeddings from `model.embed_tokens`, which the graft
+    exposes first."""
+    import sys
+
+    module, attr = HOOKS["V2"]
+    original = _lookup(module, attr)
+    if original is None:
+        return False
+    if getattr(original, _INSTALLED, False):
+        return True
+    from vllm.model_executor.models import interfaces
+
+    def set_eagle3_aux_hidden_state_layers(model, spec_config) -> None:
+        # interfaces' own, read now: the test hook that hides the interface (plugin/__init__.py) replaces it there
+        if not isinstance(model, type) and not interfaces.supports_eagle3(model):
+            graft_eagle3(model)
+        return original(model, spec_config)
+
+    setattr(set_eagle3_aux_hidden_state_layers, _INSTALLED, True)
+    # The module and every loaded module that imported the function by name (the V2 runner, its PP helpers).
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("vllm.") and getattr(mod, attr, None) is original:
+            setattr(mod, attr, set_eagle3_aux_hidden_state_layers)
+    return True
+
+
+def install() -> list[str]:
+    """Wrap each model runner's EAGLE-3 setup that the installed vLLM has (V1's, and the proposer's embedding sharing,
+    which runs first when a drafter is loaded beside the target; V2's). Idempotent: vLLM may load plugins more than
+    once. Returns the runners wrapped."""
+    return [runner for runner, done in (("V1", _install_v1()), ("V2", _install_v2())) if done]
