@@ -89,9 +89,10 @@ def context_for(config, report) -> dict:
     from eyrie.target.metadata import read_target_config, text_config, verifier_name
 
     try:
-        cfg = text_config(read_target_config(config.target))
+        full = read_target_config(config.target)
     except Exception:  # noqa: BLE001 - an unreadable config was preflight's to refuse; the check then skips the head
-        cfg = {}
+        full = {}
+    cfg = text_config(full)
     return {
         "model": verifier_name(config.target.model),
         "revision": config.target.revision,
@@ -100,6 +101,9 @@ def context_for(config, report) -> dict:
         "verifier_weights": dict(report.target_facts.get("verifier_weights", {})),
         "final_norm": report.final_norm,
         "norm_eps": _norm_eps(cfg),
+        # What the capture proof rebuilds the first layers from (eyrie.hidden_states.proof)
+        "text_config": cfg,
+        "quantized": bool(full.get("quantization_config") or cfg.get("quantization_config")),
     }
 
 
@@ -266,6 +270,9 @@ def check_shard(
             next_tokens += [ids[t + 1] for t in picked]
     medians = {lid: float(torch.cat(v).median()) for lid, v in norms.items() if v}
     figures: dict[str, Any] = {"shard": shard.name, "files_checked": len(offsets), "median_row_norm": medians}
+    if ctx and offsets and layer_ids:
+        # Every shard's aux layers against the target's own first layers, not only against the run's first shard
+        problems += _aux_recomputed(ctx, sample_path(hidden_dir, shard.start + offsets[0]), layer_ids, figures)
     if ctx and next_tokens:
         # Judged only where the positions are those of generated tokens (the loss mask read): a prompt's next
         # token is the user's, not the target's.
@@ -288,6 +295,25 @@ def check_shard(
             "server log, fix the server, then run again."
         )
     return figures
+
+
+def _aux_recomputed(ctx: dict, path: Path, layer_ids: list[int], figures: dict) -> list[str]:
+    """The aux layers of one file's first tokens recomputed from the target's weights (eyrie.hidden_states.proof);
+    a target the proof cannot rebuild was decided by the run's proof, and is recorded as such here."""
+    from eyrie.hidden_states.proof import SHARD_PREFIX_TOKENS, Unrecomputable, aux_problems, recomputer
+
+    if not any(i < ctx["num_layers"] for i in layer_ids):
+        return []
+    try:
+        rec = recomputer(ctx)
+    except Unrecomputable as err:
+        figures["aux_check"] = {"unproven": str(err)}
+        return []
+    hs, ids = _load(path)
+    n = min(len(ids), SHARD_PREFIX_TOKENS)
+    problems, errs = aux_problems([(hs[:n], ids[:n])], layer_ids, ctx["num_layers"], rec)
+    figures["aux_check"] = {"file": path.name, "tokens": n, "relative_l2": errs}
+    return [f"{p} ({path.name})" for p in problems]
 
 
 def _against_baseline(folder: Path, shard_name: str, ctx, medians: dict, figures: dict, set_it: bool) -> list[str]:

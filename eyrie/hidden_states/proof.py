@@ -1,0 +1,429 @@
+"""The capture proved on every run: right after the extraction server is ready, before its first shard, the server
+answers a few prompts of the run's own data greedily, its capture of those answers is read back, and every captured
+layer is checked against the target itself. A failure stops the run minutes after the load, with the reason; a pass
+is recorded with its figures in `capture/proof.json` (beside the shard figures, `eyrie.hidden_states.check`).
+
+What is checked, on `PROOF_ROWS` prompts (the prompt part of rows spread over the data, at most `PROMPT_TOKENS`
+tokens each) and `ANSWER_TOKENS` greedy tokens the server chose for each (with `ignore_eos`: the count is fixed, and
+every token is still the top one):
+
+1. **The last layer through the target's own head.** The captured id `num_hidden_layers` (the last layer's output,
+   before the final norm) through the target's final norm and head, loaded from its checkpoint, gives the tokens the
+   server chose (`check.GREEDY_MIN_AGREEMENT`, near-ties within `check.TIE_NATS`). Whatever the data: the answers
+   are the server's own, so this is a proof on a run without regeneration too.
+2. **Every aux layer recomputed from the target's weights.** The first layers of the target (up to one past the
+   deepest aux id) are built with transformers from the target's config and loaded from its checkpoint, and run on
+   the same token ids in float32: each captured aux layer must be within `REL_MAX` (relative L2) of the recomputed
+   stream entering its layer, and closer to it than to the streams entering the layers before and after it by
+   `NEIGHBOUR_MARGIN` (an off-by-one capture is closer to its neighbour), so zeros, the stream plus the layer's input,
+   another layer, another target or stale states cannot pass.
+3. **No dead rows** at any captured layer (all zero, or constant over the hidden size).
+
+A target whose first layers cannot be rebuilt in this process (a checkpoint whose tensors transformers' class for
+the config does not name, a quantized checkpoint, a prefix past `RECOMPUTE_MAX_PARAMS`) cannot have its aux layers
+recomputed: the proof then refuses, naming what is missing, unless the run allows it explicitly
+(`EYRIE_PROOF_AUX=head-only`, for a target whose capture was proven another way); the figures then record the aux
+layers as unproven. "Cannot prove either way" is never a silent pass.
+
+The same recomputation (`aux_problems`) judges each shard's aux layers (`check.check_shard`), on a prefix of one of
+its files, so a shard written by another server or under another capture (a stale shard) is refused on its own, not
+only when it differs from the run's first shard.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from eyrie.errors import ConfigError
+from eyrie.hidden_states.check import (
+    FOLDER,
+    GREEDY_MIN_AGREEMENT,
+    MIN_POSITIONS,
+    TIE_NATS,
+    CaptureError,
+    _head_check,
+    row_problems,
+)
+from eyrie.run.files import atomic_write_json
+
+if TYPE_CHECKING:
+    import torch
+
+PROOF = "proof.json"  # under the extract stage's `capture/` folder
+PROOF_ROWS = 3  # prompts of the data the server answers for the proof
+PROMPT_TOKENS = 96  # at most, from each prompt's start
+ANSWER_TOKENS = 16  # greedy tokens the server generates for each
+REL_MAX = 0.1  # captured vs recomputed relative L2; the compatibility matrix measures < 0.03 (bf16 vs float32)
+NEIGHBOUR_MARGIN = 0.5  # the error to the captured layer must be below this times the error to either neighbour
+RECOMPUTE_MAX_PARAMS = 2_000_000_000  # parameters of the rebuilt first layers (float32: 8 GB)
+SHARD_PREFIX_TOKENS = 64  # tokens of one shard file recomputed per shard (causal: the prefix's states are exact)
+AUX_ENV = "EYRIE_PROOF_AUX"  # "head-only": aux layers that cannot be recomputed are recorded unproven, not refused
+
+
+class Unrecomputable(Exception):
+    """The target's first layers cannot be rebuilt here; the message says why."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The target's first layers, rebuilt with transformers
+
+
+def _truncated_config(text_cfg: dict, layers: int):
+    """transformers' config for the target's decoder with its first `layers` layers (per-layer lists cut too)."""
+    from transformers import AutoConfig
+
+    full = int(text_cfg["num_hidden_layers"])
+    fields = {}
+    for k, v in text_cfg.items():
+        if k in ("model_type", "architectures", "auto_map", "quantization_config", "transformers_version"):
+            continue
+        fields[k] = list(v[:layers]) if isinstance(v, list) and len(v) == full else v
+    fields["num_hidden_layers"] = layers
+    try:
+        cfg = AutoConfig.for_model(text_cfg["model_type"], **fields)
+    except Exception as err:  # noqa: BLE001 - a model type this transformers does not know
+        model_type = text_cfg.get("model_type")
+        raise Unrecomputable(f"transformers has no config class for model_type {model_type!r} ({err})") from None
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+class Recomputer:
+    """The target's decoder cut to its first `layers` layers, loaded from the checkpoint in float32.
+
+    `streams(ids)` -> [layers, T, H]: entry k is the stream entering layer k (transformers' `hidden_states[k]`,
+    which is vLLM's captured id k)."""
+
+    def __init__(self, ctx: dict, text_cfg: dict, layers: int):
+        import torch
+        from transformers import AutoModel
+
+        if ctx.get("quantized") or text_cfg.get("quantization_config"):
+            raise Unrecomputable(
+                "the checkpoint is quantized (its tensors are not the float weights transformers builds)"
+            )
+        self.layers = layers
+        cfg = _truncated_config(text_cfg, layers + 1)  # one more: transformers norms its last entry
+        try:
+            with torch.device("meta"):
+                shape = AutoModel.from_config(cfg)
+        except Exception as err:  # noqa: BLE001
+            raise Unrecomputable(f"transformers cannot build the decoder from the config ({err})") from None
+        n = sum(p.numel() for p in shape.parameters())
+        if n > RECOMPUTE_MAX_PARAMS:
+            raise Unrecomputable(
+                f"its first {layers + 1} layers hold {n / 1e9:.1f}B parameters, past the "
+                f"{RECOMPUTE_MAX_PARAMS / 1e9:.0f}B this check rebuilds"
+            )
+        names = [k for k, _ in shape.named_parameters()]
+        embed = ctx["verifier_weights"].get("embed_tokens.weight", "")
+        emb_weight = shape.get_input_embeddings().weight
+        emb_name = next((k for k, p in shape.named_parameters() if p is emb_weight), "")
+        if not embed or not emb_name or not embed.endswith(emb_name):
+            raise Unrecomputable(
+                f"the checkpoint's embedding {embed!r} is not {type(shape).__name__}'s {emb_name!r} under a prefix"
+            )
+        prefix = embed[: -len(emb_name)]
+        wanted = {prefix + k: k for k in names}
+        from speculators.utils.loading import load_model_layers
+
+        try:
+            found = load_model_layers(list(wanted), ctx["model"])
+        except Exception as err:  # noqa: BLE001
+            raise Unrecomputable(f"cannot read the first layers' tensors from {ctx['model']} ({err})") from None
+        missing = [k for k in wanted if k not in found]
+        if missing:
+            raise Unrecomputable(
+                f"the checkpoint lacks {len(missing)} tensors {type(shape).__name__} needs (e.g. {missing[:3]})"
+            )
+        del shape
+        model = AutoModel.from_config(cfg, dtype=torch.float32)
+        state = {wanted[k]: v.float() for k, v in found.items()}
+        model.load_state_dict(state, strict=False)
+        self.model = model.eval()
+
+    def streams(self, ids: list[int]) -> torch.Tensor:
+        import torch
+
+        with torch.no_grad():
+            out = self.model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+        return torch.stack([h[0].float() for h in out.hidden_states[: self.layers + 1]])
+
+
+_RECOMPUTERS: dict[tuple, Recomputer | Unrecomputable] = {}
+_LOCK = threading.Lock()
+
+
+def text_config_of(ctx: dict) -> dict:
+    """The decoder's config.json as the context recorded it (or read from a local checkpoint)."""
+    if isinstance(ctx.get("text_config"), dict):
+        return ctx["text_config"]
+    import json
+
+    from eyrie.target.metadata import text_config
+
+    path = Path(ctx["model"]) / "config.json"
+    try:
+        return text_config(json.loads(path.read_text()))
+    except (OSError, ValueError) as err:
+        raise Unrecomputable(f"cannot read the target's config ({err})") from None
+
+
+def recomputer(ctx: dict) -> Recomputer:
+    """The rebuilt first layers for `ctx`'s aux ids (one past the deepest, capped below the last layer), built once
+    per process and target; raises Unrecomputable."""
+    aux = [i for i in ctx["layer_ids"] if i < ctx["num_layers"]]
+    layers = min(max(aux, default=0) + 1, ctx["num_layers"] - 1)
+    key = (
+        ctx["model"],
+        ctx.get("revision"),
+        bool(ctx.get("quantized")),
+        layers,
+        tuple(sorted(ctx["verifier_weights"].items())),
+    )
+    with _LOCK:
+        if key not in _RECOMPUTERS:
+            try:
+                _RECOMPUTERS[key] = Recomputer(ctx, text_config_of(ctx), layers)
+            except Unrecomputable as err:
+                _RECOMPUTERS[key] = err
+        got = _RECOMPUTERS[key]
+    if isinstance(got, Unrecomputable):
+        raise got
+    return got
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def aux_problems(
+    captured: list[tuple[torch.Tensor, list[int]]], layer_ids: list[int], num_layers: int, rec: Recomputer
+) -> tuple[list[str], dict]:
+    """Each aux layer of `captured` ([(hs [T, n_layers, H] float32, token ids)]) against the rebuilt first layers:
+    within REL_MAX of its own layer and nearer to it than to either neighbour (NEIGHBOUR_MARGIN). The problems, and
+    the figures per layer (relative L2 to its own layer, to the one before and the one after)."""
+    import torch
+
+    errs: dict[int, dict[str, float]] = {}
+    problems = []
+    pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for hs, ids in captured:
+        ref = rec.streams(ids)  # [layers+1, T, H]
+        for j, lid in enumerate(layer_ids):
+            if lid >= num_layers:
+                continue
+            pairs.setdefault(lid, []).append((hs[:, j, :], ref))
+    for lid, items in pairs.items():
+        got = torch.cat([h for h, _ in items])
+
+        def ref_at(k: int, items=items) -> torch.Tensor | None:
+            if not 0 <= k < items[0][1].shape[0]:
+                return None
+            return torch.cat([r[k] for _, r in items])
+
+        own = _rel(got, ref_at(lid))  # type: ignore[arg-type]
+        fig = {"own": round(own, 4)}
+        near = []
+        for name, k in (("before", lid - 1), ("after", lid + 1)):
+            r = ref_at(k)
+            if r is not None:
+                fig[name] = round(_rel(got, r), 4)
+                near.append((name, k, fig[name]))
+        errs[lid] = fig
+        closest = min(near, key=lambda x: x[2], default=None)
+        if own > REL_MAX:
+            problems.append(
+                f"layer {lid}: the captured stream is {own:.3f} (relative L2) from the target's own stream entering "
+                f"layer {lid}, recomputed from its weights (at most {REL_MAX} expected)"
+                + (f"; {closest[2]:.3f} from the one entering layer {closest[1]}" if closest else "")
+            )
+        elif closest is not None and own > NEIGHBOUR_MARGIN * closest[2]:
+            problems.append(
+                f"layer {lid}: the captured stream is {own:.3f} from the target's stream entering layer {lid} but "
+                f"{closest[2]:.3f} from the one entering layer {closest[1]}: not clearly layer {lid}'s input"
+            )
+    return problems, errs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The proof on a running server
+
+
+def proof_prompts(source_dir: Path, max_model_len: int, rows: int = PROOF_ROWS) -> list[list[int]]:
+    """The prompt part (before the first trained token) of `rows` rows spread over the data, at most
+    PROMPT_TOKENS tokens from its start, short enough for ANSWER_TOKENS more within `max_model_len`."""
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(Path(source_dir) / "dataset")).with_format(None)
+    n = len(ds)
+    if not n:
+        raise CaptureError(f"{source_dir}: no rows to prove the capture on")
+    picks = sorted({round(i * (n - 1) / max(rows - 1, 1)) for i in range(min(rows, n))})
+    cap = max(1, min(PROMPT_TOKENS, max_model_len - ANSWER_TOKENS - 1))
+    out = []
+    for i in picks:
+        row = ds[i]
+        ids = list(row["input_ids"])
+        mask = row.get("loss_mask")
+        end = next((t for t, m in enumerate(mask) if m), len(ids)) if mask else len(ids) // 2
+        prompt = ids[: max(1, min(end, cap))]
+        out.append(prompt)
+    return out
+
+
+def _greedy(client, prompt: list[int], timeout_s: float) -> list[int]:
+    """ANSWER_TOKENS greedy tokens for `prompt` from the server, as regeneration asks (no file written, a prefix
+    cache salt of its own), past an end-of-sequence token so the count is fixed."""
+    from eyrie.vllm.plugin import SKIP_HIDDEN_STATES
+    from eyrie.vllm.spec import GENERATION_CACHE_SALT
+
+    body = {
+        "model": "target",
+        "prompt": prompt,
+        "max_tokens": ANSWER_TOKENS,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "cache_salt": GENERATION_CACHE_SALT,
+        "kv_transfer_params": {SKIP_HIDDEN_STATES: True},
+    }
+    r = client.session.post(client.base_url + "/v1/completions", json=body, timeout=timeout_s)
+    if r.status_code != 200:
+        raise CaptureError(f"the capture proof's greedy request was refused: {r.status_code} {r.text[:300]}")
+    tokens = r.json()["choices"][0].get("token_ids")
+    if not tokens:
+        raise CaptureError("the server's greedy answer carries no token ids (return_token_ids needs vLLM >= 0.10.2)")
+    return list(tokens)
+
+
+def _captured(client, ids: list[int], timeout_s: float) -> torch.Tensor:
+    """The server's capture of `ids`, read and removed from staging: [T, n_layers, H] float32."""
+    import torch
+    from safetensors.torch import load_file
+
+    from eyrie.hidden_states.encoding import decode
+    from eyrie.stages.extract.answered import _wait_and_release
+
+    path = client.extract(ids, timeout_s)
+    _wait_and_release(path)
+    try:
+        data = decode(load_file(path), torch.float32)
+    finally:
+        Path(path).unlink(missing_ok=True)
+    if data["token_ids"].tolist() != ids:
+        raise CaptureError("the server's capture is for other token ids than were sent")
+    return data["hidden_states"].float()
+
+
+def judge(ctx: dict, samples: list[tuple[torch.Tensor, list[int], int]], log=print) -> dict:
+    """The proof's verdict on captured samples [(hs [T, n_layers, H], token ids, prompt length)] whose tokens after
+    the prompt are the target's greedy choices; raises CaptureError with every problem, else returns the figures."""
+    import torch
+
+    layer_ids = list(ctx["layer_ids"])
+    L = ctx["num_layers"]
+    problems: list[str] = []
+    figures: dict[str, Any] = {"prompts": len(samples), "answer_tokens": ANSWER_TOKENS, "layer_ids": layer_ids}
+    for n, (hs, _, _) in enumerate(samples):
+        if hs.shape[1] != len(layer_ids):
+            raise CaptureError(f"the capture holds {hs.shape[1]} layers; {len(layer_ids)} ({layer_ids}) were asked for")
+        problems += row_problems(hs, layer_ids, f"proof prompt {n}")
+    # 1. the last layer through the target's own norm and head, against the server's greedy tokens
+    if L not in layer_ids:
+        problems.append(f"layer {L} (the last layer's output) is not captured: the head check needs it")
+    else:
+        last = layer_ids.index(L)
+        rows, tokens = [], []
+        for hs, ids, p in samples:
+            rows.append(hs[p - 1 : len(ids) - 1, last, :])
+            tokens += ids[p:]
+        if len(tokens) < MIN_POSITIONS:
+            problems.append(f"only {len(tokens)} greedy positions to check the last layer on")
+        else:
+            problems += _head_check(ctx, torch.cat(rows), tokens, True, figures, log)
+            figures["head_check"]["reference"] = "the server's own greedy tokens (the proof's answers)"
+    # 2. every aux layer against the target's own first layers, recomputed
+    aux = [i for i in layer_ids if i < L]
+    if aux:
+        try:
+            rec = recomputer(ctx)
+        except Unrecomputable as err:
+            if os.environ.get(AUX_ENV) == "head-only":
+                figures["aux_check"] = {"unproven": aux, "reason": str(err), "allowed_by": f"{AUX_ENV}=head-only"}
+                log(f"warning: aux layers {aux} are not proven ({err}); {AUX_ENV}=head-only accepts that")
+            else:
+                problems.append(
+                    f"aux layers {aux} cannot be proven: {err}. A capture not proven is not trained on: prove it "
+                    f"another way and set {AUX_ENV}=head-only to accept the last layer's head check alone"
+                )
+        else:
+            found, errs = aux_problems([(hs, ids) for hs, ids, _ in samples], layer_ids, L, rec)
+            problems += found
+            figures["aux_check"] = {"recomputed_layers": rec.layers, "relative_l2": errs, "max": REL_MAX}
+    figures["problems"] = problems
+    if problems:
+        raise CaptureError(
+            "the capture proof refuses this server's hidden states: they are not the target's residual stream:\n  - "
+            + "\n  - ".join(problems[:12])
+            + "\nNothing was extracted. Zeros or a wrong layer come from the server's capture (a vLLM version whose "
+            "extraction is wrong for this architecture, or Eyrie's compatibility layer): check `eyrie preflight`'s "
+            "EAGLE-3 path and the server log."
+        )
+    return figures
+
+
+def prove_capture(
+    client, ctx: dict, source_dir: Path, capture_dir: Path, max_model_len: int, timeout_s: float = 600, log=print
+) -> dict:
+    """Run the proof on the server `client` talks to (see the module's docstring). Records the figures (or the
+    problems) in `capture_dir/proof.json`; raises CaptureError on a refusal."""
+    t0 = time.perf_counter()
+    samples = []
+    for prompt in proof_prompts(source_dir, max_model_len):
+        answer = _greedy(client, prompt, timeout_s)
+        ids = prompt + answer
+        samples.append((_captured(client, ids, timeout_s), ids, len(prompt)))
+    served = time.perf_counter() - t0
+    capture_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        figures = judge(ctx, samples, log)
+    except CaptureError as err:
+        atomic_write_json(capture_dir / PROOF, {"passed": False, "reason": str(err)})
+        raise
+    figures.update(passed=True, seconds=round(time.perf_counter() - t0, 2), server_seconds=round(served, 2))
+    atomic_write_json(capture_dir / PROOF, figures)
+    return figures
+
+
+def prove_server(plan, base_url: str, api_key: str | None, timeout_s: float, log=print) -> dict:
+    """The proof for an extraction plan's server at `base_url`: its context is the plan's (`capture/context.json`)."""
+    from eyrie.run.files import read_json
+    from eyrie.vllm.client import ServerClient
+
+    capture_dir = plan.run.extract / FOLDER
+    ctx = read_json(capture_dir / "context.json")
+    if not ctx:
+        raise ConfigError(f"{capture_dir / 'context.json'} is missing: the extraction plan records it")
+    figures = prove_capture(
+        ServerClient(base_url, api_key), ctx, plan.source, capture_dir, plan.spec.max_model_len, timeout_s, log
+    )
+    head = figures.get("head_check", {})
+    aux = figures.get("aux_check", {})
+    log(
+        f"capture proved in {figures['seconds']} s on {figures['prompts']} greedy answers: layer {ctx['num_layers']} "
+        f"through the target's head {head.get('agreement')} (top-1 {head.get('top1')}, at least "
+        f"{GREEDY_MIN_AGREEMENT} within {TIE_NATS} nats); aux layers "
+        + (
+            ", ".join(f"{k}: {v['own']}" for k, v in aux.get("relative_l2", {}).items())
+            if "relative_l2" in aux
+            else f"unproven ({aux.get('reason')})"
+        )
+        + " from the target's own recomputed stream"
+    )
+    return figures

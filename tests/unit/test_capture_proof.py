@@ -1,0 +1,217 @@
+"""The capture proof run on every extraction server (eyrie/hidden_states/proof.py), in process on a tiny Llama: its
+greedy answers and its true residual stream stand for the server's. The true capture passes; each planted wrong one
+(the stream plus the layer's input, an off-by-one layer, zeros, another target's states, a stale shard) is refused,
+naming the layer; a target whose first layers cannot be rebuilt is refused, not passed, unless the run accepts the
+head check alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eyrie.hidden_states import proof
+from eyrie.hidden_states.check import CONTEXT, FOLDER, CaptureError, check_shard
+from eyrie.run.files import atomic_write_json, read_json
+from eyrie.run.folder import RunFolder, sample_path
+from eyrie.stages.prepare import Shard
+
+LAYERS = 4
+CAPTURED = [1, 2, LAYERS]  # two aux layers and the last layer's output (vLLM's id L)
+PROMPTS = 3
+
+
+def _tiny_llama(folder, seed):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+def _streams(model, ids):
+    """[T, L+1, H]: the stream entering each layer, and the last layer's output before the final norm."""
+    seen: list = []
+    hook = model.model.layers[-1].register_forward_hook(lambda m, a, o: seen.append(o))
+    with torch.no_grad():
+        hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    hook.remove()
+    last = seen[0][0] if isinstance(seen[0], tuple) else seen[0]
+    return torch.stack([*(h[0] for h in hs[:LAYERS]), last[0]], dim=1)
+
+
+def _ctx(folder):
+    return {
+        "model": str(folder),
+        "revision": None,
+        "num_layers": LAYERS,
+        "layer_ids": CAPTURED,
+        "verifier_weights": {
+            "embed_tokens.weight": "model.embed_tokens.weight",
+            "model.norm.weight": "model.norm.weight",
+            "lm_head.weight": "lm_head.weight",
+        },
+        "final_norm": "LlamaRMSNorm",
+        "norm_eps": 1e-6,
+    }
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """The tiny target and another one of the same shape (other weights); the proof's samples as the server would
+    capture them: prompts, the target's greedy answers, the true stream at every layer."""
+    folder = tmp_path_factory.mktemp("target")
+    model = _tiny_llama(folder, 0)
+    other = _tiny_llama(tmp_path_factory.mktemp("other"), 1)
+    torch.manual_seed(2)
+    samples = []
+    for i in range(PROMPTS):
+        prompt = torch.randint(3, 256, (1, 6 + 3 * i))
+        with torch.no_grad():
+            out = model.generate(prompt, max_new_tokens=proof.ANSWER_TOKENS, do_sample=False, min_new_tokens=16)
+        ids = out[0].tolist()
+        samples.append((_streams(model, ids), _streams(other, ids), ids, prompt.shape[1]))
+    return folder, samples
+
+
+def _captured(samples, corrupt=None, other=False):
+    """What the server would write for each proof prompt: the captured ids of the stream, in bf16 as stored."""
+    out = []
+    for own, theirs, ids, p in samples:
+        s = (theirs if other else own).clone()
+        if corrupt:
+            s = corrupt(s)
+        out.append((s[:, CAPTURED, :].to(torch.bfloat16).float(), ids, p))
+    return out
+
+
+def test_the_true_capture_is_proved_with_its_figures(target):
+    folder, samples = target
+    figures = proof.judge(_ctx(folder), _captured(samples), log=lambda m: None)
+    assert figures["head_check"]["agreement"] >= 0.95, figures
+    errs = figures["aux_check"]["relative_l2"]
+    assert set(errs) == {1, 2}
+    assert all(e["own"] < 0.02 for e in errs.values()), errs  # bf16 storage of a float32 stream
+    assert all(e["own"] < proof.NEIGHBOUR_MARGIN * min(e["before"], e["after"]) for e in errs.values()), errs
+
+
+def _plus_input(s):  # the stream plus the layer's input, at every id (a contract summed twice)
+    out = s.clone()
+    for k in range(1, LAYERS + 1):
+        out[:, k, :] = s[:, k, :] + s[:, k - 1, :]
+    return out
+
+
+def _aux_plus_input(s):  # the same on one aux layer only: the head check cannot see it
+    s[:, 2, :] = s[:, 2, :] + s[:, 1, :]
+    return s
+
+
+def _aux_off_by_one(s):  # each aux id holds the layer's output (the input of the next): the old worker's shift
+    s[:, 1, :], s[:, 2, :] = s[:, 2, :].clone(), s[:, 3, :].clone()
+    return s
+
+
+def _last_off_by_one(s):
+    s[:, LAYERS, :] = s[:, LAYERS - 1, :]
+    return s
+
+
+def _aux_zeros(s):
+    s[:, 1, :] = 0
+    return s
+
+
+@pytest.mark.parametrize(
+    "corrupt, names",
+    [
+        # at layer 1 the added input (the embedding) is 1/23 of the stream: layers 2 and L name the contract
+        (_plus_input, rf"layer {LAYERS} \(the last layer's output\)(.|\n)*layer 2: the captured stream is"),
+        (_aux_plus_input, r"layer 2: the captured stream is"),
+        (_aux_off_by_one, r"layer 1: .*from the one entering layer 2"),
+        (_last_off_by_one, rf"layer {LAYERS} \(the last layer's output\)"),
+        (_aux_zeros, r"layer 1: \d+ of \d+ rows are all zero"),
+    ],
+    ids=["stream-plus-input", "aux-stream-plus-input", "aux-off-by-one", "last-off-by-one", "zeros"],
+)
+def test_each_planted_wrong_capture_is_refused_naming_the_layer(target, corrupt, names):
+    folder, samples = target
+    with pytest.raises(CaptureError, match=names):
+        proof.judge(_ctx(folder), _captured(samples, corrupt), log=lambda m: None)
+
+
+def test_another_targets_states_are_refused(target):
+    folder, samples = target
+    with pytest.raises(CaptureError) as err:
+        proof.judge(_ctx(folder), _captured(samples, other=True), log=lambda m: None)
+    text = str(err.value)
+    assert "layer 1: the captured stream is" in text and "layer 2: the captured stream is" in text, text
+    assert f"layer {LAYERS} (the last layer's output)" in text, text
+
+
+def test_a_target_that_cannot_be_rebuilt_is_refused_unless_the_head_check_alone_is_accepted(target, monkeypatch):
+    folder, samples = target
+    ctx = {**_ctx(folder), "quantized": True}
+    with pytest.raises(CaptureError, match=r"aux layers \[1, 2\] cannot be proven: the checkpoint is quantized"):
+        proof.judge(ctx, _captured(samples), log=lambda m: None)
+    monkeypatch.setenv(proof.AUX_ENV, "head-only")
+    said: list[str] = []
+    figures = proof.judge(ctx, _captured(samples), log=said.append)
+    assert figures["aux_check"]["unproven"] == [1, 2] and said, figures
+
+
+def test_too_few_greedy_positions_refuse_rather_than_pass(target):
+    folder, samples = target
+    short = [(hs[: p + 1], ids[: p + 1], p) for hs, ids, p in _captured(samples)]  # one answer token each
+    with pytest.raises(CaptureError, match="only 3 greedy positions"):
+        proof.judge(_ctx(folder), short, log=lambda m: None)
+
+
+def test_a_stale_shard_is_refused_though_the_first_shard_was_stale_too(tmp_path, target):
+    """Every shard's aux layers are recomputed from the target's weights: a run whose first shard came from
+    another capture sets no reference a later shard can pass by matching."""
+    from datasets import Dataset
+
+    folder, samples = target
+    run = RunFolder(tmp_path / "run")
+    source = run.prepare
+    rows = [ids for _, _, ids, _ in samples]
+    Dataset.from_dict({"input_ids": rows}).save_to_disk(str(source / "dataset"))
+    atomic_write_json(run.extract / FOLDER / CONTEXT, _ctx(folder))
+    shards = [Shard(0, 0, 1, "a", 0), Shard(1, 1, PROMPTS, "b", 0)]
+    sample_path(run.hidden_states, 0).parent.mkdir(parents=True, exist_ok=True)
+    for i, (own, _, ids, _) in enumerate(samples):
+        stale = _aux_off_by_one(own.clone())  # both shards written by a capture shifted by one layer
+        hs = stale[:, CAPTURED, :].to(torch.bfloat16).contiguous()
+        save_file({"hidden_states": hs, "token_ids": torch.tensor(ids)}, str(sample_path(run.hidden_states, i)))
+    for shard in shards:
+        with pytest.raises(CaptureError, match=r"layer 1: .*from the one entering layer 2"):
+            check_shard(run.hidden_states, run.shard_manifests / f"{shard.name}.json", source, shard, log=print)
+    assert not (run.extract / FOLDER / "baseline.json").exists()
+    assert read_json(run.extract / FOLDER / "shard-00001.json")["problems"]
+
+
+def test_the_proof_prompts_are_the_datas_prompts_within_the_context(tmp_path):
+    from datasets import Dataset
+
+    rows = [list(range(10, 10 + n)) for n in (40, 300, 50, 60)]
+    masks = [[0] * 12 + [1] * (len(r) - 12) for r in rows]
+    Dataset.from_dict({"input_ids": rows, "loss_mask": masks}).save_to_disk(str(tmp_path / "dataset"))
+    prompts = proof.proof_prompts(tmp_path, max_model_len=64)
+    assert prompts == [rows[0][:12], rows[1][:12], rows[3][:12]]
+    masks[1] = [0] * 300
+    Dataset.from_dict({"input_ids": rows, "loss_mask": masks}).save_to_disk(str(tmp_path / "d2" / "dataset"))
+    long = proof.proof_prompts(tmp_path / "d2", max_model_len=64, rows=4)
+    assert len(long[1]) == 64 - proof.ANSWER_TOKENS - 1  # room for the answer and one more
