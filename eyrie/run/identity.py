@@ -25,7 +25,7 @@ refuses a folder of another format, saying what to do).
 from __future__ import annotations
 
 import hashlib
-import struct
+import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from importlib import metadata
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from eyrie import FORMAT_VERSION
-from eyrie.run.files import sha256_file, sha256_json
+from eyrie.run.files import atomic_write_json, read_json, sha256_json
 
 # ---------------------------------------------------------------------------------------------------------------
 # The declaration
@@ -54,13 +54,19 @@ class Inputs:
     # Whole config sections, every field of them counting as it is: for a check's verdict (`VERDICTS`), which reads
     # most of each section it looks at, so that a field it reads can never be left out of its key.
     sections: tuple[str, ...] = ()
+    # What a vLLM server computes also depends on the variables it inherits (`output_environment`: the child
+    # allow-list's computing libraries, less the scheduling-only ones); True where a server computes the output.
+    environment: bool = False
 
 
 FILE_KINDS = {
-    "target": "the target's weights (each file's header, size and sampled data), config.json and its own Python "
-    "code; a hub target: the commit its revision is pinned to",
-    "tokenizer": "the target's tokenizer and processor files (every file of the folder that is no weight, no model "
-    "or generation config and no documentation); a hub target: its pinned commit",
+    "target": "the target's weights (each file by its whole content, `file_digest`), config.json and its own Python "
+    "model code; a hub target: the commit its revision is pinned to",
+    "tokenizer": "the target's tokenizer and processor files, chat template included (every file of the folder that "
+    "is no weight, no model or generation config and no documentation: tokenizer_config.json, "
+    "chat_template.jinja/.json, vocabularies...) and their own Python code (`code_kinds`: the modules a "
+    "tokenizer or processor config's auto_map names or transformers' file names mark as such, and the folder's "
+    "modules they import); a hub target: its pinned commit",
     "generation_config": "the target's generation_config.json (vLLM's default sampling parameters and end tokens)",
     "drafter": "a drafter's weights and config (a warm start's base, a served drafter)",
 }
@@ -115,6 +121,7 @@ STAGES: dict[str, Inputs] = {
         ),
         upstream=("shard", "template"),
         files=("target", "tokenizer", "generation_config"),
+        environment=True,
     ),
     "regenerate": Inputs(config=("regenerate.length_capped",), upstream=("shards",)),
     # One shard's hidden states, by content: what the target computes (weights, dtype, output-shaping arguments),
@@ -128,6 +135,7 @@ STAGES: dict[str, Inputs] = {
         ),
         upstream=("captured", "shard"),
         files=("target",),
+        environment=True,
     ),
     # The same hidden states as laid out on disk (a shard's manifest): a change of layout repacks or extracts
     # again, and changes nothing downstream.
@@ -201,27 +209,30 @@ STAGES: dict[str, Inputs] = {
             "evaluate.num_speculative_tokens",
         ),
         upstream=("spec",),
-        files=("target", "drafter"),
+        files=("target", "tokenizer", "generation_config", "drafter"),
         versions=("vllm",),
         from_spec=True,
         outputs_only=True,
+        environment=True,
     ),
     # Servers: whether a running one may be reused (eyrie.vllm.process.VllmServer.ensure): started alike.
     "server.extraction": Inputs(
         config=(*_SERVER_COMMON, "extraction.hidden_states_dtype"),
         upstream=("spec",),
-        files=("target",),
+        files=("target", "tokenizer", "generation_config"),
         versions=("vllm",),
         from_spec=True,
         outputs_only=False,
+        environment=True,
     ),
     "server.serving": Inputs(
         config=(*_SERVER_COMMON, "evaluate.num_speculative_tokens"),
         upstream=("spec",),
-        files=("target", "drafter"),
+        files=("target", "tokenizer", "generation_config", "drafter"),
         versions=("vllm",),
         from_spec=True,
         outputs_only=False,
+        environment=True,
     ),
 }
 
@@ -264,6 +275,7 @@ NOT_SHAPING: dict[str, str] = {
     "anew; the trainer warns)",
     "train.device": "where to train: a change resumes (the trainer warns)",
     "train.log_every_steps": "logging",
+    "train.loggers": "where the metrics are also sent",
     "train.still_improving_warning": "a warning's threshold, recomputed from the saved validation history",
     "train.hidden_states": "where the same hidden states are read from (files, or the server online)",
     "evaluate.max_train_serve_gap": "the report's flag threshold",
@@ -343,8 +355,85 @@ SCHEDULING_ENV = frozenset(
         "TORCHINDUCTOR_CACHE_DIR",
         "HF_HOME",
         "HF_HUB_OFFLINE",
+        # Set by vLLM's own import in the process that imports it (so also in the flow): threads, caches, how CUDA
+        # is probed; none of them changes a value computed.
+        "TORCHINDUCTOR_COMPILE_THREADS",
+        "TORCHINDUCTOR_CPP_DYNAMIC_THREADS",
+        "PYTORCH_NVML_BASED_CUDA_CHECK",
+        "TRITON_CACHE_AUTOTUNING",
+        "TRITON_CACHE_DIR",
+        "TOKENIZERS_PARALLELISM",
+        "MKL_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "KMP_AFFINITY",
+        "KMP_BLOCKTIME",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "CUDA_DEVICE_ORDER",
+        "CUDA_MODULE_LOADING",
+        "NCCL_DEBUG",
+        "NCCL_SOCKET_IFNAME",
+        "VLLM_RPC_BASE_PATH",
+        "VLLM_USAGE_SOURCE",
+        "VLLM_ENABLE_V1_MULTIPROCESSING",
     }
 )
+
+# The variables a server inherits (the child allow-list, `eyrie.run.environment`) under these prefixes are read by
+# the libraries that compute its outputs (vLLM, torch and its compilers, the accelerator's libraries, the tokenizer
+# and math libraries): each counts, unless named in SCHEDULING_ENV (an unknown one counts, as an unknown flag does).
+OUTPUT_ENV_PREFIXES = (
+    "VLLM_",
+    "TORCH",
+    "PYTORCH_",
+    "TRITON_",
+    "CUDA_",
+    "CUBLAS",
+    "CUDNN_",
+    "NVTE_",
+    "NCCL_",
+    "NVSHMEM_",
+    "ROCM_",
+    "HIP_",
+    "HSA_",
+    "TRANSFORMERS_",
+    "TOKENIZERS_",
+    "SAFETENSORS_",
+    "ATEN_",
+    "OMP_",
+    "KMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "ONEDNN_",
+    "DNNL_",
+)
+# The rest of the allow-list, each with why it shapes no output: `tests/unit/test_identity.py` checks that every
+# prefix of `eyrie.run.environment.PREFIXES` is in one of the two.
+PROCESS_ENV_PREFIXES: dict[str, str] = {
+    "NVIDIA_": "the container runtime's device selection (NVIDIA_VISIBLE_DEVICES), not what a device computes",
+    "UCX_": "a fabric's transport settings: how bytes move between nodes",
+    "FI_": "a fabric's transport settings: how bytes move between nodes",
+    "GLOO_": "the CPU collective backend's transport",
+    "HF_": "where the hub's files are cached and how they are fetched: the files enter by content",
+    "HUGGINGFACE_": "where the hub's files are cached and how they are fetched: the files enter by content",
+    "PYTHON": "the interpreter's switches (bytecode, buffering, paths)",
+    "LD_": "the loader's search path",
+    "LC_": "the locale",
+    "XDG_": "where caches and configuration live",
+    "SLURM_": "the job scheduler's description of the allocation",
+    "COVERAGE_": "test coverage",
+    "EYRIE_": "Eyrie's own switches: what reaches a server's outputs is in its spec (`server_env`)",
+}
+
+
+def output_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The inherited variables that shape what a server computes: the child allow-list's variables
+    (`eyrie.run.environment.child_environment`, without a spec's own `server_env`) under `OUTPUT_ENV_PREFIXES`,
+    less SCHEDULING_ENV. A variable such as VLLM_ATTENTION_BACKEND exported in the shell that starts the flow is
+    in the keys of what the servers compute, as it is when given in `extraction.server_env`."""
+    from eyrie.run.environment import child_environment
+
+    env = child_environment(environ=environ)
+    return {k: v for k, v in sorted(env.items()) if k.startswith(OUTPUT_ENV_PREFIXES) and k not in SCHEDULING_ENV}
 
 
 def output_server_args(args: list[str], dropped: Collection[str] = SCHEDULING_FLAGS) -> list[str]:
@@ -405,6 +494,8 @@ def key(stage: str, config, files: dict[str, Any], **upstream: Any) -> str:
     if decl.sections:
         body["sections"] = {s: config_value(config, s) for s in decl.sections}
     body["versions"] = {d: installed_version(d) for d in decl.versions}
+    if decl.environment:
+        body["environment"] = output_environment()
     return sha256_json(body)[:16]
 
 
@@ -419,93 +510,254 @@ def installed_version(dist: str) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# File identities
+# File identities: every file by its whole content, each version of it read once
 
-SAMPLES_PER_FILE = 16  # evenly spaced 64 KiB reads of each weight file's data
-SAMPLE_BYTES = 1 << 16
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
 MODEL_CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 DOC_SUFFIXES = (".md", ".png", ".jpg", ".jpeg", ".gif", ".svg", ".pdf")
 DOC_STEMS = ("readme", "license", "licence", "notice", "use_policy", "copying")
+# Python files of a model folder that are tokenizer or processor code by transformers' naming (the modules an
+# auto_map names count whatever their name, `tokenizer_modules`).
+TOKENIZER_CODE_PREFIXES = (
+    "tokenization_",
+    "processing_",
+    "image_processing_",
+    "video_processing_",
+    "feature_extraction_",
+)
+MODEL_CODE_PREFIXES = ("modeling_", "configuration_")
+
+# Where whole-file digests are kept between processes: one small JSON file per file version, named by the file's
+# (device, inode, size, mtime, ctime). Under the user's cache home, not a run folder: identities are computed where
+# no run folder is known (a server's fingerprint, preflight), and a target shared by many runs is read once for all
+# of them. $EYRIE_DIGEST_STORE names another folder; set empty, nothing is kept (each process hashes again).
+DIGEST_STORE_ENV = "EYRIE_DIGEST_STORE"
+STORE_MIN_BYTES = 16 << 20  # smaller files are hashed again by each process (milliseconds), and not kept
+HASH_BUFFER = 16 << 20
 
 _CACHE: dict[tuple, str] = {}
 
 
-def _stat_key(path: Path) -> tuple:
+def _version(st: os.stat_result) -> tuple:
+    """One version of a file: a rewrite in place changes mtime and ctime (ctime even under a restored mtime), a
+    replacement the inode."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def digest_store() -> Path | None:
+    value = os.environ.get(DIGEST_STORE_ENV)
+    if value is not None:
+        return Path(value).expanduser() if value else None
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "eyrie" / "digests"
+
+
+def hash_algorithm() -> str:
+    """blake3 when installed (vLLM requires it; several times sha256's speed, on several threads), else sha256.
+    The name is part of every digest, so two environments never take each other's digests for their own."""
+    try:
+        import blake3  # noqa: F401
+    except ImportError:
+        return "sha256"
+    return "blake3"
+
+
+def _hash_whole(path: Path, algorithm: str) -> str:
+    if algorithm == "blake3":
+        import blake3
+
+        h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        if path.stat().st_size:
+            h.update_mmap(str(path))
+        return h.hexdigest()
+    sha = hashlib.sha256()
+    buf = bytearray(HASH_BUFFER)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            sha.update(view[:n])
+    return sha.hexdigest()
+
+
+def _entry(store: Path, version: tuple, algorithm: str) -> Path:
+    name = sha256_json([algorithm, *version])[:40]
+    return store / name[:2] / f"{name}.json"
+
+
+def file_digest(path: Path) -> str:
+    """`path`'s identity: a hash of its whole content (`hash_algorithm`), so that any changed byte (a few rows of
+    an embedding) changes it. Computed once per file version (`_version`): kept in this process, and for files of
+    STORE_MIN_BYTES or more in the digest store (`digest_store`), so a checkpoint of hundreds of GB is read once per
+    version, not once per run or per process. A file that changed while it was read is hashed, not kept."""
     st = path.stat()
-    return (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    algorithm = hash_algorithm()
+    version = _version(st)
+    memo = (algorithm, *version)
+    if memo in _CACHE:
+        return _CACHE[memo]
+    store = digest_store() if st.st_size >= STORE_MIN_BYTES else None
+    entry = _entry(store, version, algorithm) if store is not None else None
+    if entry is not None:
+        kept = read_json(entry)
+        if isinstance(kept, dict) and kept.get("version") == list(version) and isinstance(kept.get("digest"), str):
+            _CACHE[memo] = kept["digest"]
+            return kept["digest"]
+    digest = f"{algorithm}:{_hash_whole(path, algorithm)[:32]}"
+    if _version(path.stat()) != version:
+        return digest  # written to while read: not this version's digest, and not kept
+    _CACHE[memo] = digest
+    if entry is not None:
+        try:
+            atomic_write_json(entry, {"version": list(version), "digest": digest, "path": str(path.resolve())})
+        except OSError:
+            pass  # a read-only cache home: hashed again by the next process
+    return digest
 
 
 def sampled_fingerprint(path: Path) -> str:
-    """A weight file's identity without reading it all: a safetensors file's header (every tensor's name, dtype,
-    shape and offset), its size, and 16 evenly spaced 64 KiB samples of its data (1 MiB per file, so a fine-tune of
-    the same architecture, which changes nearly every weight, gets a new identity; hashing terabytes would take
-    hours). Cached per process by the file's stat."""
-    sk = ("weights", *_stat_key(path))
-    if sk in _CACHE:
-        return _CACHE[sk]
-    h = hashlib.sha256()
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        start = 0
-        if path.suffix == ".safetensors":
-            head = f.read(8)
-            (header_len,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
-            header_len = min(header_len, max(size - 8, 0))
-            h.update(head + f.read(header_len))
-            start = 8 + header_len
-        h.update(str(size).encode())
-        span = max(size - start - SAMPLE_BYTES, 0)
-        for i in range(SAMPLES_PER_FILE):
-            f.seek(start + span * i // max(SAMPLES_PER_FILE - 1, 1))
-            h.update(f.read(SAMPLE_BYTES))
-    _CACHE[sk] = h.hexdigest()[:16]
-    return _CACHE[sk]
+    """A weight file's identity: its whole content (`file_digest`). It once sampled 1 MiB of each file, and an edit
+    of a few embedding rows kept every key; the name stays for its callers."""
+    return file_digest(path)
 
 
-def _whole(path: Path) -> str:
-    sk = ("file", *_stat_key(path))
-    if sk not in _CACHE:
-        _CACHE[sk] = sha256_file(path)
-    return _CACHE[sk]
+def _module(rel: Path) -> str | None:
+    """The importable name of a Python file at the top of a model folder (where transformers loads remote code
+    from), else None."""
+    return rel.stem if rel.suffix == ".py" and len(rel.parts) == 1 else None
 
 
-def classify(rel: Path) -> str | None:
-    """Which identity a file of a model folder belongs to: target, generation_config, tokenizer, or None
-    (documentation, hidden files, bytecode)."""
+def _local_imports(source: Path, modules: Collection[str]) -> set[str]:
+    """The folder's own modules that `source` imports (`from .x import`, `import x`, `from x import`)."""
+    import ast
+
+    try:
+        tree = ast.parse(source.read_text(errors="replace"))
+    except (OSError, SyntaxError, ValueError):
+        return set()
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module.split(".")[0]]
+        elif isinstance(node, ast.ImportFrom):  # `from . import x`
+            names = [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name.split(".")[0] for a in node.names]
+        found.update(n for n in names if n in modules)
+    return found
+
+
+def _closure(folder: Path, roots: set[str], modules: Collection[str]) -> set[str]:
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        m = todo.pop()
+        if m in seen or m not in modules:
+            continue
+        seen.add(m)
+        todo.extend(_local_imports(folder / f"{m}.py", modules))
+    return seen
+
+
+TOKENIZER_AUTO_CLASSES = ("AutoTokenizer", "AutoProcessor", "AutoImageProcessor", "AutoFeatureExtractor", "AutoVideo")
+
+
+def _auto_map_modules(config: Path) -> tuple[set[str], set[str]]:
+    """The modules a config's `auto_map` names (`"AutoTokenizer": ["tokenization_x.XTokenizer", null]`,
+    `"AutoModel": "modeling_x.XModel"`, or with a repo prefix `org/repo--modeling_x.XModel`): those of the tokenizer
+    and processor classes, and the others (the model's)."""
+    raw = read_json(config)
+    auto_map = raw.get("auto_map") if isinstance(raw, dict) else None
+    tokenizer: set[str] = set()
+    model: set[str] = set()
+    for auto, value in auto_map.items() if isinstance(auto_map, dict) else ():
+        for ref in value if isinstance(value, list) else [value]:
+            if isinstance(ref, str) and "." in ref:
+                (tokenizer if auto.startswith(TOKENIZER_AUTO_CLASSES) else model).add(ref.split("--")[-1].split(".")[0])
+    return tokenizer, model
+
+
+def code_kinds(folder: Path, files: Collection[Path]) -> dict[str, frozenset[str]]:
+    """Which identity each of the folder's own Python modules belongs to: `tokenizer` for the tokenizer's and
+    processor's code (the modules an auto_map names for a tokenizer or processor class, or named as transformers
+    names such code, and the folder's modules they import), `target` for the rest (the model's code and whatever
+    else, counted as the model's: a wrong guess costs a recompute); a module both import belongs to both."""
+    modules = {m: rel for rel in files if (m := _module(rel))}
+    tokenizer_roots = {m for m in modules if m.startswith(TOKENIZER_CODE_PREFIXES)}
+    model_roots = {m for m in modules if m.startswith(MODEL_CODE_PREFIXES)}
+    for rel in files:
+        if rel.suffix == ".json" and len(rel.parts) == 1 and _file_kind(rel) is not None:
+            tok, mod = _auto_map_modules(folder / rel)
+            tokenizer_roots |= tok
+            model_roots |= mod
+    tokenizer = _closure(folder, tokenizer_roots, modules)
+    model = _closure(folder, model_roots - tokenizer_roots, modules)
+    return {
+        m: frozenset({"tokenizer"} if m in tokenizer else set())
+        | frozenset({"target"} if m not in tokenizer or m in model else set())
+        for m in modules
+    }
+
+
+def _file_kind(rel: Path) -> str | None:
     name = rel.name.lower()
     if any(p.startswith(".") or p == "__pycache__" for p in rel.parts) or name.endswith((".pyc", ".pyo")):
         return None  # hidden files, and bytecode Python compiled from the folder's own code (counted as source)
     if name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json") or name == MODEL_CONFIG or name.endswith(".py"):
-        return "target"  # the weights, the model's config, its own code
+        return "target"  # the weights, the model's config, its own code (`code_kinds` sorts the code)
     if name == GENERATION_CONFIG:
         return "generation_config"
     if name.endswith(DOC_SUFFIXES) or name.split(".")[0] in DOC_STEMS:
         return None
-    return "tokenizer"
+    return "tokenizer"  # tokenizer and processor files: tokenizer_config.json (and the chat template in it),
+    # chat_template.jinja/.json, vocabularies, merges, special tokens, preprocessor configs
+
+
+def classify(rel: Path, code: dict[str, frozenset[str]] | None = None) -> frozenset[str]:
+    """Which identities a file of a model folder belongs to (`FILE_KINDS`: target, tokenizer, generation_config;
+    none for documentation, hidden files and bytecode). `code`: `code_kinds` of the folder, for its Python files
+    (without it, Python counts as the target's)."""
+    kind = _file_kind(rel)
+    if kind is None:
+        return frozenset()
+    module = _module(rel)
+    if module is not None and code is not None and module in code:
+        return code[module]
+    return frozenset({kind})
+
+
+_CODE_KINDS: dict[tuple, dict[str, frozenset[str]]] = {}
+
+
+def _code_kinds_cached(folder: Path, files: list[Path]) -> dict[str, frozenset[str]]:
+    """`code_kinds`, kept in this process while the folder's Python and JSON files are the same versions (a run
+    computes hundreds of keys)."""
+    read = tuple(
+        (rel.as_posix(), _version((folder / rel).stat()))
+        for rel in files
+        if len(rel.parts) == 1 and rel.suffix in (".py", ".json")
+    )
+    memo = (str(folder.resolve()), read)
+    if memo not in _CODE_KINDS:
+        _CODE_KINDS[memo] = code_kinds(folder, files)
+    return _CODE_KINDS[memo]
 
 
 def folder_identity(folder: Path, kind: str) -> list:
-    out = []
-    for p in sorted(folder.rglob("*")):
-        if not p.is_file():
-            continue
-        rel = p.relative_to(folder)
-        if classify(rel) != kind:
-            continue
-        heavy = p.name.lower().endswith(WEIGHT_SUFFIXES)
-        out.append((rel.as_posix(), sampled_fingerprint(p) if heavy else _whole(p)))
-    return out
+    """The identity of one kind of a local model folder's files (`FILE_KINDS`): each file's relative path and
+    whole-content digest."""
+    files = [p.relative_to(folder) for p in sorted(folder.rglob("*")) if p.is_file()]
+    code = _code_kinds_cached(folder, files)
+    return [(rel.as_posix(), file_digest(folder / rel)) for rel in files if kind in classify(rel, code)]
 
 
 def drafter_identity(drafter: str | Path | None) -> list | None:
-    """A drafter folder's weights (sampled) and config (whole); None for no drafter."""
+    """A drafter folder's weights and config, each by its whole content; None for no drafter."""
     if drafter is None:
         return None
     folder = Path(drafter)
     return [
-        (p.relative_to(folder).as_posix(), sampled_fingerprint(p) if p.suffix in WEIGHT_SUFFIXES else _whole(p))
+        (p.relative_to(folder).as_posix(), file_digest(p))
         for p in sorted(folder.rglob("*"))
         if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name == MODEL_CONFIG)
     ]

@@ -105,7 +105,9 @@ class ServerSpec:
     def fingerprint(self) -> str:
         """What makes two servers interchangeable (`eyrie.run.identity.STAGES["server.*"]`): every setting it is
         started with but the port (never the key's value), the target's identity (its weights at that path, or the
-        hub commit), the drafter's content (a re-export at the same path is another server) and the vLLM version."""
+        hub commit), its tokenizer files and code with the chat template, its generation_config.json, the
+        output-shaping variables it inherits (`eyrie.run.identity.output_environment`), the drafter's content (a
+        re-export at the same path is another server) and the vLLM version."""
         from eyrie.target.metadata import stage_key
 
         d = asdict(self)
@@ -115,10 +117,13 @@ class ServerSpec:
 
     def output_identity(self) -> str:
         """What this server computes, for the keys of what it measures or proves (evaluation, export): the target's
-        identity and dtype, the context limit, what it drafts with (the drafter's content, draft tokens) or
-        captures, the output-shaping server arguments and environment (`eyrie.run.identity.output_server_args`:
-        not scheduling-only ones such as --max-num-seqs), and the vLLM version. Not the host, port, key,
-        parallelism or memory settings."""
+        identity and dtype, its tokenizer files and code, chat template and generation_config.json (the prompts a
+        chat request renders, the default sampling and end tokens), the context limit, what it drafts with (the
+        drafter's content, draft tokens) or captures, the output-shaping server arguments and environment, its
+        own (`eyrie.run.identity.output_server_args`, `output_server_env`: not scheduling-only ones such as
+        --max-num-seqs) and inherited (`output_environment`: VLLM_ATTENTION_BACKEND exported in the shell), and the
+        vLLM version. Not the host, port, key, parallelism or memory settings. A change of any of them gives the
+        current drafter's measurement a new key, so it is measured again before a promotion compares with it."""
         from eyrie.run.identity import output_server_args, output_server_env
         from eyrie.target.metadata import stage_key
 

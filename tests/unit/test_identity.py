@@ -6,6 +6,7 @@ a drafter's weights), and computes every stage's key through the stage's own key
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import types
@@ -96,6 +97,7 @@ SPECIAL: dict[str, list] = {
     "data.revision": ["v1"],
     "data.max_samples": [7],
     "train.mask_token_id": [5],
+    "train.loggers": [["tensorboard"]],
     "evaluate.sweep_draft_tokens": [4],
     "evaluate.throughput_concurrency": [[2]],
     "evaluate.prompt_sets": [[{"name": "mt", "path": "/prompts/mt.jsonl"}]],
@@ -200,19 +202,44 @@ def _rewrite(path: Path, data: bytes) -> None:
 def test_each_input_file_changes_exactly_the_keys_that_read_it(world):
     tmp_path, target, data, drafter, base = world
     config = parse_config(base)
-    before = all_keys(config, drafter)
 
     def flip(path: Path) -> bytes:
         raw = path.read_bytes()
         mid = len(raw) - 1000  # inside the tensor data: the header and the size stay
         return raw[:mid] + bytes([raw[mid] ^ 0xFF]) + raw[mid + 1 :]
 
+    # The target's own code: a tokenizer module (named by tokenizer_config.json's auto_map, and by its file name), a
+    # helper only it imports, and the model's code. Written before the keys are taken.
+    (target / "tokenization_tiny.py").write_text("from .tiny_vocab import VOCAB\n")
+    (target / "tiny_vocab.py").write_text("VOCAB = {}\n")
+    (target / "modeling_tiny.py").write_text("class TinyModel: ...\n")
+    (target / "chat_template.json").write_text('{"chat_template": "{{ messages }}"}')
+    tok_config = target / "tokenizer_config.json"
+    raw = json.loads(tok_config.read_text())
+    tok_config.write_text(json.dumps({**raw, "auto_map": {"AutoTokenizer": ["tokenization_tiny.TinyTokenizer", None]}}))
+    before = all_keys(config, drafter)
     cases = {
-        "target": [(target / "model.safetensors", flip), (target / "config.json", None)],
-        "tokenizer": [(target / "tokenizer.json", None), (target / "chat_template.jinja", None)],
+        "target": [
+            (target / "model.safetensors", flip),
+            (target / "config.json", None),
+            (target / "modeling_tiny.py", None),
+        ],
+        "tokenizer": [
+            (target / "tokenizer.json", None),
+            (target / "chat_template.jinja", None),
+            (target / "chat_template.json", None),
+            (target / "tokenizer_config.json", None),  # the chat template it holds
+            (target / "tokenization_tiny.py", None),
+            (target / "tiny_vocab.py", None),
+        ],
         "generation_config": [(target / "generation_config.json", None)],
         "drafter": [(drafter / "model.safetensors", flip)],
     }
+    # What a server computes is its whole identity: a running server, and the measurements and proofs made on one,
+    # are not reused after its tokenizer (code and chat template included) or generation config changed.
+    servers = {"server.outputs", "server.serving", "server.extraction"}
+    for kind in ("tokenizer", "generation_config"):
+        assert servers <= {s for s, d in STAGES.items() if kind in d.files}, kind
     for kind, files in cases.items():
         want = {s for s, d in STAGES.items() if kind in d.files}
         assert want, kind
@@ -347,3 +374,99 @@ def test_status_of_an_older_format_run_folder_says_what_to_do(tmp_path):
     status = run_status(run)
     assert status["stages"]["vocab"] == f"format {FORMAT_VERSION - 1}: not reused by this Eyrie"
     assert "use a new --run-dir" in format_status(status)
+
+
+def test_each_inherited_output_variable_changes_exactly_the_keys_of_what_servers_compute(world, monkeypatch):
+    """A variable exported in the shell that starts the flow reaches every server (the child allow-list): one that
+    changes what vLLM computes (an attention backend) changes the keys declaring the environment, and so the
+    current drafter's measurement is taken again; a scheduling-only one (named in SCHEDULING_ENV) or one of the
+    process (the job scheduler's) changes none."""
+    from eyrie.run.identity import SCHEDULING_ENV
+
+    tmp_path, target, data, drafter, base = world
+    config = parse_config(base)
+    want = {s for s, d in STAGES.items() if d.environment}
+    assert {"server.outputs", "server.serving", "server.extraction", "extract", "regenerate.shard"} <= want
+    for name in ("VLLM_ATTENTION_BACKEND", "VLLM_LOGGING_LEVEL", "SLURM_JOB_ID", "TORCHINDUCTOR_COMPILE_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    before = all_keys(config, drafter)
+    current = ServerSpec.for_serving(config, str(drafter)).output_identity()
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "FLEX_ATTENTION")
+    after = all_keys(config, drafter)
+    assert {s for s in STAGES if after[s] != before[s]} == want
+    # The current drafter's measurement keys on its server's outputs: measured again before a promotion compares.
+    assert ServerSpec.for_serving(config, str(drafter)).output_identity() != current
+    assert evaluate_key(config, "current", "d", [], current) != evaluate_key(
+        config, "current", "d", [], ServerSpec.for_serving(config, str(drafter)).output_identity()
+    )
+    monkeypatch.delenv("VLLM_ATTENTION_BACKEND")
+    # vLLM's own import sets TORCHINDUCTOR_COMPILE_THREADS in the process that imports it: scheduling, no key moves
+    assert "TORCHINDUCTOR_COMPILE_THREADS" in SCHEDULING_ENV
+    for name, value in (("VLLM_LOGGING_LEVEL", "DEBUG"), ("SLURM_JOB_ID", "7"), ("TORCHINDUCTOR_COMPILE_THREADS", "1")):
+        monkeypatch.setenv(name, value)
+    assert all_keys(config, drafter) == before
+
+
+def test_every_inherited_prefix_is_declared_as_shaping_outputs_or_not():
+    from eyrie.run.environment import PREFIXES
+    from eyrie.run.identity import OUTPUT_ENV_PREFIXES, PROCESS_ENV_PREFIXES
+
+    assert not set(OUTPUT_ENV_PREFIXES) & set(PROCESS_ENV_PREFIXES)
+    missing = set(PREFIXES) - set(OUTPUT_ENV_PREFIXES) - set(PROCESS_ENV_PREFIXES)
+    assert not missing, f"allow-listed prefixes with no declaration in eyrie.run.identity: {sorted(missing)}"
+
+
+def _weights(path: Path, mib: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"embed": torch.arange(mib * (1 << 18), dtype=torch.float32)}, str(path))
+
+
+def test_a_few_changed_embedding_rows_change_the_targets_identity(tmp_path, tiny_llama):
+    """An edit of a few rows, anywhere in a weight file (here between where a sampled identity would read), with
+    its size and header unchanged, gives the target a new identity and every key reading it a new key."""
+    from eyrie.config import TargetConfig
+    from eyrie.target.metadata import target_identity
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_llama, target)
+    weights = target / "model-00002.safetensors"
+    _weights(weights, 8)
+    before = target_identity(TargetConfig(model=str(target)))
+    raw = bytearray(weights.read_bytes())
+    at = len(raw) // 30  # between the first and second of 16 evenly spaced samples
+    raw[at : at + 64] = bytes(64)
+    _rewrite(weights, bytes(raw))
+    assert target_identity(TargetConfig(model=str(target))) != before
+
+
+def test_a_weight_file_version_is_read_once_across_processes(tmp_path, monkeypatch):
+    """The whole-content digest of a large file is kept in the digest store by its (device, inode, size, mtime,
+    ctime): a new process (the in-process memo cleared) takes it from there without reading the file; a rewrite
+    (even one that restores the mtime) is read again."""
+    from eyrie.run import identity
+
+    monkeypatch.setenv(identity.DIGEST_STORE_ENV, str(tmp_path / "digests"))
+    monkeypatch.setattr(identity, "STORE_MIN_BYTES", 1 << 20)
+    weights = tmp_path / "model.safetensors"
+    _weights(weights, 2)
+    reads = []
+    real = identity._hash_whole
+    monkeypatch.setattr(identity, "_hash_whole", lambda p, a: reads.append(p) or real(p, a))
+    first = identity.file_digest(weights)
+    assert len(reads) == 1 and list((tmp_path / "digests").rglob("*.json"))
+    identity._CACHE.clear()  # a new process
+    assert identity.file_digest(weights) == first and len(reads) == 1
+    st = weights.stat()
+    raw = bytearray(weights.read_bytes())
+    raw[-10] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))  # the old mtime back: the ctime still moved
+    identity._CACHE.clear()
+    assert identity.file_digest(weights) != first and len(reads) == 2
+    small = tmp_path / "config.json"  # below STORE_MIN_BYTES: hashed by each process, not kept
+    small.write_text("{}")
+    kept = set((tmp_path / "digests").rglob("*.json"))
+    identity.file_digest(small)
+    assert set((tmp_path / "digests").rglob("*.json")) == kept
