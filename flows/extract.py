@@ -91,6 +91,7 @@ def _extract(
             rehash_changed=rehash,
             hidden_states_dtype=plan.hidden_states_dtype,
             storage=plan.storage,
+            sample_key=plan.sample_key,
         )
         for s in plan.shards
         if s.name in pending

@@ -32,6 +32,7 @@ class ExtractShardJob:
     rehash_changed: bool = True
     hidden_states_dtype: str = "bfloat16"
     storage: str = "files"
+    sample_key: str | None = None  # what each file records it was made under (eyrie.stages.extract.plan.sample_key)
 
 
 def _worth_retrying(task, task_run, state) -> bool:
@@ -80,6 +81,7 @@ def extract_shard_task(job: ExtractShardJob, base_url: str | None) -> dict:
         rehash_changed=job.rehash_changed,
         hidden_states_dtype=job.hidden_states_dtype,
         storage=job.storage,
+        sample_key=job.sample_key,
     )
     log.info(f"{job.shard.name}: {manifest['extracted_samples']} extracted, {manifest['reused_samples']} reused")
     return {k: v for k, v in manifest.items() if k != "files"}

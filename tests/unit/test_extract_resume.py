@@ -6,15 +6,19 @@ Prefect."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import shutil
 from pathlib import Path
 
 import pytest
 from conftest import config_dict
+from safetensors.torch import load_file, save_file
 from test_extract_unit import HIDDEN, LAYERS, FakeClient, prepared  # noqa: F401 (prepared: a fixture)
 
 import eyrie.stages.extract.shard
 from eyrie.config import PipelineConfig
+from eyrie.hidden_states.keyed import file_key
 from eyrie.hidden_states.packs import PACKED, pack_name
 from eyrie.run.files import read_json
 from eyrie.run.folder import RunFolder, sample_path
@@ -63,6 +67,7 @@ def _extract(plan: ExtractionPlan, shard, client) -> dict:
         concurrency=3,
         log=lambda *_: None,
         storage=plan.storage,
+        sample_key=plan.sample_key,  # as the flow's job passes it
     )
 
 
@@ -145,3 +150,86 @@ def test_kept_files_reach_the_disk_before_the_manifest_vouches_for_them(prepared
     at = {e: n for n, e in enumerate(events)}
     assert set(names) <= set(at), "every file the manifest lists is fsynced"
     assert max(at[n] for n in names) < at[plan.run.hidden_states.name] < at["manifest"]
+
+
+def _other_layers(plan: ExtractionPlan, root: Path, tiny_llama) -> ExtractionPlan:  # noqa: F811
+    """The same run after `extraction.layer_ids` changed to as many other layers: files of the same rows, token ids
+    and shape, made under another key."""
+    config = PipelineConfig.model_validate(config_dict(tiny_llama))
+    other = dataclasses.replace(REPORT, captured_layer_ids=[c + 1 for c in REPORT.captured_layer_ids])
+    return ExtractionPlan(config, RunFolder(root), other, load_shards(plan.run.prepare))
+
+
+def test_files_made_under_another_key_are_redone(prepared, tmp_path, tiny_llama, caplog):  # noqa: F811
+    """A shard interrupted (or finished) under other layers leaves whole files of the same rows and tokens: they are
+    not this shard's, so it is pending, not finished from disk, and every one of its files is extracted again."""
+    root = tmp_path / "run"
+    old = _plan(prepared, root, tiny_llama)
+    shard = old.shards[1]
+    _extract(old, shard, FakeClient(old.run.extract / "staging"))
+    old.manifest_path(shard).unlink()  # interrupted before its manifest (with it, the key already differs)
+    plan = _other_layers(old, root, tiny_llama)
+    assert plan.sample_key != old.sample_key
+    with caplog.at_level(logging.INFO, logger="eyrie.stages.extract.plan"):
+        assert {s.name for s in plan.pending()} == {s.name for s in plan.shards}
+    assert not plan.finished_from_disk and not plan.manifest_path(shard).exists()
+    assert f"made under another key ({old.sample_key}" in caplog.text
+    client = FakeClient(plan.run.extract / "staging")
+    m = _extract(plan, shard, client)
+    assert len(client.sent) == shard.stop - shard.start and m["reused_samples"] == 0
+    assert all(
+        file_key(sample_path(plan.run.hidden_states, i)) == plan.sample_key for i in range(shard.start, shard.stop)
+    )
+
+
+def test_files_without_a_key_are_redone_once_with_the_reason(prepared, tmp_path, tiny_llama):  # noqa: F811
+    """Files written before files recorded their key cannot say what made them: redone once, with a line saying
+    why; the files written then carry the key, and the next attempt keeps them."""
+    plan = _plan(prepared, tmp_path / "run", tiny_llama)
+    shard = plan.shards[1]
+    _extract(plan, shard, FakeClient(plan.run.extract / "staging"))
+    plan.manifest_path(shard).unlink()
+    for i in range(shard.start, shard.stop):  # as the connector wrote them before: no metadata
+        p = sample_path(plan.run.hidden_states, i)
+        save_file(load_file(str(p)), str(p))
+        assert file_key(p) is None
+    lines: list[str] = []
+    client = FakeClient(plan.run.extract / "staging")
+    m = extract_shard(
+        client,
+        plan.run.prepare,
+        shard,
+        plan.keys[shard.name],
+        plan.run.hidden_states,
+        plan.manifest_path(shard),
+        LAYERS,
+        HIDDEN,
+        log=lines.append,
+        sample_key=plan.sample_key,
+    )
+    n = shard.stop - shard.start
+    assert m["reused_samples"] == 0 and len(client.sent) == n
+    assert [line for line in lines if "recorded the key they were made under" in line] == [
+        f"{shard.name}: redoing {n} sample(s) on disk (rows {shard.start}-{shard.stop - 1}): written before "
+        "hidden-state files recorded the key they were made under"
+    ]
+    plan.manifest_path(shard).unlink()  # interrupted again: now the files carry the key and are kept
+    assert [s.name for s in plan.pending()] == [plan.shards[0].name] and plan.finished_from_disk == [shard.name]
+    assert len(client.sent) == n
+
+
+def test_files_of_the_same_key_survive_a_new_shard_plan(prepared, tmp_path, tiny_llama):  # noqa: F811
+    """The key a file records is its values' (no shard's): a shard plan regrouping the same rows and tokens keeps
+    every file; only its shards' manifests are new."""
+    plan = _plan(prepared, tmp_path / "run", tiny_llama)
+    shard = plan.shards[1]
+    _extract(plan, shard, FakeClient(plan.run.extract / "staging"))
+    half = (shard.start + shard.stop) // 2
+    regrouped = [
+        dataclasses.replace(shard, index=7, stop=half, fingerprint="a"),
+        dataclasses.replace(shard, index=8, start=half, fingerprint="b"),
+    ]
+    config = PipelineConfig.model_validate(config_dict(tiny_llama))
+    again = ExtractionPlan(config, plan.run, REPORT, regrouped)
+    assert again.sample_key == plan.sample_key and again.keys[regrouped[0].name] != plan.keys[shard.name]
+    assert again.pending() == [] and again.finished_from_disk == [s.name for s in regrouped]

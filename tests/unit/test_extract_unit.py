@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from eyrie.config import DataConfig, TargetConfig
 from eyrie.errors import ExtractionError
+from eyrie.hidden_states.keyed import file_key
 from eyrie.run.files import atomic_write_json
 from eyrie.run.folder import sample_path
 from eyrie.stages.extract.answered import clean_staging
@@ -116,9 +117,12 @@ def test_resume_keeps_valid_samples_and_redoes_bad_ones(prepared, tmp_path):
     assert m["reused_samples"] == 4 and m["extracted_samples"] == 2
     assert {i: sample_path(hidden, i).stat().st_mtime_ns for i in kept} == kept
     assert shard_complete(manifest, "k1", hidden, rehash_changed=True)
-    # A changed key (other layers, other target) invalidates the manifest and redoes the shard's bookkeeping.
-    _, _, _, m2 = _run(prepared, tmp_path, FakeClient(tmp_path / "staging"), key="k2")
-    assert m2["key"] == "k2" and m2["reused_samples"] == 6
+    # A changed key (other layers, other target) invalidates the manifest, and the files made under the old one are
+    # not this key's: whole and for the same tokens, they are extracted again (eyrie.hidden_states.keyed).
+    again = FakeClient(tmp_path / "staging")
+    _, _, _, m2 = _run(prepared, tmp_path, again, key="k2")
+    assert m2["key"] == "k2" and m2["reused_samples"] == 0 and sorted(again.sent) == sorted(rows)
+    assert {file_key(sample_path(hidden, i)) for i in range(shard.start, shard.stop)} == {"k2"}
 
 
 def test_bad_file_from_server_fails_the_shard(prepared, tmp_path):

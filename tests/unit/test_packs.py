@@ -124,7 +124,8 @@ def test_install_puts_packed_readers_behind_speculators_backends(monkeypatch):
 # Extraction with `storage: packed`
 
 
-def _extract(prepared_dir, tmp_path, client, shard_no=1, key="k1", storage=PACKED, hidden=None):
+def _extract(prepared_dir, tmp_path, client, shard_no=1, key="k1", storage=PACKED, hidden=None, sample_key="values"):
+    """`key`: the manifest's (content and layout); `sample_key`: what the files are made under (content only)."""
     shard = load_shards(prepared_dir)[shard_no]
     hidden = hidden or tmp_path / "hidden_states"
     manifest = tmp_path / "shards" / f"{shard.name}.json"
@@ -140,6 +141,7 @@ def _extract(prepared_dir, tmp_path, client, shard_no=1, key="k1", storage=PACKE
         concurrency=3,
         log=lambda *_: None,
         storage=storage,
+        sample_key=sample_key,
     )
     return shard, hidden, manifest, m
 

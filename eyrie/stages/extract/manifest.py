@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from eyrie.hidden_states.encoding import BFLOAT16
+from eyrie.hidden_states.keyed import header_of, key_in, with_key
 from eyrie.hidden_states.packs import shard_entries
 from eyrie.run.files import atomic_write_json, read_json, sha256_file
 from eyrie.run.folder import sample_path
@@ -42,11 +43,20 @@ def file_record(path: Path, tokens: int) -> dict:
 
 
 def checked_record(
-    path: Path, token_ids: list[int], num_layers: int, hidden_size: int, hidden_states_dtype: str = BFLOAT16
+    path: Path,
+    token_ids: list[int],
+    num_layers: int,
+    hidden_size: int,
+    hidden_states_dtype: str = BFLOAT16,
+    key: str | None = None,
 ) -> dict:
     """`load_checked` and `file_record` in one read: the file's bytes are parsed and checked (`check_sample`) and
     hashed from memory (a mapped `load_file` and a second read for the hash cost twice the CPU, on the cores the
-    server needs). The stat is taken before the read, as in `file_record`; a rename keeps it."""
+    server needs). The stat is taken before the read, as in `file_record`; a rename keeps it.
+
+    `key`: the sample key the file must carry (`eyrie.hidden_states.keyed`). A checked file that does not carry it
+    (a connector that records none) is written again from memory with it, the tensors' bytes unchanged, before it
+    is hashed; its stat is then the one after that write."""
     try:
         st = path.stat()
         with open(path, "rb") as f:
@@ -62,6 +72,12 @@ def checked_record(
     except Exception as err:  # safetensors raises its own error types for truncated or garbled files
         raise ValueError(f"unreadable: {err}") from None
     check_sample(tensors, token_ids, num_layers, hidden_size, hidden_states_dtype)
+    if key is not None and key_in(header_of(data)[1]) != key:
+        data = with_key(data, key)
+        with open(path, "wb") as f:  # the server's file in its staging folder, whole: the writer let it go
+            f.write(data)
+            f.flush()
+            st = os.fstat(f.fileno())
     return {
         "bytes": st.st_size,
         "sha256": hashlib.sha256(data).hexdigest(),

@@ -32,6 +32,17 @@ def content_key(config: PipelineConfig, captured_ids: list[int], shard: Shard) -
     )
 
 
+def sample_key(config: PipelineConfig, captured_ids: list[int]) -> str:
+    """What every sample's hidden-state file is made under: the content key's inputs (`STAGES["extract"]`: the
+    target's weights, dtype, output-shaping server arguments and environment, the captured layers, the encoding)
+    for no shard in particular, since a file's rows are its token ids, which extraction checks apart. Each file
+    records it (`eyrie.hidden_states.keyed`) and a file on disk is kept only under it, so a new target or other
+    layers redo the files of the same rows; a new shard plan over the same rows and tokens does not."""
+    from eyrie.target.metadata import stage_key as keyed
+
+    return keyed("extract", config, captured=list(captured_ids), shard=None)
+
+
 def shard_key(content: str, config: PipelineConfig) -> str:
     """The shard's manifest key: its content key and the storage layout (`STAGES["extract.layout"]`). The whole
     config: the key is computed from the declaration's dotted paths."""
@@ -81,6 +92,7 @@ class ExtractionPlan:
         # What training keys on (content), and what a shard's manifest records (content and layout).
         self.data_keys = {s.name: content_key(config, self.captured_ids, s) for s in shards}
         self.keys = {name: shard_key(k, config) for name, k in self.data_keys.items()}
+        self.sample_key = sample_key(config, self.captured_ids)  # what each file records it was made under
         self.spec = ServerSpec.for_extraction(config, self.captured_ids, str(self.staging))
         record_context(run.extract, config, report)  # what the capture proof reads (eyrie.hidden_states.check)
 
@@ -120,8 +132,9 @@ class ExtractionPlan:
         """Give a shard whose samples are all on disk, but that no manifest vouches for, its manifest (or pack),
         without a server: a kill between its last file and its manifest, a switch of `extraction.storage` or of a
         layout-only setting. Every file is checked as an interrupted attempt's are (`extract_shard` with no
-        client), so this reads the shard's files once; a shard with any sample missing costs a stat per file up to
-        the first missing one. True when the shard is complete now; a bad file is removed and the shard pending."""
+        client: made under the plan's `sample_key`, whole, for its tokens), so this reads the shard's files once; a
+        shard with any sample missing costs a stat per file up to the first missing one. True when the shard is
+        complete now; a bad file (or one made under another key) is removed and the shard pending."""
         hidden = self.run.hidden_states
         if not all(sample_path(hidden, i).exists() for i in range(shard.start, shard.stop)):
             return False
@@ -138,6 +151,7 @@ class ExtractionPlan:
                 log=log.info,
                 hidden_states_dtype=self.hidden_states_dtype,
                 storage=self.storage,
+                sample_key=self.sample_key,
             )
         except DiskFullError:
             raise  # the server would meet the same full disk: said now, before it loads

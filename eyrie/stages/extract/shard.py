@@ -17,6 +17,7 @@ from pathlib import Path
 from eyrie.errors import DiskFullError, ExtractionError
 from eyrie.hidden_states.check import check_shard
 from eyrie.hidden_states.encoding import BFLOAT16
+from eyrie.hidden_states.keyed import file_key
 from eyrie.hidden_states.packs import FILES, PACKED, pack_name, remove_overlapping, write_pack
 from eyrie.run.faults import fault_point
 from eyrie.run.files import fsync_path, read_json, sha256_file
@@ -53,6 +54,7 @@ def extract_shard(
     rehash_changed: bool = True,
     hidden_states_dtype: str = BFLOAT16,
     storage: str = FILES,
+    sample_key: str | None = None,
 ) -> dict:
     """Make every sample of `shard` valid on disk and write its manifest; returns the manifest.
 
@@ -62,7 +64,15 @@ def extract_shard(
     else ExtractionError. `hidden_states_dtype`: the encoding every file must have (the server's connector writes
     it); a file in the other one is redone. `storage` packed: the checked files are then copied into one pack
     (eyrie.hidden_states.packs), which the manifest lists, and removed after it.
+
+    `sample_key`: the key every sample's file is made under (`eyrie.stages.extract.plan.sample_key`: what its values
+    are a function of besides its token ids; `key` when not given). Each file written here records it
+    (`eyrie.hidden_states.keyed`), and a file an interrupted attempt left is kept only when it records it: one made
+    under another key (another target, other layers, another dtype...) or written before files recorded their key
+    is redone, with one line per shard saying why. Files an earlier manifest of this shard's `key` vouched for are
+    kept by their checksum, as that manifest records the key they were made under.
     """
+    made_under = sample_key or key
     if shard_complete(manifest_path, key, hidden_dir, rehash_changed):
         manifest = read_json(manifest_path) or {}
         if manifest.get("storage") == PACKED:
@@ -81,6 +91,7 @@ def extract_shard(
     rows = load_dataset_rows(prepare_dir, shard.start, shard.stop)
     todo = []
     known: dict[str, dict] = {}  # records of kept files whose checksum is known: not hashed again for the manifest
+    stale: dict[str | None, list[int]] = {}  # files on disk made under another key (None: no key), by that key
     for offset, ids in enumerate(rows):
         idx = shard.start + offset
         p = sample_path(hidden_dir, idx)
@@ -95,6 +106,11 @@ def extract_shard(
                         if sha256_file(p) != rec["sha256"]:
                             raise ValueError("changed since its shard completed (checksum differs)")
                         rec = {**rec, "stat": stat_record(st)}
+                elif (made := file_key(p)) != made_under:  # vouched for by its name alone: by its key, not here
+                    stale.setdefault(made, []).append(idx)
+                    p.unlink()
+                    todo.append((idx, ids))
+                    continue
                 load_checked(p, ids, num_layers, hidden_size, hidden_states_dtype)
                 if rec:
                     known[str(idx)] = rec
@@ -103,7 +119,19 @@ def extract_shard(
                 log(f"{shard.name}: redoing sample {idx} ({err})")
                 p.unlink()
         todo.append((idx, ids))
+    for made, redone in stale.items():
+        why = (
+            "written before hidden-state files recorded the key they were made under"
+            if made is None
+            else f"made under another key ({made}; this shard's files are made under {made_under})"
+        )
+        log(f"{shard.name}: redoing {len(redone)} sample(s) on disk (rows {min(redone)}-{max(redone)}): {why}")
     if todo and client is None:
+        if stale:
+            raise ExtractionError(
+                f"{shard.name}: {sum(map(len, stale.values()))} of {len(rows)} samples in {hidden_dir} were not made "
+                f"under this shard's key, and no server was started for it: extract it again"
+            )
         raise ExtractionError(
             f"{shard.name}: {len(todo)} of {len(rows)} samples are missing or bad in {hidden_dir} and no server was "
             "started for it (the shard looked whole when the run began, so its files changed since): run again"
@@ -141,7 +169,7 @@ def extract_shard(
         _wait_and_release(src)
         answered_file(src, hidden_dir.parent, hidden_dir, what)
         try:
-            rec = checked_record(Path(src), ids, num_layers, hidden_size, hidden_states_dtype)
+            rec = checked_record(Path(src), ids, num_layers, hidden_size, hidden_states_dtype, made_under)
         except ValueError as err:
             Path(src).unlink(missing_ok=True)
             # The server's writer fails silently (it only logs); a full disk is the usual reason for a bad file.
@@ -254,6 +282,7 @@ def extract_shard(
         "num_layers": num_layers,
         "hidden_size": hidden_size,
         "hidden_states_dtype": hidden_states_dtype,
+        "sample_key": made_under,  # what each sample's file records (eyrie.hidden_states.keyed)
         "files": files,
         "reused_samples": reused,
         "extracted_samples": len(todo),
