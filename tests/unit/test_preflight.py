@@ -237,13 +237,19 @@ def test_cli_preflight_exit_codes(opt_target, tiny_llama, tmp_path, capsys, monk
     bad, _ = write_config(tmp_path / "opt.yaml", opt_target)
     assert eyrie_main(["preflight", "--config", str(bad), "--run-dir", str(tmp_path / "run-opt")]) == 1
     out = capsys.readouterr()
-    assert "preflight FAILED (1)" in out.err and "OPTForCausalLM does not implement SupportsEagle3" in out.err
-    assert json.loads(out.out)["eagle3_path"] == "unsupported"
+    # The verdict is the first line, then each problem; no JSON unless asked for.
+    assert out.err.startswith("preflight FAILED (1)") and "OPTForCausalLM does not implement SupportsEagle3" in out.err
+    assert "{" not in out.out + out.err.splitlines()[0]
+    assert eyrie_main(["preflight", "--json", "--config", str(bad), "--run-dir", str(tmp_path / "run-opt")]) == 1
+    out = capsys.readouterr()
+    assert json.loads(out.out)["eagle3_path"] == "unsupported" and out.err.startswith("preflight FAILED (1)")
 
     good, _ = write_config(tmp_path / "llama.yaml", tiny_llama)
     assert eyrie_main(["preflight", "--config", str(good), "--run-dir", str(tmp_path / "run-llama")]) == 0
     out = capsys.readouterr()
-    assert "preflight passed: LlamaForCausalLM via the native EAGLE-3 path, capturing layers [2, 4, 5, 8]" in out.out
+    assert out.out.startswith(
+        "preflight passed: LlamaForCausalLM via the native EAGLE-3 path, capturing layers [2, 4, 5, 8]"
+    )
 
     # A bad config is a usage error (2), reported before anything runs.
     broken = tmp_path / "broken.yaml"

@@ -73,3 +73,31 @@ def report_markdown(report: PreflightReport) -> str:
             *(f"| {k} | {v} |" for k, v in rows),
         ]
     )
+
+
+def report_text(report: PreflightReport) -> str:
+    """The report as `eyrie preflight` prints it: the one-line verdict first, then every problem, warning and note,
+    then what was found (the whole report is `--json`)."""
+    if report.failures:
+        head = [f"preflight FAILED ({len(report.failures)}), no weights were loaded:"]
+        head += [f"  - {f}" for f in report.failures]
+    else:
+        head = [
+            f"preflight passed: {report.architecture} via the {report.eagle3_path} EAGLE-3 path, "
+            f"capturing layers {report.captured_layer_ids}"
+        ]
+    found = [
+        f"  target        {report.architecture} (vLLM {report.vllm_class}), {report.num_layers} layers, hidden "
+        f"{report.hidden_size}, vocabulary {report.vocab_size}",
+        f"  vLLM          {report.vllm_version}, max_model_len {report.max_model_len}",
+        f"  verdict       {'reused' if report.verdict_reused else 'checked'} (key {report.verdict_key})",
+    ]
+    return "\n".join(
+        [
+            *head,
+            *(f"  warning: {w}" for w in report.warnings),
+            *(f"  note: {n}" for n in report.notes),
+            "found:",
+            *found,
+        ]
+    )
