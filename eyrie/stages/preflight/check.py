@@ -19,7 +19,12 @@ from eyrie.hidden_states.encoding import check_config as check_hidden_states_dty
 from eyrie.run.folder import RunFolder
 from eyrie.stages.evaluate import evaluation_sets, template_variant_warnings, template_variants
 from eyrie.stages.preflight.ahead import wait_for_imports_ahead
-from eyrie.stages.preflight.installed_vllm import check_server_arguments, check_server_env, check_vllm_version
+from eyrie.stages.preflight.installed_vllm import (
+    check_model_runners,
+    check_server_arguments,
+    check_server_env,
+    check_vllm_version,
+)
 from eyrie.stages.preflight.node import (
     bytes_still_to_write,
     check_lock_filesystem,
@@ -88,6 +93,10 @@ def check_target(config: PipelineConfig, serve: bool) -> PreflightReport:
     failures += check_hidden_states_dtype(config.extraction.hidden_states_dtype)
     arg_failures, arg_warnings = check_server_arguments(config, captured_layer_ids(aux_ids, num_layers), serve)
     failures += arg_failures
+    runners, runner_failures = check_model_runners(
+        config, captured_layer_ids(aux_ids, num_layers), serve, cfg, probe.path
+    )
+    failures += runner_failures
     if config.vocab.draft_vocab_size > vocab > 0:
         failures.append(
             f"vocab.draft_vocab_size {config.vocab.draft_vocab_size} is larger than the target's "
@@ -127,6 +136,10 @@ def check_target(config: PipelineConfig, serve: bool) -> PreflightReport:
         config.max_model_len,
     )
     report.warnings += arg_warnings
+    report.target_facts["model_runners"] = runners
+    report.notes += [
+        f"the {label} server runs on model runner {r['runner']}: {r['why']}" for label, r in runners.items()
+    ]
     # Where speculators' labels approximate the target: what the trainer applies (train.target_transform) is a note,
     # what it cannot apply stays a warning.
     if config.train.target_transform:

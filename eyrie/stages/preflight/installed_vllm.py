@@ -8,7 +8,9 @@ import contextlib
 import difflib
 import functools
 import importlib
+import inspect
 import io
+import json
 import os
 import re
 from dataclasses import replace
@@ -226,3 +228,177 @@ def check_vllm_version(required: str | None, installed: str) -> list[str]:
         f"target.vllm_version asks for vLLM {required}, and vLLM {installed} is installed: install a vLLM that "
         "meets it (pyproject's `gpu` and `cpu` extras pin the tested ones)"
     ]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model runner each server will use
+
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+class _Facts:
+    """What vLLM's runner rule reads of one config section, before any load: the facts given (from config.json and
+    the server's parsed arguments, vLLM's own names), else the parsed argument of that name. Anything else raises
+    AttributeError naming it, so a rule that reads more than preflight can know says so instead of guessing."""
+
+    def __init__(self, section: str, facts: dict, parsed: argparse.Namespace | None = None):
+        self._section, self._facts, self._parsed = section, facts, parsed
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name in self._facts:
+            return self._facts[name]
+        if self._parsed is not None and hasattr(self._parsed, name):
+            return getattr(self._parsed, name)
+        raise AttributeError(f"{self._section}.{name}")
+
+
+class _ConfigView:
+    """A stand-in for vLLM's VllmConfig on which its own `use_v2_model_runner` rule runs: the sections as `_Facts`,
+    every other member (the rule's helper methods and properties) taken from the installed VllmConfig itself."""
+
+    def __init__(self, sections: dict):
+        self.__dict__.update(sections)
+
+    def __getattr__(self, name: str):
+        from vllm.config import VllmConfig
+
+        member = inspect.getattr_static(VllmConfig, name, None)
+        if isinstance(member, property):
+            return member.fget(self)
+        if callable(member):
+            return member.__get__(self, _ConfigView)
+        raise AttributeError(f"VllmConfig.{name}")
+
+
+def _text_facts(cfg: dict) -> dict:
+    from eyrie.target.metadata import text_config
+
+    text = text_config(cfg)
+    experts = next((text.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts") if text.get(k)), 0)
+    return {"is_moe": bool(experts), "use_mla": bool(text.get("kv_lora_rank"))}
+
+
+def server_model_runner(parsed: argparse.Namespace, cfg: dict, env: dict[str, str]) -> tuple[str, str]:
+    """The model runner ("V1", "V2" or "unknown") a server started with `parsed` arguments and `env` would use for the
+    target of config.json `cfg`, decided by the installed vLLM's own rule (`VllmConfig.use_v2_model_runner`) on what
+    preflight knows before any load, and why."""
+    from vllm.config import VllmConfig
+    from vllm.config import vllm as vllm_config_module
+    from vllm.model_executor.models.registry import _ModelInfo
+
+    from eyrie.stages.preflight.target import resolve_vllm_class
+
+    rule = inspect.getattr_static(VllmConfig, "use_v2_model_runner", None)
+    if not isinstance(rule, property):
+        return "V1", f"vLLM {_version()} has no Model Runner V2 rule (VllmConfig.use_v2_model_runner)"
+    archs = cfg.get("architectures") or []
+    cls = resolve_vllm_class(archs[0]) if archs else None
+    info = _ModelInfo.from_model_cls(cls) if cls is not None else None
+    spec = json.loads(parsed.speculative_config) if isinstance(parsed.speculative_config, str) else None
+    spec = spec if spec is not None else (parsed.speculative_config or None)
+    model = {
+        "runner_type": "generate",
+        "architectures": archs,
+        "is_hybrid": bool(info and info.is_hybrid),
+        "is_attention_free": bool(info and info.is_attention_free),
+        "is_diffusion": False,
+        **_text_facts(cfg),
+    }
+    spec_facts = None
+    if spec:
+        method = spec.get("method")
+        spec_facts = _Facts(
+            "speculative_config",
+            {
+                "method": method,
+                "parallel_drafting": bool(spec.get("parallel_drafting", False)),
+                "use_heterogeneous_vocab": False,
+                "enable_adaptive_verification": bool(spec.get("enable_adaptive_verification", False)),
+                "draft_model_config": None,
+                "use_dspark": lambda: method == "dspark",
+            },
+        )
+    view = _ConfigView(
+        {
+            "model_config": _Facts("model_config", model, parsed),
+            "speculative_config": spec_facts,
+            "parallel_config": _Facts(
+                "parallel_config", {"use_ubatching": bool(getattr(parsed, "enable_dbo", False))}, parsed
+            ),
+            "compilation_config": _Facts(
+                "compilation_config", {"mode": None, "pass_config": _Facts("pass_config", {"enable_sp": False})}
+            ),
+            "attention_config": _Facts("attention_config", {"hisparse_config": None}),
+            "scheduler_config": _Facts("scheduler_config", {}, parsed),
+            "watermark_config": None,
+        }
+    )
+    saved = os.environ.get(RUNNER_ENV)
+    if RUNNER_ENV in env:
+        os.environ[RUNNER_ENV] = env[RUNNER_ENV]
+    else:
+        os.environ.pop(RUNNER_ENV, None)
+    try:
+        v2 = bool(rule.fget(view))
+        if RUNNER_ENV in env:
+            why = f"{RUNNER_ENV}={env[RUNNER_ENV]} in the server's environment"
+        elif not getattr(vllm_config_module, "HAS_TRITON", True):
+            why = "this vLLM has no Triton (its CPU build), and Model Runner V2 needs it"
+        else:
+            unsupported = view._get_v2_model_runner_unsupported_features() if not v2 else []
+            why = (
+                "vLLM's default for this target and these flags"
+                if v2 or not unsupported
+                else f"Model Runner V2 does not support {', '.join(unsupported)}"
+            )
+            if not v2 and not unsupported:
+                why = "vLLM keeps this target on V1 (not one of its default-V2 models: MoE, hybrid or non-generating)"
+        return ("V2" if v2 else "V1"), why
+    except AttributeError as err:
+        return "unknown", f"vLLM {_version()}'s runner rule reads {err}, which preflight cannot know before the load"
+    finally:
+        if saved is None:
+            os.environ.pop(RUNNER_ENV, None)
+        else:
+            os.environ[RUNNER_ENV] = saved
+
+
+def _version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def check_model_runners(
+    config: PipelineConfig, captured: list[int], serve: bool, cfg: dict, eagle3_path: str
+) -> tuple[dict[str, dict], list[str]]:
+    """Each server's model runner by the installed vLLM's rule ({label: {"runner", "why"}}), and the failures: a
+    target on Eyrie's compatibility layer whose runner's hook this vLLM lacks (`compat.missing_hooks`), refused
+    before any load instead of failing after it with 'Model does not support EAGLE3 interface'."""
+    from eyrie.vllm.plugin.compat import HOOKS, missing_hooks
+    from eyrie.vllm.spec import ServerSpec
+
+    specs: dict[str, ServerSpec] = {"extraction": ServerSpec.for_extraction(config, captured, "<staging>")}
+    if serve:
+        specs["export/evaluation"] = ServerSpec.for_serving(config, "<drafter>")
+    runners: dict[str, dict] = {}
+    failures = []
+    for label, spec in specs.items():
+        try:
+            parsed = parse_server_arguments(spec.arguments(spec.port or PLACEHOLDER_PORT))
+        except (ServerArgumentError, AssertionError):
+            continue  # check_server_arguments reports it
+        runner, why = server_model_runner(parsed, cfg, {**os.environ, **spec.server_env})
+        runners[label] = {"runner": runner, "why": why}
+        if eagle3_path != "compat":
+            continue
+        asked = set(HOOKS) if runner == "unknown" else {runner}
+        for r, reason in missing_hooks(asked).items():
+            failures.append(
+                f"the {label} server would run on model runner {r} ({why}), and {reason}: vLLM would load the "
+                "target and then fail with 'Model does not support EAGLE3 interface'. Fix: a vLLM whose class "
+                f"implements SupportsEagle3, or one Eyrie's compatibility layer supports on {r}"
+            )
+    return runners, failures
