@@ -23,7 +23,7 @@ from eyrie.stages.regenerate.source import extraction_source, record_extraction_
 from flows.cancel import stop_on_cancellation
 from flows.sharded import ShardedStage, ShardServer, run_sharded_stage
 from flows.shares import node_share
-from tasks.extract import ExtractShardJob, extract_shard_task
+from tasks.extract import ExtractShardJob, extract_shard_task, prove_capture_task
 from tasks.preflight import preflight_task
 
 
@@ -101,6 +101,12 @@ def _extract(
         # Pending: whatever Prefect recorded for its key is not trusted (its files are not whole).
         return [(s, extract_shard_task.with_options(refresh_cache=True).submit(jobs[s.name], url)) for s in todo]
 
+    server = ShardServer.of(plan, config.extraction.startup_timeout_s)
+    proof: dict = {}
+    submit = proved_first(
+        submit, config, report, run, source, plan, server, config.extraction.keep_server_after_failure, proof
+    )
+
     if shards is not None and not pending:
         # A node's server kept up by its regeneration share for this one: nothing to extract here, so it stops.
         ShardServer.of(plan, config.extraction.startup_timeout_s).stop()
@@ -111,14 +117,40 @@ def _extract(
             name="extraction",
             shards=plan.shards,
             pending=pending,
-            server=ShardServer.of(plan, config.extraction.startup_timeout_s),
+            server=server,
             submit=submit,
             is_complete=plan.is_complete,
             error=ExtractionError,
             keep_server_after_failure=config.extraction.keep_server_after_failure,
         )
     )
+    if proof:
+        outcome["capture_proof"] = proof
     return outcome
+
+
+def proved_first(submit, config, report, run, source, plan, server, keep_server_after_failure, figures: dict):
+    """`submit` that first proves the capture of each server it is handed (eyrie.hidden_states.proof), before any
+    shard reaches it: a refusal stops the server (unless the config keeps it) and fails the stage within minutes of
+    the load, with nothing extracted. The proof's figures go to `figures` (and `capture/proof.json`)."""
+    proved: set[str] = set()
+
+    def proving(todo, url):
+        if url not in proved and todo:
+            try:
+                figures.update(
+                    prove_capture_task(
+                        config, report, str(run.root), str(source), str(plan.server_dir), plan.spec.max_model_len, url
+                    )
+                )
+            except Exception:
+                if not keep_server_after_failure:
+                    server.stop()
+                raise
+            proved.add(url)
+        return submit(todo, url)
+
+    return proving
 
 
 @flow(name="eyrie-extract", task_runner=ThreadPoolTaskRunner(max_workers=2), on_cancellation=[stop_on_cancellation])

@@ -15,6 +15,7 @@ from eyrie.run.folder import RunFolder, node_name
 from eyrie.stages.preflight import PreflightReport
 from eyrie.stages.regenerate.plan import RegenerationPlan
 from flows.cancel import stop_on_cancellation
+from flows.extract import proved_first
 from flows.sharded import ShardedStage, ShardServer, run_sharded_stage
 from flows.shares import node_share
 from tasks.regenerate import RegenerateShardJob, assemble_task, regenerate_shard_task
@@ -66,13 +67,17 @@ def _regenerate(
             for s in todo
         ]
 
+    server = ShardServer.of(plan, config.extraction.startup_timeout_s)
+    keep = config.extraction.keep_server_after_failure
+    # The extraction server's capture proved before its first shard (flows/extract.py)
+    proved = proved_first(submit, config, report, run, run.prepare, plan, server, keep, {})
     server_up = run_sharded_stage(
         ShardedStage(
             name="regeneration",
             shards=shards,
             pending=pending,
-            server=ShardServer.of(plan, config.extraction.startup_timeout_s),
-            submit=submit,
+            server=server,
+            submit=proved,
             is_complete=plan.is_complete,
             error=RegenerationError,
             keep_server_after_failure=config.extraction.keep_server_after_failure,

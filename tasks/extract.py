@@ -11,7 +11,7 @@ from eyrie.errors import DiskFullError
 from eyrie.stages.extract.shard import extract_shard
 from eyrie.stages.prepare import Shard
 from eyrie.vllm.client import ServerClient
-from tasks.caching import keyed_task
+from tasks.caching import eyrie_task, keyed_task
 
 
 @dataclass
@@ -85,3 +85,30 @@ def extract_shard_task(job: ExtractShardJob, base_url: str | None) -> dict:
     )
     log.info(f"{job.shard.name}: {manifest['extracted_samples']} extracted, {manifest['reused_samples']} reused")
     return {k: v for k, v in manifest.items() if k != "files"}
+
+
+@eyrie_task("prove-capture")
+def prove_capture_task(
+    config, report: dict, run_dir: str, source_dir: str, server_dir: str, max_model_len: int, base_url: str
+) -> dict:
+    """The capture proof on the extraction server at `base_url`, before its first shard
+    (eyrie.hidden_states.proof): a refusal fails the task with the reason; a pass leaves its figures in
+    `<run>/extract/capture/proof.json`."""
+    from eyrie.hidden_states.check import FOLDER, context_for
+    from eyrie.run.folder import RunFolder
+    from eyrie.stages.extract.proof import prove_server
+    from eyrie.stages.preflight import PreflightReport
+    from eyrie.vllm.process import VllmServer
+
+    api_key_env = config.extraction.api_key_env
+    client = ServerClient(base_url, os.environ.get(api_key_env) if api_key_env else None)
+    return prove_server(
+        context_for(config, PreflightReport(**report)),
+        Path(source_dir),
+        RunFolder(run_dir).extract / FOLDER,
+        VllmServer(Path(server_dir)).state,
+        client,
+        max_model_len,
+        config.extraction.request_timeout_s,
+        log=get_run_logger().info,
+    )

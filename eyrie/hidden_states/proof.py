@@ -34,21 +34,15 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eyrie.errors import ConfigError
 from eyrie.hidden_states.check import (
-    FOLDER,
-    GREEDY_MIN_AGREEMENT,
     MIN_POSITIONS,
-    TIE_NATS,
     CaptureError,
     _head_check,
     row_problems,
 )
-from eyrie.run.files import atomic_write_json
 
 if TYPE_CHECKING:
     import torch
@@ -276,51 +270,6 @@ def proof_prompts(source_dir: Path, max_model_len: int, rows: int = PROOF_ROWS) 
     return out
 
 
-def _greedy(client, prompt: list[int], timeout_s: float) -> list[int]:
-    """ANSWER_TOKENS greedy tokens for `prompt` from the server, as regeneration asks (no file written, a prefix
-    cache salt of its own), past an end-of-sequence token so the count is fixed."""
-    from eyrie.vllm.plugin import SKIP_HIDDEN_STATES
-    from eyrie.vllm.spec import GENERATION_CACHE_SALT
-
-    body = {
-        "model": "target",
-        "prompt": prompt,
-        "max_tokens": ANSWER_TOKENS,
-        "temperature": 0.0,
-        "top_p": 1.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "cache_salt": GENERATION_CACHE_SALT,
-        "kv_transfer_params": {SKIP_HIDDEN_STATES: True},
-    }
-    r = client.session.post(client.base_url + "/v1/completions", json=body, timeout=timeout_s)
-    if r.status_code != 200:
-        raise CaptureError(f"the capture proof's greedy request was refused: {r.status_code} {r.text[:300]}")
-    tokens = r.json()["choices"][0].get("token_ids")
-    if not tokens:
-        raise CaptureError("the server's greedy answer carries no token ids (return_token_ids needs vLLM >= 0.10.2)")
-    return list(tokens)
-
-
-def _captured(client, ids: list[int], timeout_s: float) -> torch.Tensor:
-    """The server's capture of `ids`, read and removed from staging: [T, n_layers, H] float32."""
-    import torch
-    from safetensors.torch import load_file
-
-    from eyrie.hidden_states.encoding import decode
-    from eyrie.stages.extract.answered import _wait_and_release
-
-    path = client.extract(ids, timeout_s)
-    _wait_and_release(path)
-    try:
-        data = decode(load_file(path), torch.float32)
-    finally:
-        Path(path).unlink(missing_ok=True)
-    if data["token_ids"].tolist() != ids:
-        raise CaptureError("the server's capture is for other token ids than were sent")
-    return data["hidden_states"].float()
-
-
 def judge(ctx: dict, samples: list[tuple[torch.Tensor, list[int], int]], log=print) -> dict:
     """The proof's verdict on captured samples [(hs [T, n_layers, H], token ids, prompt length)] whose tokens after
     the prompt are the target's greedy choices; raises CaptureError with every problem, else returns the figures."""
@@ -375,55 +324,4 @@ def judge(ctx: dict, samples: list[tuple[torch.Tensor, list[int], int]], log=pri
             "extraction is wrong for this architecture, or Eyrie's compatibility layer): check `eyrie preflight`'s "
             "EAGLE-3 path and the server log."
         )
-    return figures
-
-
-def prove_capture(
-    client, ctx: dict, source_dir: Path, capture_dir: Path, max_model_len: int, timeout_s: float = 600, log=print
-) -> dict:
-    """Run the proof on the server `client` talks to (see the module's docstring). Records the figures (or the
-    problems) in `capture_dir/proof.json`; raises CaptureError on a refusal."""
-    t0 = time.perf_counter()
-    samples = []
-    for prompt in proof_prompts(source_dir, max_model_len):
-        answer = _greedy(client, prompt, timeout_s)
-        ids = prompt + answer
-        samples.append((_captured(client, ids, timeout_s), ids, len(prompt)))
-    served = time.perf_counter() - t0
-    capture_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        figures = judge(ctx, samples, log)
-    except CaptureError as err:
-        atomic_write_json(capture_dir / PROOF, {"passed": False, "reason": str(err)})
-        raise
-    figures.update(passed=True, seconds=round(time.perf_counter() - t0, 2), server_seconds=round(served, 2))
-    atomic_write_json(capture_dir / PROOF, figures)
-    return figures
-
-
-def prove_server(plan, base_url: str, api_key: str | None, timeout_s: float, log=print) -> dict:
-    """The proof for an extraction plan's server at `base_url`: its context is the plan's (`capture/context.json`)."""
-    from eyrie.run.files import read_json
-    from eyrie.vllm.client import ServerClient
-
-    capture_dir = plan.run.extract / FOLDER
-    ctx = read_json(capture_dir / "context.json")
-    if not ctx:
-        raise ConfigError(f"{capture_dir / 'context.json'} is missing: the extraction plan records it")
-    figures = prove_capture(
-        ServerClient(base_url, api_key), ctx, plan.source, capture_dir, plan.spec.max_model_len, timeout_s, log
-    )
-    head = figures.get("head_check", {})
-    aux = figures.get("aux_check", {})
-    log(
-        f"capture proved in {figures['seconds']} s on {figures['prompts']} greedy answers: layer {ctx['num_layers']} "
-        f"through the target's head {head.get('agreement')} (top-1 {head.get('top1')}, at least "
-        f"{GREEDY_MIN_AGREEMENT} within {TIE_NATS} nats); aux layers "
-        + (
-            ", ".join(f"{k}: {v['own']}" for k, v in aux.get("relative_l2", {}).items())
-            if "relative_l2" in aux
-            else f"unproven ({aux.get('reason')})"
-        )
-        + " from the target's own recomputed stream"
-    )
     return figures

@@ -215,3 +215,83 @@ def test_the_proof_prompts_are_the_datas_prompts_within_the_context(tmp_path):
     Dataset.from_dict({"input_ids": rows, "loss_mask": masks}).save_to_disk(str(tmp_path / "d2" / "dataset"))
     long = proof.proof_prompts(tmp_path / "d2", max_model_len=64, rows=4)
     assert len(long[1]) == 64 - proof.ANSWER_TOKENS - 1  # room for the answer and one more
+
+
+class _Server:
+    """The tiny target behind the two requests the proof sends: a greedy completion (the answer's token ids) and
+    an extraction (a file in staging, as the connector writes it, with its writer's lock file). `corrupt` plants
+    a wrong capture."""
+
+    def __init__(self, folder, staging, corrupt=None):
+        from transformers import LlamaForCausalLM
+
+        self.model = LlamaForCausalLM.from_pretrained(folder).eval()
+        self.staging, self.corrupt, self.base_url, self.greedy = staging, corrupt, "http://fake", 0
+        self.session = self
+
+    def post(self, url, json, timeout):
+        from types import SimpleNamespace
+
+        assert json["temperature"] == 0.0 and json["ignore_eos"] and json["max_tokens"] == proof.ANSWER_TOKENS
+        self.greedy += 1
+        with torch.no_grad():
+            out = self.model.generate(
+                torch.tensor([json["prompt"]]), max_new_tokens=json["max_tokens"], do_sample=False
+            )
+        answer = out[0, len(json["prompt"]) :].tolist()
+        return SimpleNamespace(status_code=200, json=lambda: {"choices": [{"token_ids": answer}]})
+
+    def extract(self, ids, timeout_s):
+        s = _streams(self.model, ids)
+        s = self.corrupt(s) if self.corrupt else s
+        path = self.staging / f"{len(list(self.staging.iterdir()))}.safetensors"
+        save_file(
+            {"hidden_states": s[:, CAPTURED, :].to(torch.bfloat16).contiguous(), "token_ids": torch.tensor(ids)},
+            str(path),
+        )
+        (self.staging / (path.name + ".lock")).touch()
+        return str(path)
+
+
+def _data(tmp_path):
+    from datasets import Dataset
+
+    torch.manual_seed(3)
+    rows = [torch.randint(3, 256, (20,)).tolist() for _ in range(5)]
+    Dataset.from_dict({"input_ids": rows, "loss_mask": [[0] * 8 + [1] * 12] * 5}).save_to_disk(
+        str(tmp_path / "data" / "dataset")
+    )
+    return tmp_path / "data"
+
+
+def test_the_server_proves_its_capture_once_and_records_it(tmp_path, target):
+    from eyrie.stages.extract.proof import prove_server
+
+    folder, _ = target
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    server = _Server(folder, staging)
+    state = {"pid": 1, "started_at": 1.0, "ready_at": 2.0, "fingerprint": "f"}
+    said: list[str] = []
+    figures = prove_server(_ctx(folder), _data(tmp_path), tmp_path / "capture", state, server, 128, log=said.append)
+    assert figures["passed"] and server.greedy == proof.PROOF_ROWS
+    assert read_json(tmp_path / "capture" / proof.PROOF)["aux_check"]["relative_l2"]
+    assert not list(staging.iterdir())  # each file read back and removed, with its lock
+    assert "capture proved in" in said[-1]
+    prove_server(_ctx(folder), _data(tmp_path), tmp_path / "capture", state, server, 128, log=said.append)
+    assert server.greedy == proof.PROOF_ROWS and "already" in said[-1]  # the same server process: not asked again
+    prove_server(_ctx(folder), _data(tmp_path), tmp_path / "capture", {**state, "pid": 2}, server, 128, log=said.append)
+    assert server.greedy == 2 * proof.PROOF_ROWS  # a new server is proved again
+
+
+def test_a_server_whose_capture_is_wrong_is_refused_and_recorded(tmp_path, target):
+    from eyrie.stages.extract.proof import prove_server
+
+    folder, _ = target
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    server = _Server(folder, staging, _aux_off_by_one)
+    with pytest.raises(CaptureError, match="layer 1: "):
+        prove_server(_ctx(folder), _data(tmp_path), tmp_path / "capture", None, server, 128, log=lambda m: None)
+    recorded = read_json(tmp_path / "capture" / proof.PROOF)
+    assert recorded["passed"] is False and "layer 1: " in recorded["reason"]
