@@ -296,6 +296,14 @@ class TrainConfig(_Section):
         description="Log (and time) a training step every N steps. Logged steps synchronise the GPU; "
         "the others do not.",
     )
+    loggers: list[Literal["tensorboard", "wandb", "trackio", "mlflow"]] = Field(
+        [],
+        description="speculators' own metric loggers, passed through to its trainer (its --logger): tensorboard "
+        "(event files under `<run>/train/<key>/logs/`), wandb, trackio (its files under that folder's `trackio/` "
+        "unless TRACKIO_DIR is set), mlflow (a store in that folder's `mlruns/` unless MLFLOW_TRACKING_URI is set). "
+        "Each needs its package installed; the variables that configure it (WANDB_*, MLFLOW_*, TRACKIO_*, "
+        "TENSORBOARD_*) reach the trainer. Empty: none (the Prefect UI and `eyrie status` show the metrics anyway).",
+    )
     stop_on_plateau: bool = Field(
         False,
         description="Stop once validation stops improving: after plateau_patience epochs without raising the "

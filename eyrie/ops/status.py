@@ -65,6 +65,8 @@ def run_status(run: RunFolder) -> dict:
             )
         elif stage == "regenerate" and not read_json(run.manifest(stage)):
             out["stages"][stage] = regenerate_progress(run)
+        elif stage == "train" and not read_json(run.manifest(stage)):
+            out["stages"][stage] = train_status(run)
         else:
             out["stages"][stage] = _stage_state(run, stage)
     if out.get("format"):
@@ -72,13 +74,132 @@ def run_status(run: RunFolder) -> dict:
         out["stages"] = {stage: old for stage in out["stages"]}
         out["shards"] = {}
     out["server"] = server_status(VllmServer(run.extract))
+    _waiting_for_server(run, out)
     # Nodes sharing the run folder (fanned-out extraction) each have their own server.
     out["node_servers"] = {f.name: server_status(VllmServer(f)) for f in server_folders(run.extract)[1:]}
     # Target plus drafter, for export and evaluation: `<stage>/server-*`, keyed by that path in the run folder.
     out["serving_servers"] = {
         f.relative_to(run.root).as_posix(): server_status(VllmServer(f)) for f in serving_server_folders(run.root)
     }
+    out["times"] = stage_times(run)
+    out["headline"] = headline(run) if out["stages"].get("evaluate") == "done" else None
     return out
+
+
+def train_status(run: RunFolder) -> str:
+    """The train stage before its manifest: the newest training under `train/` (by its trainer's record, metrics
+    and checkpoints), whether its trainer runs, its epoch, step and loss, and its last whole checkpoint
+    (eyrie/stages/train/progress.py)."""
+    from eyrie.stages.train.progress import METRICS, TRAINER, describe
+
+    def seen(work) -> float:
+        times = [p.stat().st_mtime for p in (work / TRAINER, work / METRICS, work / "checkpoints") if p.exists()]
+        return max(times, default=0.0)
+
+    stage = run.stage("train")
+    works = [w for w in stage.iterdir() if w.is_dir() and seen(w)] if stage.is_dir() else []
+    if not works:
+        return "not started"
+    return describe(max(works, key=seen))
+
+
+# The phases a start goes through, in order (eyrie/vllm/phases.py): the first one not measured yet is the one a
+# server still starting is in.
+LOADING = ("imports", "engine start", "weights", "engine init", "API server")
+
+
+def loading_phase(measured: dict[str, float]) -> str:
+    return next((p for p in LOADING if p not in measured), "API server")
+
+
+def _waiting_for_server(run: RunFolder, out: dict) -> None:
+    """A stage that has not started because the extraction server it needs is loading says so: regeneration's
+    (when its folder exists) or else extraction's, the first of them not done."""
+    server = out["server"]
+    if not server.startswith(("starting", "running")):
+        return
+    for stage in ("regenerate", "extract"):
+        state = out["stages"].get(stage)
+        if stage == "regenerate" and not run.stage(stage).is_dir():
+            continue
+        if state == "not started":
+            out["stages"][stage] = f"waiting for the extraction server ({server.split(':')[0]})"
+        if state != "done":
+            return
+
+
+def _shard_seconds(folder) -> tuple[int, float]:
+    n, seconds = 0, 0.0
+    for path in folder.glob("*.json") if folder.is_dir() else ():
+        m = read_json(path)
+        if isinstance(m, dict) and isinstance(m.get("seconds"), (int, float)):
+            n, seconds = n + 1, seconds + m["seconds"]
+    return n, seconds
+
+
+def stage_times(run: RunFolder) -> dict[str, str]:
+    """Time per stage, where the run folder records it: the shards' own seconds (extraction's and regeneration's,
+    summed over shards, so workers in parallel add up), the trainer's time since its launch, and each server's
+    start."""
+    from eyrie.stages.train.progress import TRAINER, trainer_running
+
+    out = {}
+    for stage, folder in (("regenerate", run.stage("regenerate") / "shards"), ("extract", run.shard_manifests)):
+        n, seconds = _shard_seconds(folder)
+        if n:
+            out[stage] = f"{_duration(seconds)} of shard work over {n} shards"
+    train = run.stage("train")
+    for work in sorted(train.iterdir()) if train.is_dir() else []:
+        plan = read_json(work / TRAINER)
+        if isinstance(plan, dict) and isinstance(plan.get("started_at"), (int, float)):
+            if trainer_running(work):
+                out["train"] = f"{_duration(time.time() - plan['started_at'])} since the trainer's launch"
+            elif isinstance(plan.get("seconds"), (int, float)):
+                out["train"] = f"{_duration(plan['seconds'])} (the last launch)"
+    return out
+
+
+def _duration(seconds: float) -> str:
+    return (
+        f"{seconds:.0f} s"
+        if seconds < 120
+        else f"{seconds / 60:.0f} min"
+        if seconds < 7200
+        else f"{seconds / 3600:.1f} h"
+    )
+
+
+def headline(run: RunFolder) -> str | None:
+    """A finished run's outcome: the trained drafter's acceptance length beside its baselines', the drafter's path,
+    and every warning the run raised (as the run summary lists them; from `finished.json` when `eyrie run` recorded
+    it, else from the stages' manifests)."""
+    outputs = (read_json(run.root / "finished.json") or {}).get("outputs")
+    if not isinstance(outputs, dict):
+        evaluate, export, train = (read_json(run.manifest(s)) or {} for s in ("evaluate", "export", "train"))
+        results = evaluate.get("results") or {}
+        if "trained" not in results:
+            return None
+        outputs = {
+            "acceptance_length": results["trained"].get("acceptance_length"),
+            **{f"{k}_acceptance_length": r.get("acceptance_length") for k, r in results.items() if k != "trained"},
+            "drafter": export.get("drafter"),
+            "warnings": [*train.get("warnings", []), *evaluate.get("warnings", [])],
+        }
+    others = [
+        f"{k.removesuffix('_acceptance_length')} {v:.2f}"
+        for k, v in outputs.items()
+        if k.endswith("_acceptance_length") and isinstance(v, (int, float))
+    ]
+    accepted = outputs.get("acceptance_length")
+    line = f"acceptance length {accepted:.2f}" if isinstance(accepted, (int, float)) else "acceptance length unknown"
+    line += f" ({', '.join(others)})" if others else ""
+    line += f"; drafter {outputs.get('drafter')}"
+    promotion = outputs.get("promotion")
+    if isinstance(promotion, dict) and promotion.get("promoted"):
+        line += f"; promoted to {promotion.get('current')}"
+    warnings = outputs.get("warnings") or []
+    line += f"; {len(warnings)} warning(s)" if warnings else "; no warnings"
+    return "\n".join([line, *(f"  warning: {w}" for w in warnings)])
 
 
 def _stat_problems(listed: list[Listed]) -> list[str]:
@@ -126,8 +247,11 @@ def server_status(server: VllmServer) -> str:
     if not state.get("ready_at"):
         if server.probe(state):
             return f"running pid {pid} at {url}"
-        so_far = phases.summary(phases.phases(_log(server)))
-        loading = f"loading for {time.time() - state.get('started_at', time.time()):.0f} s"
+        measured = phases.phases(_log(server))
+        so_far = phases.summary(measured)
+        loading = (
+            f"loading for {time.time() - state.get('started_at', time.time()):.0f} s, now in {loading_phase(measured)}"
+        )
         return f"starting: pid {pid}, {loading}" + (f" ({so_far} so far)" if so_far else "")
     if server.healthy(state):
         measured = state.get("phases") or phases.phases(_log(server), state["ready_at"])
@@ -151,4 +275,9 @@ def format_status(status: dict) -> str:
     lines.append(f"extraction server: {status['server']}")
     lines += [f"extraction server of node {node}: {state}" for node, state in status.get("node_servers", {}).items()]
     lines += [f"serving server {where}: {state}" for where, state in status.get("serving_servers", {}).items()]
+    if status.get("times"):
+        lines.append("time per stage:")
+        lines += [f"  {stage:<10} {t}" for stage, t in status["times"].items()]
+    if status.get("headline"):
+        lines.append(f"result: {status['headline']}")
     return "\n".join(lines)

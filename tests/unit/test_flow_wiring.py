@@ -425,37 +425,3 @@ def test_a_server_a_task_starts_leaves_its_start_up_phases_as_an_artifact(tmp_pa
     rows = json.loads(found[0].data) if isinstance(found[0].data, str) else found[0].data
     phases = {row["phase"] for row in rows}
     assert {"engine init", "total"} <= phases and "weights" in found[0].description, found[0]
-
-
-def test_the_training_progress_bar_belongs_to_the_train_task_run(tmp_path):
-    """The bar is made from the watcher's thread: in the task run's context, so it is the task run's (from a bare
-    thread it was not, with Prefect's FutureWarning that artifacts made outside a run are deprecated)."""
-    import time
-
-    from prefect import task
-    from prefect.client.orchestration import get_client
-    from prefect.runtime import task_run
-
-    from tasks.train import watch_progress
-
-    @task(cache_policy=NO_CACHE)
-    def training() -> str:
-        stop = watch_progress(tmp_path / "checkpoints", total_epochs=2, every_s=0.05)
-        time.sleep(0.5)
-        stop.set()
-        return str(task_run.id)
-
-    @flow
-    def run_training():
-        return training()
-
-    task_run_id = run_training()
-
-    async def bars():
-        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterType
-
-        async with get_client() as c:
-            return await c.read_artifacts(artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["progress"])))
-
-    mine = [a for a in asyncio.run(bars()) if a.description == "train: epochs checkpointed"]
-    assert any(str(a.task_run_id) == task_run_id for a in mine), [(a.task_run_id, a.flow_run_id) for a in mine]

@@ -48,8 +48,9 @@ def _resolved(cmd: list[str]) -> dict:
     from speculators.train.config import TrainConfig
 
     argv = cmd[cmd.index("eyrie.stages.train.entry") + 1 :]
-    i = argv.index("--eyrie-verifier-weights")
-    del argv[i : i + 2]  # train_entry consumes this one itself
+    for own in ("--eyrie-verifier-weights", "--eyrie-metrics"):  # the entry consumes these itself
+        i = argv.index(own)
+        del argv[i : i + 2]
     return TrainConfig.resolve(argv).flatten()
 
 

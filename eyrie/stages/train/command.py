@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from eyrie.config import PipelineConfig, TargetConfig
+from eyrie.errors import EyrieError
 from eyrie.run.environment import child_environment
 from eyrie.stages.train.data import TrainingData
 from eyrie.stages.train.online import online_args
+from eyrie.stages.train.progress import METRICS, METRICS_FLAG
 from eyrie.target.drafter import draft_layer_config
 
 
@@ -133,7 +136,7 @@ def training_command(
         "--log-dir",
         str(save_path.parent / "logs"),
         "--logger",
-        "",
+        ",".join(t.loggers),  # speculators' own loggers, train.loggers; "" turns them all off
         "--eyrie-verifier-weights",
         json.dumps(data.target_facts["verifier_weights"], sort_keys=True),
     ]
@@ -152,8 +155,12 @@ def training_command(
         draft.parent.mkdir(parents=True, exist_ok=True)
         draft_layer_config(config.target, t.num_layers).to_json_file(str(draft))
         args += ["--draft-config", str(draft)]
+    if t.loggers and not dry_run:  # one name per drafter: a resumed training continues its MLflow run, its events
+        args += ["--run-name", f"{config.name}-{save_path.parent.name[:8]}"]
     if dry_run:
         args.append("--dry-run")
+    else:  # the metrics the flow's watcher and `eyrie status` read (eyrie/stages/train/progress.py)
+        args += [METRICS_FLAG, str(save_path.parent / METRICS)]
     return launcher + args
 
 
@@ -166,19 +173,65 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def trainer_environment(config: PipelineConfig, device: str, online: bool) -> dict[str, str]:
+# train.loggers: speculators' metric loggers, each with the package it imports, the prefix of the variables that
+# configure it (passed to the trainer, secrets included: the operator asked for that service) and, for those that
+# otherwise write under the home folder or the working folder, where their files go inside the run folder.
+LOGGERS = {
+    "tensorboard": ("tensorboard", "TENSORBOARD_", {}),  # event files: --log-dir/<run name>
+    "wandb": ("wandb", "WANDB_", {"WANDB_DIR": ""}),
+    "trackio": ("trackio", "TRACKIO_", {"TRACKIO_DIR": "trackio"}),
+    "mlflow": ("mlflow", "MLFLOW_", {"MLFLOW_TRACKING_URI": "mlruns"}),
+}
+
+
+def missing_loggers(loggers: Sequence[str]) -> None:
+    """An EyrieError naming each logger of train.loggers whose package is not installed, before the trainer starts
+    (speculators would fail at its first logged step)."""
+    import importlib.util
+
+    missing = [name for name in loggers if importlib.util.find_spec(LOGGERS[name][0]) is None]
+    if missing:
+        raise EyrieError(
+            f"train.loggers names {', '.join(missing)}, but "
+            + ", ".join(LOGGERS[n][0] for n in missing)
+            + f" is not installed here: `pip install {' '.join(LOGGERS[n][0] for n in missing)}`, or remove it from "
+            "train.loggers"
+        )
+
+
+def logger_environment(loggers: Sequence[str], log_dir: Path, environ=None) -> tuple[dict[str, str], list[str]]:
+    """The variables train.loggers needs: (defaults that keep each logger's files in `log_dir`, unless the operator
+    set them; the operator's variables of each logger passed through)."""
+    env = os.environ if environ is None else environ
+    extra: dict[str, str] = {}
+    passed: list[str] = []
+    for name in loggers:
+        _, prefix, defaults = LOGGERS[name]
+        passed += [k for k in env if k.startswith(prefix)]
+        for var, sub in defaults.items():
+            if var not in env:
+                where = (log_dir / sub).resolve() if sub else log_dir.resolve()
+                extra[var] = where.as_uri() if var == "MLFLOW_TRACKING_URI" else str(where)
+    return extra, passed
+
+
+def trainer_environment(
+    config: PipelineConfig, device: str, online: bool, log_dir: Path | None = None
+) -> dict[str, str]:
     """The trainer's environment: an allow-list of the flow's (eyrie/run/environment.py: no Prefect key, no hub
-    token), the device, whether the labels apply the target's own transform, and, online, the variable
-    extraction.api_key_env names (its client reads the server's key
-    there)."""
+    token), the device, whether the labels apply the target's own transform, online the variable
+    extraction.api_key_env names (its client reads the server's key there), and train.loggers' variables
+    (`logger_environment`, their files under `log_dir`)."""
     key_env = [config.extraction.api_key_env] if online and config.extraction.api_key_env else []
+    loggers, logger_vars = logger_environment(config.train.loggers, log_dir or Path("logs"))
     return child_environment(
         {
+            **loggers,
             "EYRIE_TRAIN_DEVICE": device,
             "PYTHONUNBUFFERED": "1",
             # train.target_transform: the labels made with the target's own transform, or speculators' own
             # (eyrie/stages/train/patches/target_transform.py reads it)
             "EYRIE_TARGET_TRANSFORM": "1" if config.train.target_transform else "0",
         },
-        passed=key_env,
+        passed=key_env + logger_vars,
     )

@@ -34,6 +34,7 @@ from eyrie.stages.train.patches.saving import _keep_the_last_whole_checkpoint
 from eyrie.stages.train.patches.target_transform import _apply_target_transform
 from eyrie.stages.train.patches.verifier import _load_verifier_weights_by
 from eyrie.stages.train.patches.workers import _start_worker_server
+from eyrie.stages.train.progress import record_metrics
 
 
 def _compile_cache_beside(save_path: str | None) -> None:
@@ -77,6 +78,7 @@ def _online_hidden_states(argv: list[str]) -> None:
 
 def main(argv: list[str]) -> None:
     switches.off_by_environment()
+    record_metrics(argv)  # --eyrie-metrics: speculators' metric records also to a file the flow watches
     if os.environ.get("EYRIE_TRAIN_DEVICE") != "cpu":
         if switches.FORKSERVER_WORKERS:
             _start_worker_server()

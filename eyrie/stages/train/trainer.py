@@ -25,12 +25,21 @@ from eyrie.run.manifest import files_under, finished_manifest, list_files
 from eyrie.stages.train.checkpoints import is_whole, newest_whole_checkpoint, recover
 from eyrie.stages.train.command import (
     _die_with_parent,
+    missing_loggers,
     trainer_environment,
     training_command,
     verifier_source,  # noqa: F401  (tests/unit/test_identity.py imports it from here)
 )
 from eyrie.stages.train.data import TrainingData
-from eyrie.stages.train.validation import PLATEAU, epoch_validation, history, like_for_like_metrics, still_improving
+from eyrie.stages.train.progress import METRICS, Metrics, read_rows, record_exit, record_launch
+from eyrie.stages.train.validation import (
+    PLATEAU,
+    epoch_validation,
+    history,
+    like_for_like_metrics,
+    still_improving,
+    with_training_metrics,
+)
 from eyrie.target.metadata import stage_key
 
 
@@ -196,13 +205,22 @@ def run_training(
         f"training on {device} ({spe} steps/epoch, checkpoint every {freq:g} epoch)"
         + (f"; resuming from {resumed_from} (global step {state and state.get('global_step')})" if resumed_from else "")
     )
-    env = trainer_environment(config, device, online)
+    env = trainer_environment(config, device, online, log_dir=work / "logs")
+    missing_loggers(config.train.loggers)
     work.mkdir(parents=True, exist_ok=True)
     log_path = work / "train.log"
     with open(log_path, "ab") as f:
         f.write(f"\n===== eyrie: {' '.join(cmd)}\n".encode())
         f.flush()
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent).returncode
+        trainer = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        try:
+            record_launch(work, spe, config.train.epochs, trainer.pid)  # for `eyrie status` and the task's watcher
+            rc = trainer.wait()
+            record_exit(work, rc)
+        except BaseException:  # interrupted: as subprocess.run would, the trainer is killed before this returns
+            trainer.kill()
+            trainer.wait()
+            raise
     if online:
         left = leftover_bytes(data.hidden_dir)
         if left:  # a sample speculators gave up on (its file came after the retry), or a killed trainer's
@@ -232,6 +250,9 @@ def _train_manifest(
     if final is None:
         raise EyrieError(f"training finished but wrote no checkpoint under {save_path}")
     rows = history(save_path)
+    trained = Metrics()
+    trained.add(read_rows(save_path.parent / METRICS)[0])
+    rows = with_training_metrics(rows, trained.table())
     plateau = read_json(save_path / PLATEAU)
     if plateau and plateau.get("best_epoch") is not None and is_whole(save_path / str(plateau["best_epoch"])):
         final = save_path / str(plateau["best_epoch"])  # the plateau's last epochs were no better

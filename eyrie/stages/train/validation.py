@@ -60,6 +60,23 @@ def history(save_path: Path) -> list[dict]:
     return rows
 
 
+def with_training_metrics(rows: list[dict], trained: list[dict]) -> list[dict]:
+    """The history's rows with each epoch's training figures from the trainer's metrics file
+    (`eyrie.stages.train.progress.Metrics.table`): mean train loss and tokens/s over its logged steps."""
+    by_epoch = {r["epoch"]: r for r in trained}
+    return [
+        {
+            **row,
+            **{
+                k: by_epoch[row["epoch"]][k]
+                for k in ("train_loss", "tokens_per_s")
+                if k in by_epoch.get(row["epoch"], {})
+            },
+        }
+        for row in rows
+    ]
+
+
 def still_improving(rows: list[dict], threshold: float) -> str | None:
     """A warning when the last epoch still raised the predicted acceptance length by more than `threshold`."""
     scores = [r["predicted_acceptance_length"] for r in rows if "predicted_acceptance_length" in r]
