@@ -4,6 +4,11 @@ servers' folders (per node), the files a server's answer may name, and the clean
 Every stage writes into its own folder and closes it with a manifest written last (atomic rename,
 `eyrie.run.files`). The manifest on disk is the truth; Prefect's cache is only the fast path. The run lock and the
 share locks are `eyrie.run.lock`'s (mixed into `RunFolder`).
+
+Whatever holds a run folder (the pipeline, an extraction, a fan-out node's share) is a run: while it holds the
+folder, its children (vLLM servers, the trainer) get the environment as it was when it took it
+(`eyrie.run.environment.started`). Every flow a deployment runs takes its folder's lock or its share's first thing,
+before anything imports torch or vLLM, whose imports write into the process's environment.
 """
 
 from __future__ import annotations
@@ -12,13 +17,15 @@ import os
 import re
 import stat
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from eyrie import FORMAT_VERSION, __version__
 from eyrie.errors import ExtractionError, RunFolderError
+from eyrie.run.environment import started
 from eyrie.run.files import atomic_write_json, read_json, remove_abandoned, within
-from eyrie.run.lock import LOCK, SHARES_LOCK, RunFolderLocks
+from eyrie.run.lock import LOCK, SHARES_LOCK, RunFolderLocks, RunLock
 
 STAMP = "eyrie-run.json"
 
@@ -86,6 +93,19 @@ class RunFolder(RunFolderLocks):
 
     def __init__(self, root: str | Path):
         self.root = Path(root).resolve()
+
+    @contextmanager
+    def lock(self, wait_s: float = 0.0) -> Iterator[RunLock]:
+        """`RunFolderLocks.lock`, the children of the code inside getting the environment of this moment (or of an
+        enclosing run's start: `started`)."""
+        with started(), super().lock(wait_s) as held:
+            yield held
+
+    @contextmanager
+    def share_lock(self, stage: str, shards: list[str], node: str | None, holder: str) -> Iterator[None]:
+        """`RunFolderLocks.share_lock`, under the environment of this moment, as `lock`."""
+        with started(), super().share_lock(stage, shards, node, holder):
+            yield
 
     def stage(self, name: str) -> Path:
         return self.root / name

@@ -156,3 +156,37 @@ def test_the_servers_staging_folder_is_made_private_at_launch(tmp_path):
     _, proc = VllmServer(tmp_path / "server").launch(spec, log=lambda *_: None)
     proc.wait(timeout=60)
     assert (staging.stat().st_mode & 0o777) == 0o700
+
+
+def test_a_runs_children_get_the_environment_of_its_start_not_what_imports_wrote_since(tmp_path, monkeypatch):
+    """Importing vLLM in the flow's process sets TORCHINDUCTOR_COMPILE_THREADS=1, PYTORCH_NVML_BASED_CUDA_CHECK,
+    TRITON_CACHE_AUTOTUNING and TORCHINDUCTOR_CACHE_DIR: a trainer started after it compiled on one thread. Whatever
+    holds the run folder (the pipeline, an extraction, a node's share) is a run: its children get the environment of
+    the moment it took the folder; a nested hold keeps the outer one."""
+    from eyrie.run.folder import RunFolder
+
+    written = {
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",
+        "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
+        "TRITON_CACHE_AUTOTUNING": "1",
+        "TORCHINDUCTOR_CACHE_DIR": "/tmp/elsewhere",
+    }
+    for k in written:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    config = parse_config({"target": {"model": "m"}, "data": {"source": "d"}})
+    run = RunFolder(tmp_path / "run")
+    with run.lock():
+        for k, v in written.items():
+            monkeypatch.setenv(k, v)  # what `import vllm` does, in this process
+        trainer = trainer_environment(config, "cpu", online=False)
+        server = ServerSpec(model="m").environment(cpu_build=False)
+        assert not set(written) & set(trainer) and not set(written) & set(server)
+        assert trainer["OMP_NUM_THREADS"] == "4" == server["OMP_NUM_THREADS"]
+    assert all(child_environment()[k] == v for k, v in written.items())  # no run holds a folder: as it is now
+    for k in written:
+        monkeypatch.delenv(k)
+    with RunFolder(tmp_path / "share").share_lock("extract", ["shard-00000"], "n1", "a test"):
+        monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+        with RunFolder(tmp_path / "other").lock():  # nested: the outer start holds
+            assert "TORCHINDUCTOR_COMPILE_THREADS" not in child_environment()

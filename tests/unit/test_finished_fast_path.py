@@ -204,3 +204,152 @@ def test_the_eyrie_command_waits_for_prefects_temporary_server_longer_than_prefe
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == str(waits)
+
+
+def test_an_input_changed_while_the_run_went_on_is_not_recorded(done, capsys):
+    """The inputs are taken before the flow: data appended after prepare read it is not recorded as seen (it was,
+    when the state was taken at the end), and the line names it."""
+    config, run = done
+    begun = finished.begin(config, str(run), "evaluate")
+    with open(run.parent / "data.jsonl", "a") as f:  # appended while the run went on
+        f.write('{"messages": [{"role": "user", "content": "late"}]}\n')
+    with RunFolder(str(run)).lock():
+        pass
+    assert not finished.record(config, str(run), "evaluate", OUTPUTS, begun)
+    assert "data.jsonl (a file or folder the config names) changed while the run went on" in capsys.readouterr().out
+    assert finished.finished_outputs(config, str(run), "evaluate") is None
+
+
+def test_a_path_the_run_makes_and_the_promotion_folder_it_writes_are_taken_at_the_end(done, tmp_path):
+    """A fresh clone's first run builds its tiny target (missing when the run began) and a promotion folder is
+    written by the run: neither is a change that keeps the record away."""
+    config, run = done
+    config = config.model_copy(
+        update={
+            "target": config.target.model_copy(update={"model": str(tmp_path / "built/target")}),
+            "promotion": config.promotion.model_copy(update={"dir": "drafters"}),
+        }
+    )
+    (tmp_path / "drafters").mkdir()
+    begun = finished.begin(config, str(run), "evaluate")
+    assert begun is not None and finished.state(config, str(run), "evaluate") is None  # not there yet
+    (tmp_path / "built" / "target").mkdir(parents=True)
+    (tmp_path / "built" / "target" / "config.json").write_text("{}")
+    (tmp_path / "drafters" / "history.jsonl").write_text("{}\n")
+    with RunFolder(str(run)).lock():
+        pass
+    assert finished.record(config, str(run), "evaluate", OUTPUTS, begun)
+    assert finished.finished_outputs(config, str(run), "evaluate") == OUTPUTS
+
+
+def test_what_a_library_writes_into_the_flows_environment_keeps_the_record_and_reaches_no_child(
+    tmp_path, monkeypatch, capsys
+):
+    """Importing vLLM sets TORCHINDUCTOR_COMPILE_THREADS=1 (and more) in the flow's process: the second run of
+    `eyrie run` then went through the flow (49.6 s on the demo) and the trainer compiled on one thread. The run's
+    children and its record get the environment of its start."""
+    import types
+
+    from eyrie.run.environment import child_environment
+
+    monkeypatch.delenv("EYRIE_ALWAYS_FLOW", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    cfg = _cli_config(tmp_path, monkeypatch)
+    seen = []
+
+    def pipeline_flow(config, run_dir, until):
+        with RunFolder(run_dir).lock():
+            monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # what `import vllm` does
+            seen.append(child_environment().get("TORCHINDUCTOR_COMPILE_THREADS"))
+        return dict(OUTPUTS, run_dir=run_dir)
+
+    monkeypatch.setitem(sys.modules, "flows.pipeline", types.SimpleNamespace(pipeline_flow=pipeline_flow))
+    from flows.cli import main
+
+    assert main(["run", "--config", str(cfg), "--run-dir", "run"]) == 0 and seen == [None]
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS")  # the next process starts without it
+    assert main(["run", "--config", str(cfg), "--run-dir", "run"]) == 0 and seen == [None]
+    assert "Nothing to do: run finished" in capsys.readouterr().out
+
+
+def _cli_config(tmp_path, monkeypatch) -> Path:
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("{}")
+    shutil.copy(os.path.join(ROOT, "eyrie/data/demo_chat.jsonl"), tmp_path / "data.jsonl")
+    raw = yaml.safe_load(open(os.path.join(ROOT, "configs/demo.yaml")))
+    raw["target"]["model"], raw["data"]["source"] = "target", "data.jsonl"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    return cfg
+
+
+def test_a_moved_run_folder_is_reused_and_its_outputs_printed_where_it_is(done, capsys):
+    config, run = done
+    outputs = {**OUTPUTS, "run_dir": str(run), "drafter": str(run / "export" / "drafter"), "promotion": None}
+    with RunFolder(str(run)).lock():
+        pass
+    assert finished.record(config, str(run), "evaluate", outputs)
+    assert str(run) not in (run / finished.RECORD).read_text()  # relative to the folder
+    moved = run.with_name("moved")
+    run.rename(moved)
+    assert finished.finished_outputs(config, str(moved), "evaluate") == {
+        **outputs,
+        "run_dir": str(moved),
+        "drafter": str(moved / "export" / "drafter"),
+    }
+    # A record of absolute paths (written before they were kept relative), its folder moved: the flow, once.
+    import json
+
+    recorded = json.loads((moved / finished.RECORD).read_text())
+    old = {"state": recorded["state"], "outputs": outputs}  # no format: absolute, naming the old place
+    (moved / finished.RECORD).write_text(json.dumps(old))
+    assert finished.finished_outputs(config, str(moved), "evaluate") is None
+    assert f"was finished at {run}" in capsys.readouterr().out
+    moved.rename(run)  # back where it was recorded: read as it is
+    assert finished.finished_outputs(config, str(run), "evaluate") == outputs
+
+
+@pytest.mark.parametrize("source", ["squad", "org/chats"])
+def test_a_hub_dataset_and_a_moving_revision_are_pinned_like_the_flow_pins_them(done, monkeypatch, source):
+    """A bare hub id such as `squad` was no path (no `/`) and the fast path vouched for it unpinned; an `org/name`
+    turned the fast path off. Both are resolved to the commit they point at now: a moved `main` runs the flow."""
+    import eyrie.target.hub as hub
+
+    config, run = done
+    commits = {"main": "1" * 40}
+    asked = []
+
+    def hub_commit(repo_id, repo_type, revision):
+        asked.append((repo_id, repo_type, revision))
+        return commits[revision or "main"]
+
+    monkeypatch.setattr(hub, "hub_commit", hub_commit)
+    config = config.model_copy(update={"data": config.data.model_copy(update={"source": source})})
+    with RunFolder(str(run)).lock():
+        pass
+    assert finished.record(config, str(run), "evaluate", OUTPUTS)
+    assert (source, "dataset", None) in asked
+    assert finished.finished_outputs(config, str(run), "evaluate") == OUTPUTS
+    commits["main"] = "2" * 40  # main moved
+    assert finished.finished_outputs(config, str(run), "evaluate") is None
+
+
+def test_a_link_loop_is_walked_once_and_a_cache_folder_is_not_walked(done, tmp_path, monkeypatch):
+    config, run = done
+    (tmp_path / "target" / "loop").symlink_to(".")  # target/loop/loop/... until the kernel's link limit
+    tree = finished._tree(tmp_path / "target")
+    assert len(tree) < 10, len(tree)
+    cache = tmp_path / "hf"
+    (cache / "hub").mkdir(parents=True)
+    (cache / "hub" / "blob").write_bytes(b"x")
+    server_env = {**config.extraction.server_env, "HF_HOME": str(cache)}
+    config = config.model_copy(update={"extraction": config.extraction.model_copy(update={"server_env": server_env})})
+    with RunFolder(str(run)).lock():
+        pass
+    assert finished.record(config, str(run), "evaluate", OUTPUTS)
+    assert finished.state(config, str(run), "evaluate")["paths"][str(cache)][1][1] == "a cache"
+    (cache / "hub" / "another").write_bytes(b"y")  # vLLM or the hub writes its cache during every run
+    assert finished.finished_outputs(config, str(run), "evaluate") == OUTPUTS
