@@ -14,23 +14,30 @@ from eyrie.errors import EyrieError
 
 
 def _run(args) -> int:
-    from eyrie.config import load_config
+    from eyrie.run.environment import started
 
-    config = load_config(args.config)  # a bad config fails here, before Prefect starts
-    run_dir = args.run_dir or f"runs/{config.name}"
-    from flows import finished
+    # The environment as it is now, before anything imports torch or vLLM (whose imports write into it): what the
+    # run's children get and what its "nothing to do" record holds (eyrie/run/environment.py, flows/finished.py).
+    with started():
+        from eyrie.config import load_config
 
-    # Nothing changed since the run that finished this folder: its outputs, without Prefect (flows/finished.py).
-    always_flow = args.always_flow or os.environ.get("EYRIE_ALWAYS_FLOW") == "1"
-    outputs = None if always_flow else finished.finished_outputs(config, run_dir, args.until)
-    if outputs is not None:
-        print(f"\nNothing to do: {run_dir} finished (through {args.until}) and nothing changed since. Outputs:")
-    else:
-        from flows.pipeline import pipeline_flow
+        config = load_config(args.config)  # a bad config fails here, before Prefect starts
+        run_dir = args.run_dir or f"runs/{config.name}"
+        from flows import finished
 
-        outputs = pipeline_flow(config=config, run_dir=run_dir, until=args.until)
-        finished.record(config, run_dir, args.until, outputs)
-        print(f"\nEyrie run complete (through {args.until}). Outputs:")
+        # Nothing changed since the run that finished this folder: its outputs, without Prefect (flows/finished.py).
+        always_flow = args.always_flow or os.environ.get("EYRIE_ALWAYS_FLOW") == "1"
+        outputs = None if always_flow else finished.finished_outputs(config, run_dir, args.until)
+        if outputs is not None:
+            print(f"\nNothing to do: {run_dir} finished (through {args.until}) and nothing changed since. Outputs:")
+        else:
+            begun = finished.begin(config, run_dir, args.until)  # the inputs, before the flow reads any
+            from flows.pipeline import pipeline_flow
+
+            outputs = pipeline_flow(config=config, run_dir=run_dir, until=args.until)
+            if begun is not None:
+                finished.record(config, run_dir, args.until, outputs, begun)
+            print(f"\nEyrie run complete (through {args.until}). Outputs:")
     for k, v in outputs.items():
         print(f"  {k:<14} {v}")
     return 0
