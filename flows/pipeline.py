@@ -9,8 +9,9 @@ from itertools import islice
 from pathlib import Path
 from typing import Literal
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact
+from prefect.states import Completed, State
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import EyrieError
@@ -18,7 +19,14 @@ from eyrie.run.files import read_json, sha256_json
 from eyrie.run.folder import RunFolder
 from eyrie.run.manifest import finished_manifest
 from eyrie.stages import UNTIL
-from eyrie.stages.evaluate import draft_tokens_key, evaluate_key, evaluation_sets, gap_warning, template_variants
+from eyrie.stages.evaluate import (
+    draft_tokens_key,
+    evaluate_key,
+    evaluation_sets,
+    gap_sentence,
+    gap_warning,
+    template_variants,
+)
 from eyrie.stages.export import export_key
 from eyrie.stages.extract import online_plan
 from eyrie.stages.prepare import iter_eval_prompts, load_seq_lens
@@ -264,7 +272,44 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         key="run-summary",
     )
     log.info(f"outputs: {outputs}")
-    return outputs
+    return completion(outputs)
+
+
+WARNINGS_TAG = "warnings"
+
+
+def warnings_message(warnings: list[str], limit: int = 500) -> str:
+    """The flow run's state message for a run that finished with `warnings`: how many, and the first."""
+    first = warnings[0] if len(warnings[0]) <= limit else warnings[0][: limit - 3] + "..."
+    return f"Completed with {len(warnings)} warning(s) (the run summary lists them); the first: {first}"
+
+
+def completion(outputs: dict) -> dict | State:
+    """What the flow returns: its outputs; with warnings, a Completed state whose message names how many and the
+    first, and the flow run tagged `warnings`, so the UI's run list shows them (a bare "Completed" hid them)."""
+    warnings = outputs.get("warnings") or []
+    if not warnings:
+        return outputs
+    flow_run_id = runtime.flow_run.id
+    if flow_run_id:
+        try:
+            from prefect.client.orchestration import get_client
+
+            with get_client(sync_client=True) as client:
+                tags = list(client.read_flow_run(flow_run_id).tags or [])
+                if WARNINGS_TAG not in tags:
+                    client.update_flow_run(flow_run_id, tags=[*tags, WARNINGS_TAG])
+        except Exception as err:  # the tag is a convenience: the state message and the summary still say it
+            get_run_logger().warning(f"could not tag the flow run `{WARNINGS_TAG}`: {err}")
+    return Completed(data=outputs, message=warnings_message(warnings))
+
+
+def _gap_flag(row: dict, gap: dict) -> str:
+    if row["position"] in gap["flagged"]:
+        return " (over the bound)"
+    if abs(row["gap"]) > gap["bound"]:  # past the bound by less than the measurement's noise
+        return f" (within the noise, ±{row.get('margin', 0)})"
+    return ""
 
 
 def _draft_token_markdown(report: dict | None) -> list[str]:
@@ -309,14 +354,12 @@ def _summary_markdown(
             # own token).
             *([] if "untrained" in summary else ["| none (the floor, not served) | 1.0 | no draft accepted |"]),
             "",
-            f"Training predicts serving within {gap['bound']} per position (validation accuracy vs acceptance in "
-            "vLLM):",
+            gap_sentence(gap),  # said from the rows and flags of the table below
             "",
             "| position | validation | served | gap |",
             "|---|---|---|---|",
             *(
-                f"| {r['position']} | {r['validation']} | {r['served']} | {r['gap']}"
-                f"{' (over the bound)' if r['position'] in gap['flagged'] else ''} |"
+                f"| {r['position']} | {r['validation']} | {r['served']} | {r['gap']}{_gap_flag(r, gap)} |"
                 for r in gap["rows"]
             ),
             "",

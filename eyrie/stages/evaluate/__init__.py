@@ -46,7 +46,7 @@ from eyrie.stages.evaluate.draft_tokens import (
     plot_draft_tokens,
     throughput_rows,
 )
-from eyrie.stages.evaluate.gap import gap_warning, train_serve_gap
+from eyrie.stages.evaluate.gap import gap_sentence, gap_warning, train_serve_gap
 from eyrie.stages.evaluate.intervals import (
     CLEARLY_BETTER_Z,
     FLOOR,
@@ -98,6 +98,7 @@ __all__ = [
     "evaluation_markdown",
     "evaluation_sets",
     "floor_comparison",
+    "gap_sentence",
     "gap_warning",
     "mean_estimate",
     "measure",

@@ -47,3 +47,22 @@ def gap_warning(gap: dict) -> str | None:
         f"serving beats validation: {where}. The held-out prompts are easier than the validation data (first "
         "turns only, short answers), or too few drafts were measured: raise evaluate.num_prompts and max_tokens."
     )
+
+
+def gap_sentence(gap: dict) -> str:
+    """The sentence above the gap's table, said from the same rows and flags the table shows: a position is over
+    the bound when its gap exceeds `bound` beyond the noise margin (`flagged`)."""
+    how = "per position (validation accuracy vs acceptance in vLLM, beyond the measurement's noise)"
+    rows, flagged = gap["rows"], set(gap["flagged"])
+    if not rows:
+        return "No validation accuracy per position to compare with serving."
+    over = [r["position"] for r in rows if r["position"] in flagged]
+    within = [r["position"] for r in rows if r["position"] not in flagged]
+    if not over:
+        return f"Training predicts serving within {gap['bound']} {how}:"
+    if not within:
+        return f"Training does not predict serving: every position is over the bound of {gap['bound']} {how}:"
+    return (
+        f"Training predicts serving within {gap['bound']} at position(s) {within}, not at {over} (over the bound) "
+        f"{how}:"
+    )
