@@ -13,10 +13,15 @@ The standard library only: the vLLM connector (eyrie/vllm/plugin/connector.py) a
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 SAMPLE_KEY = "eyrie_sample_key"  # a sample file's safetensors metadata: the key its values were made under
 _MAX_HEADER = 100 << 20  # safetensors' own bound on a header
+# A key as it may stand in a server file's name: what `eyrie.run.identity.key` makes (16 hex digits), with room.
+_NAME_KEY = re.compile(r"[0-9A-Za-z_-]{1,64}")
+_SUFFIX = ".safetensors"
+_NAME_TAG = ".key-"
 
 
 def _parse(header: bytes, what: str) -> dict:
@@ -84,3 +89,27 @@ def with_key(data: bytes, key: str) -> bytes:
 def key_metadata(key: str | None) -> dict[str, str] | None:
     """The `metadata` argument of safetensors' `save_file` that records `key` (None when there is no key)."""
     return {SAMPLE_KEY: key} if key else None
+
+
+# The key on its way through the server. An extraction request asks for it in its `kv_transfer_params`
+# (`{SAMPLE_KEY: key}`); the connector's scheduler side, which names each request's file, puts it in the name
+# (`eyrie-<random>.key-<key>.safetensors`), and its writer, in another process, reads it back from the name it is
+# handed and records it in the file's metadata: the name is the one thing vLLM already carries from one to the other.
+
+
+def name_with_key(name: str, key: object) -> str:
+    """The server file name `name` (`*.safetensors`) carrying `key`; unchanged when `key` is not one (None, or
+    characters a name must not hold: a client's value never steers the path)."""
+    if not isinstance(key, str) or not _NAME_KEY.fullmatch(key) or not name.endswith(_SUFFIX):
+        return name
+    return f"{name[: -len(_SUFFIX)]}{_NAME_TAG}{key}{_SUFFIX}"
+
+
+def key_from_name(path: str) -> str | None:
+    """The key `name_with_key` put in a server file's name, or None."""
+    name = Path(path).name
+    if not name.endswith(_SUFFIX):
+        return None
+    stem = name[: -len(_SUFFIX)]
+    _, tag, key = stem.rpartition(_NAME_TAG)
+    return key if tag and _NAME_KEY.fullmatch(key) else None

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import requests
 
 from eyrie.errors import ExtractionError, RequestRejected, ServerUnavailable
+from eyrie.hidden_states.keyed import SAMPLE_KEY
 from eyrie.run.files import atomic_write_json, read_json
 from eyrie.vllm import phases
 from eyrie.vllm.plugin import SKIP_HIDDEN_STATES
@@ -83,8 +84,12 @@ class ServerClient:
             recorder(sent_at, time.time())
 
     @staticmethod
-    def _extract_body(token_ids: list[int]) -> dict[str, Any]:
-        return {"model": "target", "prompt": token_ids, "max_tokens": 1, "return_token_ids": True}
+    def _extract_body(token_ids: list[int], key: str | None = None) -> dict[str, Any]:
+        """`key`: the one the file is made under, which Eyrie's connector records in it (eyrie.hidden_states.keyed)."""
+        body: dict[str, Any] = {"model": "target", "prompt": token_ids, "max_tokens": 1, "return_token_ids": True}
+        if key:
+            body["kv_transfer_params"] = {SAMPLE_KEY: key}
+        return body
 
     @staticmethod
     def _hidden_states_path(status: int, text: str, out: dict | None, token_ids: list[int]) -> str:
@@ -102,16 +107,19 @@ class ServerClient:
             )
         return path
 
-    def extract(self, token_ids: list[int], timeout_s: float) -> str:
+    def extract(self, token_ids: list[int], timeout_s: float, key: str | None = None) -> str:
         sent = time.time()
-        r = self.session.post(self.base_url + "/v1/completions", json=self._extract_body(token_ids), timeout=timeout_s)
+        body = self._extract_body(token_ids, key)
+        r = self.session.post(self.base_url + "/v1/completions", json=body, timeout=timeout_s)
         ok = r.status_code == 200
         if ok:
             self._answered(sent)
         return self._hidden_states_path(r.status_code, "" if ok else r.text, r.json() if ok else None, token_ids)
 
     @contextlib.asynccontextmanager
-    async def async_extractor(self, connections: int) -> AsyncIterator[Callable[[list[int], float], Awaitable[str]]]:
+    async def async_extractor(
+        self, connections: int
+    ) -> AsyncIterator[Callable[[list[int], float, str | None], Awaitable[str]]]:
         """`extract` as a coroutine, on one aiohttp session of `connections` pooled connections: what the extraction
         loop uses (eyrie.stages.extract), where a thread per request in flight spent several times the CPU per request
         (requests' layers and the GIL) on the cores the server needs."""
@@ -122,11 +130,11 @@ class ServerClient:
             headers={k: v for k, v in self.session.headers.items() if k == "Authorization"},
         ) as session:
 
-            async def extract(token_ids: list[int], timeout_s: float) -> str:
+            async def extract(token_ids: list[int], timeout_s: float, key: str | None = None) -> str:
                 sent = time.time()
                 async with session.post(
                     self.base_url + "/v1/completions",
-                    json=self._extract_body(token_ids),
+                    json=self._extract_body(token_ids, key),
                     timeout=aiohttp.ClientTimeout(total=timeout_s),
                 ) as r:
                     ok = r.status == 200

@@ -32,6 +32,7 @@ from conftest import DEMO_DATA, REPO, VLLM_SERVER_ARGS, register_server_folder, 
 from engine_capture import read_results
 from safetensors.torch import load_file
 
+from eyrie.hidden_states.keyed import file_key
 from eyrie.stages.extract import _wait_and_release, extract_shard, load_checked, sample_path
 from eyrie.stages.preflight import captured_layer_ids, default_aux_layer_ids
 from eyrie.target.metadata import text_config
@@ -337,8 +338,10 @@ def test_concurrent_requests_each_get_their_own_sample(servers, tmp_path, tiny_l
     for i, ids in enumerate(rows):
         load_checked(sample_path(hidden, i), ids, len(r.spec.layer_ids), r.hidden_size)
     # Batched with 7 others or alone, a prompt's states agree (to bf16 precision).
-    solo = client.extract(rows[3], 120)
+    assert {file_key(sample_path(hidden, i)) for i in range(16)} == {"key"}  # what each file was made under
+    solo = client.extract(rows[3], 120, "solo-key")
     _wait_and_release(solo)
+    assert file_key(Path(solo)) == "solo-key"  # as the connector wrote it: the client only asked
     alone = load_file(solo)["hidden_states"]
     os.unlink(solo)
     batched = load_file(str(sample_path(hidden, 3)))["hidden_states"]

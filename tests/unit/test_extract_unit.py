@@ -4,6 +4,7 @@ valid samples and redoes only missing or damaged ones, and server settings that 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -12,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import DEMO_DATA
-from safetensors.torch import save_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from eyrie.config import DataConfig, TargetConfig
 from eyrie.errors import ExtractionError
-from eyrie.hidden_states.keyed import file_key
+from eyrie.hidden_states.keyed import SAMPLE_KEY, file_key, key_from_name, key_metadata, name_with_key
 from eyrie.run.files import atomic_write_json
 from eyrie.run.folder import sample_path
 from eyrie.stages.extract.answered import clean_staging
@@ -25,6 +27,7 @@ from eyrie.stages.extract.manifest import shard_complete
 from eyrie.stages.extract.plan import shard_key
 from eyrie.stages.extract.shard import extract_shard
 from eyrie.stages.prepare import load_dataset_rows, load_shards, prepare
+from eyrie.vllm.client import ServerClient
 from eyrie.vllm.plugin import CONNECTOR_NAME
 from eyrie.vllm.spec import ServerSpec
 
@@ -588,8 +591,9 @@ def fake_vllm(tmp_path):
 
     from aiohttp import web
 
-    state = {"staging": tmp_path / "staging", "bad_echo": False, "auth": [], "n": 0}
+    state = {"staging": tmp_path / "staging", "bad_echo": False, "auth": [], "n": 0, "keys": []}
     state["staging"].mkdir()
+    state["written"] = {}
 
     async def completions(request):
         state["auth"].append(request.headers.get("Authorization"))
@@ -597,8 +601,13 @@ def fake_vllm(tmp_path):
         ids = body["prompt"]
         assert body["max_tokens"] == 1 and body["return_token_ids"] is True
         state["n"] += 1
-        path = state["staging"] / f"cmpl-{state['n']}.safetensors"
-        save_file({"hidden_states": fake_hidden(ids), "token_ids": torch.tensor(ids)}, str(path))
+        # As Eyrie's connector: the key the request names rides in the file's name to the writer, which records it.
+        key = (body.get("kv_transfer_params") or {}).get(SAMPLE_KEY)
+        state["keys"].append(key)
+        path = state["staging"] / name_with_key(f"cmpl-{state['n']}.safetensors", key)
+        tensors = {"hidden_states": fake_hidden(ids), "token_ids": torch.tensor(ids)}
+        save_file(tensors, str(path), metadata=key_metadata(key_from_name(str(path))))
+        state["written"][path.name] = hashlib.sha256(path.read_bytes()).hexdigest()
         echo = ids[::-1] if state["bad_echo"] else ids
         return web.json_response(
             {
@@ -634,6 +643,10 @@ def test_server_client_extracts_on_one_asyncio_session(prepared, tmp_path, fake_
     shard, hidden, manifest, m = _run(prepared, tmp_path, client)
     assert m["extracted_samples"] == 6 and fake_vllm["n"] == 6
     assert set(fake_vllm["auth"]) == {"Bearer secret"}
+    # Each request named the key its file is made under; the server's files carried it and were kept as written.
+    assert fake_vllm["keys"] == ["k1"] * 6 and all(".key-k1." in name for name in fake_vllm["written"])
+    assert sorted(r["sha256"] for r in m["files"].values()) == sorted(fake_vllm["written"].values())
+    assert {file_key(sample_path(hidden, i)) for i in range(shard.start, shard.stop)} == {"k1"}
     assert shard_complete(manifest, "k1", hidden, rehash_changed=True)
     assert not list(fake_vllm["staging"].iterdir())
     fake_vllm["bad_echo"] = True
@@ -654,6 +667,45 @@ def test_checked_record_is_load_checked_and_file_record_in_one_read(tmp_path):
     p.write_bytes(p.read_bytes()[:-10])
     with pytest.raises(ValueError, match="unreadable"):
         checked_record(p, ids, LAYERS, HIDDEN)
+
+
+def test_checked_record_writes_the_key_into_a_file_that_lacks_it(tmp_path):
+    """A server file without the key (a connector that records none, a test double) gets it from memory, tensors
+    unchanged, and is recorded as it is then; one that carries it is not written again."""
+    from eyrie.stages.extract.manifest import checked_record, file_record
+
+    ids = [5, 6, 7, 8]
+    tensors = {"hidden_states": fake_hidden(ids), "token_ids": torch.tensor(ids)}
+    bare, keyed = tmp_path / "bare.safetensors", tmp_path / "keyed.safetensors"
+    save_file(tensors, str(bare), metadata={"other": "kept"})
+    save_file(tensors, str(keyed), metadata=key_metadata("k1"))
+    before = keyed.read_bytes(), keyed.stat().st_mtime_ns
+    assert checked_record(keyed, ids, LAYERS, HIDDEN, key="k1") == file_record(keyed, len(ids))
+    assert (keyed.read_bytes(), keyed.stat().st_mtime_ns) == before
+    raw = bare.read_bytes()
+    rec = checked_record(bare, ids, LAYERS, HIDDEN, key="k1")
+    assert rec == file_record(bare, len(ids)) and file_key(bare) == "k1"
+    with safe_open(str(bare), "pt") as f:
+        assert f.metadata() == {"other": "kept", SAMPLE_KEY: "k1"}
+    assert all(torch.equal(v, load_file(str(bare))[k]) for k, v in tensors.items())
+    new = bare.read_bytes()
+
+    def data(b: bytes) -> bytes:
+        return b[8 + int.from_bytes(b[:8], "little") :]
+
+    assert data(new) == data(raw) and len(new) > len(raw)  # the same tensor bytes, after a new header
+
+
+def test_a_key_rides_in_a_server_file_name_only_when_it_is_one():
+    """The connector's scheduler names the file after the key a request names; its writer reads it back. A value
+    that could steer the path (or no key) leaves the name as it was."""
+    name = "eyrie-0f.safetensors"
+    assert key_from_name("/s/" + name_with_key(name, "a1b2c3d4e5f60718")) == "a1b2c3d4e5f60718"
+    for bad in (None, "", "../x", "a/b", "k" * 65, 7, "a.b"):
+        assert name_with_key(name, bad) == name
+    assert key_from_name("/s/" + name) is None and key_from_name("/s/x.key-.safetensors") is None
+    assert ServerClient._extract_body([1, 2], "k1")["kv_transfer_params"] == {SAMPLE_KEY: "k1"}
+    assert "kv_transfer_params" not in ServerClient._extract_body([1, 2])
 
 
 def test_a_disk_full_when_the_manifest_is_written_is_a_disk_full_error(prepared, tmp_path, monkeypatch):

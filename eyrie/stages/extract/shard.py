@@ -201,7 +201,7 @@ def extract_shard(
                     # Before the server spends a forward pass on a file it cannot write.
                     if err := disk_full(idx, ids):
                         raise err
-                    src = await window.extract(ids, timeout_s)
+                    src = await window.extract(ids, timeout_s, made_under)
                 finishing.append((idx, window.files.submit(finish, idx, ids, src)))
             except Exception as err:
                 failed[idx] = err

@@ -22,9 +22,12 @@ def _one_thread() -> None:
 
 
 @contextlib.asynccontextmanager
-async def _extractor(client, concurrency: int) -> AsyncIterator[Callable[[list[int], float], Awaitable[str]]]:
-    """`client.extract` as a coroutine: ServerClient's own (one aiohttp session), else the client's blocking call
-    in a thread per request in flight (test doubles)."""
+async def _extractor(
+    client, concurrency: int
+) -> AsyncIterator[Callable[[list[int], float, str | None], Awaitable[str]]]:
+    """`client.extract` as a coroutine taking the key the file is made under: ServerClient's own (one aiohttp
+    session, the key sent for the connector to record), else the client's blocking call in a thread per request in
+    flight (test doubles, which know no key: extraction records it in their files itself)."""
     if hasattr(client, "async_extractor"):
         async with client.async_extractor(concurrency) as extract:
             yield extract
@@ -32,7 +35,7 @@ async def _extractor(client, concurrency: int) -> AsyncIterator[Callable[[list[i
     loop = asyncio.get_running_loop()
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="eyrie-request") as pool:
 
-        async def extract(ids: list[int], timeout_s: float) -> str:
+        async def extract(ids: list[int], timeout_s: float, key: str | None = None) -> str:
             return await loop.run_in_executor(pool, client.extract, ids, timeout_s)
 
         yield extract

@@ -15,6 +15,10 @@ With `EYRIE_HIDDEN_STATES_DTYPE=float8_e4m3fn` in the server's environment (`ext
 speculators' fp8 format (eyrie/hidden_states/encoding.py): quantized in the writer thread, after the copy, as
 speculators'
 own FP8HiddenStatesConnector does, on CPU and on an accelerator alike.
+
+A request that names the key its file is made under (`kv_transfer_params: {"eyrie_sample_key": <key>}`, what
+extraction sends) gets a file that records it in its safetensors metadata (eyrie/hidden_states/keyed.py): the key
+rides from the scheduler, which names the file, to the writer in the file's name.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from eyrie.hidden_states.encoding import BFLOAT16, DTYPES, ENV, FP8, encode, fp8_unavailable
+from eyrie.hidden_states.keyed import SAMPLE_KEY, key_from_name, key_metadata, name_with_key
 from eyrie.run.folder import server_file_name
 from eyrie.vllm.plugin import SKIP_HIDDEN_STATES
 
@@ -62,12 +67,12 @@ class EyrieHiddenStatesConnector(ExampleHiddenStatesConnector):
         self._hidden_states_dtype = dtype
 
     def _write_tensors(self, tensors: dict[str, torch.Tensor], event: Any, filename: str, lock_fd: int | None) -> None:  # type: ignore[override]
-        """vLLM's writer (a static method there), in the configured dtype: the file is whole before the lock goes."""
-        if self._hidden_states_dtype == BFLOAT16:
-            return ExampleHiddenStatesConnector._write_tensors(tensors, event, filename, lock_fd)
+        """vLLM's writer (a static method there), in the configured dtype and with the key its name carries in its
+        metadata (`key_from_name`): the file is whole before the lock goes."""
         try:
             event.synchronize()
-            save_file(encode(tensors, self._hidden_states_dtype), filename)
+            metadata = key_metadata(key_from_name(filename))
+            save_file(encode(tensors, self._hidden_states_dtype), filename, metadata=metadata)
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)  # releases LOCK_EX: the client may read the file now
@@ -88,7 +93,9 @@ class EyrieHiddenStatesConnector(ExampleHiddenStatesConnector):
                 # vLLM names the file after the request id, which a client sets (`request_id`, X-Request-Id): `../`
                 # in it wrote anywhere the server's user may. The connector names every file itself, in its
                 # storage folder, and ignores a `hidden_states_path` a request asks for.
-                filename = os.path.join(self._storage_path, server_file_name())
+                # The key the request's file is made under rides in its name to the writer (`_write_tensors`).
+                key = ((extra or {}).get("kv_transfer_params") or {}).get(SAMPLE_KEY)
+                filename = os.path.join(self._storage_path, name_with_key(server_file_name(), key))
                 self._request_filenames[new_req.req_id] = filename
                 if named:
                     meta.new_req_filenames[new_req.req_id] = filename  # type: ignore[attr-defined]
