@@ -70,20 +70,28 @@ def _truncated_config(text_cfg: dict, layers: int):
     """transformers' config for the target's decoder with its first `layers` layers (per-layer lists cut too)."""
     from transformers import AutoConfig
 
-    full = int(text_cfg["num_hidden_layers"])
-    fields = {}
-    for k, v in text_cfg.items():
-        if k in ("model_type", "architectures", "auto_map", "quantization_config", "transformers_version"):
-            continue
-        fields[k] = list(v[:layers]) if isinstance(v, list) and len(v) == full else v
-    fields["num_hidden_layers"] = layers
+    model_type = text_cfg.get("model_type")
+    skip = ("model_type", "architectures", "auto_map", "quantization_config", "transformers_version")
     try:
-        cfg = AutoConfig.for_model(text_cfg["model_type"], **fields)
-    except Exception as err:  # noqa: BLE001 - a model type this transformers does not know
-        model_type = text_cfg.get("model_type")
-        raise Unrecomputable(f"transformers has no config class for model_type {model_type!r} ({err})") from None
+        full = AutoConfig.for_model(model_type, **{k: v for k, v in text_cfg.items() if k not in skip})
+        total = int(full.num_hidden_layers)  # `n_layer` and the like through the class's attribute map
+        fields = {k: v for k, v in full.to_dict().items() if k not in skip}
+        for k, v in fields.items():
+            if isinstance(v, list) and len(v) == total:
+                fields[k] = list(v[:layers])
+        fields[_layers_key(full)] = layers
+        cfg = AutoConfig.for_model(model_type, **fields)
+    except Exception as err:  # noqa: BLE001 - a model type this transformers does not know, or a config it refuses
+        raise Unrecomputable(
+            f"transformers cannot read the target's config (model_type {model_type!r}: {err})"
+        ) from None
     cfg._attn_implementation = "eager"
     return cfg
+
+
+def _layers_key(cfg) -> str:
+    """The config's own name for the layer count (GPT-2's `n_layer`)."""
+    return dict(getattr(cfg, "attribute_map", {}) or {}).get("num_hidden_layers", "num_hidden_layers")
 
 
 class Recomputer:
@@ -93,8 +101,10 @@ class Recomputer:
     which is vLLM's captured id k)."""
 
     def __init__(self, ctx: dict, text_cfg: dict, layers: int):
+        import re
+
         import torch
-        from transformers import AutoModel
+        from transformers import AutoModelForCausalLM
 
         if ctx.get("quantized") or text_cfg.get("quantization_config"):
             raise Unrecomputable(
@@ -104,7 +114,7 @@ class Recomputer:
         cfg = _truncated_config(text_cfg, layers + 1)  # one more: transformers norms its last entry
         try:
             with torch.device("meta"):
-                shape = AutoModel.from_config(cfg)
+                shape = AutoModelForCausalLM.from_config(cfg)
         except Exception as err:  # noqa: BLE001
             raise Unrecomputable(f"transformers cannot build the decoder from the config ({err})") from None
         n = sum(p.numel() for p in shape.parameters())
@@ -113,31 +123,34 @@ class Recomputer:
                 f"its first {layers + 1} layers hold {n / 1e9:.1f}B parameters, past the "
                 f"{RECOMPUTE_MAX_PARAMS / 1e9:.0f}B this check rebuilds"
             )
-        names = [k for k, _ in shape.named_parameters()]
+        # The checkpoint's names for the decoder: the embedding's name there against transformers' name for it
+        # (a multimodal wrapper keeps the decoder under a prefix of its own, e.g. `language_model.`).
         embed = ctx["verifier_weights"].get("embed_tokens.weight", "")
         emb_weight = shape.get_input_embeddings().weight
-        emb_name = next((k for k, p in shape.named_parameters() if p is emb_weight), "")
-        if not embed or not emb_name or not embed.endswith(emb_name):
-            raise Unrecomputable(
-                f"the checkpoint's embedding {embed!r} is not {type(shape).__name__}'s {emb_name!r} under a prefix"
-            )
-        prefix = embed[: -len(emb_name)]
-        wanted = {prefix + k: k for k in names}
-        from speculators.utils.loading import load_model_layers
-
+        mine = next((k for k, p in shape.named_parameters() if p is emb_weight), "")
+        tail = _common_dotted_suffix(embed, mine)
+        if not embed or not tail:
+            raise Unrecomputable(f"the checkpoint's embedding {embed!r} is not {type(shape).__name__}'s {mine!r}")
+        theirs_prefix, mine_prefix = embed[: -len(tail)], mine[: -len(tail)]
+        mapping = {"^" + re.escape(theirs_prefix): mine_prefix} if theirs_prefix != mine_prefix else None
+        del shape
         try:
-            found = load_model_layers(list(wanted), ctx["model"])
+            model, info = AutoModelForCausalLM.from_pretrained(
+                ctx["model"],
+                config=cfg,
+                revision=ctx.get("revision") or "main",
+                dtype=torch.float32,
+                key_mapping=mapping,
+                output_loading_info=True,
+            )
         except Exception as err:  # noqa: BLE001
-            raise Unrecomputable(f"cannot read the first layers' tensors from {ctx['model']} ({err})") from None
-        missing = [k for k in wanted if k not in found]
+            raise Unrecomputable(f"cannot load the first layers from {ctx['model']} ({err})") from None
+        # Every tensor of the decoder must come from the checkpoint (a head the decoder never uses may be absent).
+        missing = [k for k in info.get("missing_keys", []) if not k.startswith("lm_head")]
         if missing:
             raise Unrecomputable(
-                f"the checkpoint lacks {len(missing)} tensors {type(shape).__name__} needs (e.g. {missing[:3]})"
+                f"the checkpoint lacks {len(missing)} tensors {type(model).__name__} needs (e.g. {sorted(missing)[:3]})"
             )
-        del shape
-        model = AutoModel.from_config(cfg, dtype=torch.float32)
-        state = {wanted[k]: v.float() for k, v in found.items()}
-        model.load_state_dict(state, strict=False)
         self.model = model.eval()
 
     def streams(self, ids: list[int]) -> torch.Tensor:
@@ -146,6 +159,15 @@ class Recomputer:
         with torch.no_grad():
             out = self.model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
         return torch.stack([h[0].float() for h in out.hidden_states[: self.layers + 1]])
+
+
+def _common_dotted_suffix(a: str, b: str) -> str:
+    """The longest run of whole dotted parts that `a` and `b` both end with ("embed_tokens.weight")."""
+    pa, pb = a.split("."), b.split(".")
+    n = 0
+    while n < min(len(pa), len(pb)) and pa[-1 - n] == pb[-1 - n]:
+        n += 1
+    return ".".join(pa[len(pa) - n :]) if n >= 2 else ""
 
 
 _RECOMPUTERS: dict[tuple, Recomputer | Unrecomputable] = {}
