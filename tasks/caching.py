@@ -12,6 +12,7 @@ trusted: while the stage is not done, the task runs (and the stage reuses whatev
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from dataclasses import dataclass
@@ -89,7 +90,11 @@ class StageDone(KeyedOn):
         cache_key = super().compute_key(task_ctx, inputs, flow_parameters, **kw)
         if cache_key is None or "-untrusted-" in cache_key:
             return cache_key
-        if finished_manifest(Path(self.manifest.format(**inputs)), key_of(inputs, self.argument)) is not None:
+        manifest = Path(self.manifest.format(**inputs))
+        # Per folder: a result names its stage's paths, so a moved run folder (or another folder of the same key)
+        # runs the task, which finds its stage done on disk and names the paths where they are now.
+        cache_key = f"{cache_key}-{hashlib.sha256(str(manifest.parent.resolve()).encode()).hexdigest()[:12]}"
+        if finished_manifest(manifest, key_of(inputs, self.argument)) is not None:
             return cache_key
         # Not done, yet Prefect holds a result for this key: it outlived its files. A key of this run alone makes
         # the task run without it; done again, the stage's output is what that record describes.

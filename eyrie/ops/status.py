@@ -7,7 +7,7 @@ import time
 
 from eyrie import FORMAT_VERSION, __version__
 from eyrie.ops.verify import Listed, shard_files
-from eyrie.run.files import read_json
+from eyrie.run.files import located, read_json
 from eyrie.run.folder import STAMP, RunFolder, sample_path, server_folders, serving_server_folders
 from eyrie.run.manifest import file_problem, problems
 from eyrie.stages import RUN_FOLDER_STAGES
@@ -173,8 +173,11 @@ def headline(run: RunFolder) -> str | None:
     """A finished run's outcome: the trained drafter's acceptance length beside its baselines', the drafter's path,
     and every warning the run raised (as the run summary lists them; from `finished.json` when `eyrie run` recorded
     it, else from the stages' manifests)."""
-    outputs = (read_json(run.root / "finished.json") or {}).get("outputs")
-    if not isinstance(outputs, dict):
+    record = read_json(run.root / "finished.json") or {}
+    outputs = record.get("outputs")
+    if isinstance(outputs, dict):  # paths under the folder kept relative to it (flows/finished.py)
+        outputs = {k: located(v, run.root) if k in (record.get("relative") or []) else v for k, v in outputs.items()}
+    else:
         evaluate, export, train = (read_json(run.manifest(s)) or {} for s in ("evaluate", "export", "train"))
         results = evaluate.get("results") or {}
         if "trained" not in results:
@@ -182,7 +185,7 @@ def headline(run: RunFolder) -> str | None:
         outputs = {
             "acceptance_length": results["trained"].get("acceptance_length"),
             **{f"{k}_acceptance_length": r.get("acceptance_length") for k, r in results.items() if k != "trained"},
-            "drafter": export.get("drafter"),
+            "drafter": located(export.get("drafter"), run.export),
             "warnings": [*train.get("warnings", []), *evaluate.get("warnings", [])],
         }
     others = [

@@ -178,6 +178,24 @@ def within(path: str | Path, folder: str | Path) -> bool:
     return parent == root or root in parent.parents
 
 
+def portable(path: str | Path, folder: str | Path) -> str:
+    """`path` as a manifest in `folder` records it: relative to `folder` when it lies in the run folder around it
+    (`folder`'s parent; `..` allowed), so the run folder can move; absolute when it lies elsewhere (a promotion
+    folder, the target)."""
+    p, base = Path(os.path.abspath(path)), Path(os.path.abspath(folder))
+    if p == base.parent or base.parent in p.parents:
+        return Path(os.path.relpath(p, base)).as_posix()
+    return str(p)
+
+
+def located(value: str | None, folder: str | Path) -> str | None:
+    """A path a manifest in `folder` recorded (`portable`), under `folder`'s current place; an absolute one (from
+    a manifest written before paths were kept relative, or naming something outside the run) as it is."""
+    if value is None or os.path.isabs(value):
+        return value
+    return os.path.normpath(os.path.join(os.path.abspath(folder), value))
+
+
 def private_dir(path: Path, create: bool = True) -> bool:
     """Make `path` a folder only this user may enter (mode 0700), creating it if missing (`create`); True if it
     exists. Refused (RunFolderError): a symlink or anything but a folder at that name, or a folder of another user's

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from eyrie.errors import EyrieError
 from eyrie.run.faults import fault_point
-from eyrie.run.files import atomic_write_json
+from eyrie.run.files import atomic_write_json, located, portable
 from eyrie.run.manifest import files_under, finished_manifest, list_files
 from eyrie.target.metadata import verifier_name
 
@@ -86,7 +86,7 @@ def export_drafter(
     manifest = {
         "stage": "export",
         "key": key,
-        "drafter": str(drafter),
+        "drafter": str(drafter),  # recorded relative to out_dir (`export_and_prove`)
         "checkpoint": str(checkpoint),
         "verifier": verifier,
         "eagle_aux_hidden_state_layer_ids": aux_ids,
@@ -94,6 +94,23 @@ def export_drafter(
         "files": list_files(out_dir, files_under(drafter)),
     }
     return manifest  # the caller adds the vLLM proof, then writes it
+
+
+def placed(manifest: dict, out_dir: Path) -> dict:
+    """The export manifest with its paths under the folder's current place: the drafter is always `<out_dir>/drafter`
+    (its files are listed relative to `out_dir` and checked there), whatever an older manifest recorded."""
+    checkpoint = located(manifest.get("checkpoint"), out_dir)
+    return {**manifest, "drafter": str(out_dir.absolute() / "drafter"), "checkpoint": checkpoint}
+
+
+def recorded(manifest: dict, out_dir: Path) -> dict:
+    """The export manifest as written: its paths relative to `out_dir` (`portable`), so a moved run folder is
+    reused whole."""
+    return {
+        **manifest,
+        "drafter": portable(manifest["drafter"], out_dir),
+        "checkpoint": portable(manifest["checkpoint"], out_dir),
+    }
 
 
 def export_and_prove(
@@ -109,12 +126,12 @@ def export_and_prove(
     """Export, then prove vLLM serves the drafter (`serve(drafter_dir)` returns a client); the manifest, written
     last, records the proof. A finished export with the same key is returned as it is."""
     if manifest := finished_manifest(out_dir / "manifest.json", key):  # written last, with the proof
-        return manifest
+        return placed(manifest, out_dir)
     manifest = export_drafter(checkpoint, out_dir, target_model, aux_ids, target_hidden_size, key)
     fault_point("export.before-proof")
     manifest["vllm_proof"] = prove_servable(serve(manifest["drafter"]), probe)
-    atomic_write_json(out_dir / "manifest.json", manifest)
-    return manifest
+    atomic_write_json(out_dir / "manifest.json", recorded(manifest, out_dir))
+    return placed(manifest, out_dir)
 
 
 def prove_servable(client, prompt: list[dict], max_tokens: int = 16) -> dict:

@@ -321,6 +321,22 @@ def test_rerun_of_finished_extraction_starts_no_vllm(resumed: Resumed):
     assert {p.name: file_ids(p) for p in sorted(hidden.iterdir())} == before
     assert starts_in_log(run) == 1
 
+    # A moved run folder is reused whole: the fast path prints its outputs where it is now, and the flow (on by
+    # the tests' EYRIE_ALWAYS_FLOW) extracts nothing and starts no vLLM server there.
+    moved = run.with_name("moved")
+    run.rename(moved)
+    try:
+        fast = subprocess.run(flow_cmd(resumed.config, moved), cwd=REPO, env=env, capture_output=True, text=True)
+        assert fast.returncode == 0 and "Nothing to do" in fast.stdout, _tail(fast.stdout + fast.stderr)
+        assert f"{moved}/extract/hidden_states" in fast.stdout and f"{run}/" not in fast.stdout, fast.stdout
+        t0 = time.monotonic()
+        again = run_flow(resumed.config, moved, timeout=900)
+        print(f"the flow on the moved run folder took {time.monotonic() - t0:.0f} s")
+        assert again.returncode == 0 and f"{NUM_SHARDS} shards, 0 to extract" in again.stdout, _tail(again.stdout)
+        assert "vLLM server" not in again.stdout and starts_in_log(moved) == 1
+    finally:
+        moved.rename(run)
+
 
 def test_speculators_training_loader_reads_the_output(resumed: Resumed):
     import torch

@@ -302,11 +302,11 @@ def test_interrupted_stages_end_as_an_uninterrupted_run(pipeline, tmp_path):
 
     export = read_json(run / "export" / "manifest.json")
     ref_export = export_drafter(
-        Path(export["checkpoint"]),
+        run / "export" / export["checkpoint"],  # relative to its manifest's folder
         tmp_path / "export",
         str(config.target.model),
         export["eagle_aux_hidden_state_layer_ids"],
-        json.loads((Path(export["drafter"]) / "config.json").read_text())["target_hidden_size"],
+        json.loads((run / "export" / export["drafter"] / "config.json").read_text())["target_hidden_size"],
         export["key"],
     )
     assert ref_export["files"] == export["files"]
@@ -322,7 +322,7 @@ def test_interrupted_stages_end_as_an_uninterrupted_run(pipeline, tmp_path):
 def test_training_resumes_from_the_saved_step(pipeline):
     manifest = read_json(pipeline.run / "train" / "manifest.json")
     assert manifest["resumed_from"], "the resumed run started training over"
-    log = Path(manifest["log"]).read_text(errors="replace")
+    log = (pipeline.run / "train" / manifest["log"]).read_text(errors="replace")
     assert log.count("===== eyrie:") == 2  # one launch killed, one resumed: not a third from scratch
     history = manifest["history"]
     # every epoch once, in order, up to the plateau stop (the demo's recipe) or the last one
@@ -332,7 +332,7 @@ def test_training_resumes_from_the_saved_step(pipeline):
 
 def test_export_is_servable_and_matches_extraction(pipeline):
     export = read_json(pipeline.run / "export" / "manifest.json")
-    cfg = json.loads((Path(export["drafter"]) / "config.json").read_text())
+    cfg = json.loads((pipeline.run / "export" / export["drafter"] / "config.json").read_text())
     assert cfg["speculators_model_type"] == "eagle3"
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     server = read_json(pipeline.run / "extract" / "shards" / "shard-00000.json")
@@ -491,7 +491,8 @@ def test_the_first_drafter_is_promoted_and_a_rerun_changes_nothing(pipeline):
     export = read_json(pipeline.run / "export" / "manifest.json")
     current = pipeline.drafters / "current"
     assert current.resolve().name == export["key"]
-    assert (current / "model.safetensors").read_bytes() == (Path(export["drafter"]) / "model.safetensors").read_bytes()
+    drafter = pipeline.run / "export" / export["drafter"]
+    assert (current / "model.safetensors").read_bytes() == (drafter / "model.safetensors").read_bytes()
     assert "no current drafter yet" in pipeline.resume_out
     assert "it is already the current drafter" in pipeline.third_out
     assert len((pipeline.drafters / "history.jsonl").read_text().splitlines()) == 1
@@ -550,7 +551,7 @@ def test_retraining_warm_starts_from_the_current_drafter(pipeline, retrained):
     from safetensors.torch import load_file
 
     train = read_json(pipeline.run / "train" / "manifest.json")
-    log = Path(train["log"]).read_text(errors="replace")
+    log = (pipeline.run / "train" / train["log"]).read_text(errors="replace")
     assert f"--from-pretrained {retrained.base}" in log
     vocab = read_json(pipeline.run / "vocab" / "manifest.json")
     assert vocab["from_drafter"] == str(retrained.base)  # its lm_head rows belong to its draft vocabulary

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -73,7 +72,7 @@ def test_whole_pipeline_through_the_compatibility_layer(tmp_path, kind, arch):
     export = read_json(run / "export" / "manifest.json")
     assert export["vllm_proof"]["completion_tokens"] > 0
     assert (
-        json.loads((Path(export["drafter"]) / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+        json.loads((run / "export" / export["drafter"] / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
         == LAYER_IDS
     )
     result = read_json(run / "evaluate" / "trained.json")

@@ -64,14 +64,27 @@ def test_the_cache_policy_never_uses_a_record_that_outlived_its_files(stage, mon
     policy = StageDone(manifest="{out_dir}/manifest.json")
     ctx = SimpleNamespace(task=SimpleNamespace(name="vocab"))
     inputs = {"out_dir": str(stage), "key": "k"}
-    assert policy.compute_key(ctx, inputs, {}) == "eyrie-vocab-k"
-    recorded = {"eyrie-vocab-k"}  # Prefect's result store, holding a result for that key
+    key = policy.compute_key(ctx, inputs, {})
+    assert key.startswith("eyrie-vocab-k-")  # and the folder's place: a result names its paths
+    recorded = {key}  # Prefect's result store, holding a result for that key
     monkeypatch.setattr(caching, "get_result_store", lambda: SimpleNamespace(exists=recorded.__contains__))
-    assert policy.compute_key(ctx, inputs, {}) == "eyrie-vocab-k"  # done: the record is used
+    assert policy.compute_key(ctx, inputs, {}) == key  # done: the record is used
     (stage / "a.bin").unlink()
-    assert policy.compute_key(ctx, inputs, {}).startswith("eyrie-vocab-k-redo-")  # it outlived its files: not used
+    assert policy.compute_key(ctx, inputs, {}).startswith(f"{key}-redo-")  # it outlived its files: not used
     recorded.clear()
-    assert policy.compute_key(ctx, inputs, {}) == "eyrie-vocab-k"  # nothing recorded: this run's result will be
+    assert policy.compute_key(ctx, inputs, {}) == key  # nothing recorded: this run's result will be
+
+
+def test_a_moved_stage_folder_runs_its_task_which_names_the_paths_where_they_are_now(stage):
+    """A cached result names its stage's paths (the drafter, the checkpoint): in a moved run folder, or another
+    folder of the same key, it would name the old place, or another run's files."""
+    policy = StageDone(manifest="{out_dir}/manifest.json")
+    ctx = SimpleNamespace(task=SimpleNamespace(name="vocab"))
+    key = policy.compute_key(ctx, {"out_dir": str(stage), "key": "k"}, {})
+    moved = stage.with_name("moved")
+    stage.rename(moved)
+    assert finished_manifest(moved / "manifest.json", "k") is not None
+    assert policy.compute_key(ctx, {"out_dir": str(moved), "key": "k"}, {}) not in (key, None)
 
 
 @pytest.mark.usefixtures("flow_api")

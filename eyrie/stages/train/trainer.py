@@ -20,7 +20,7 @@ from eyrie.config import PipelineConfig, TrainConfig
 from eyrie.errors import EyrieError
 from eyrie.hidden_states.staging import clean, leftover_bytes, on_tmpfs
 from eyrie.run.environment import child_environment
-from eyrie.run.files import atomic_write_json, read_json
+from eyrie.run.files import atomic_write_json, located, portable, read_json
 from eyrie.run.manifest import files_under, finished_manifest, list_files
 from eyrie.stages.train.checkpoints import is_whole, newest_whole_checkpoint, recover
 from eyrie.stages.train.command import (
@@ -157,7 +157,14 @@ def run_training(
     With `train.hidden_states: online`, `server_url` is the extraction server's (up, serving the captured layers)
     and `data.hidden_dir` its tmpfs storage path: the trainer asks it for every sample (eyrie.stages.train.online)."""
     if manifest := finished_manifest(out_dir / "manifest.json", key):
-        return manifest
+        manifest = placed(manifest, out_dir)
+        if Path(manifest["checkpoint"]).is_dir():
+            return manifest
+        # A manifest of absolute paths (written before they were kept relative) whose run folder moved since.
+        log(
+            f"the train manifest names {manifest['checkpoint']}, which is not there (the run folder moved): "
+            "written again"
+        )
     online = config.train.hidden_states == "online"
     if online and not server_url:  # before anything is written under out_dir
         raise EyrieError("train.hidden_states is online, but no extraction server was given to train from")
@@ -261,21 +268,30 @@ def _train_manifest(
     manifest = {
         "stage": "train",
         "key": key,
-        "checkpoint": str(final),
+        # Paths relative to out_dir (`portable`): a moved run folder is reused whole (`placed`).
+        "checkpoint": portable(final, out_dir),
         "device": device,
         "epochs": train.epochs,
         "global_step": state.get("global_step"),
-        "resumed_from": str(resumed_from) if resumed_from else None,
+        "resumed_from": portable(resumed_from, out_dir) if resumed_from else None,
         # Counted over the draft starts vLLM makes (what the train/serve gap compares): once, here, not per run.
         "val_metrics": like_for_like_metrics(epoch_validation(final), data_dir, train.val_fraction),
         "stopped_on_plateau": plateau,
         "warnings": [*(notes or []), *([improving] if improving else [])],
-        "log": str(log_path),
+        "log": portable(log_path, out_dir),
         "history": rows,
         "files": list_files(out_dir, files_under(final)),  # the shipped checkpoint
     }
     atomic_write_json(out_dir / "manifest.json", manifest)
-    return manifest
+    return placed(manifest, out_dir)
+
+
+PATHS = ("checkpoint", "resumed_from", "log")
+
+
+def placed(manifest: dict, out_dir: Path) -> dict:
+    """The train manifest with its paths (`PATHS`) under the folder's current place."""
+    return {**manifest, **{k: located(manifest.get(k), out_dir) for k in PATHS}}
 
 
 def untrained_key(config: PipelineConfig, vocab_key: str, aux_ids: list[int]) -> str:
