@@ -4,12 +4,19 @@ warning for a drafter that was still improving when its epochs ran out."""
 
 from __future__ import annotations
 
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from conftest import build_tiny_target, config_dict, synthetic_training_inputs
 
 from eyrie.config import parse_config
+from eyrie.ops.status import run_status
+from eyrie.run.folder import RunFolder
+from eyrie.stages.train.progress import METRICS
 from eyrie.stages.train.trainer import run_training
 from eyrie.stages.train.validation import plateaued, predicted_acceptance_length, still_improving
 
@@ -44,7 +51,9 @@ def test_still_improving_warns_only_on_a_real_rise():
 @pytest.mark.timeout(900)
 def test_training_stops_on_a_plateau_and_is_not_relaunched(tmp_path):
     """Random hidden states teach nothing: with a rise of 0.5 required, the second epoch is a plateau. Training
-    stops there instead of running its ten epochs, and the next run finds it finished."""
+    stops there instead of running its ten epochs, and the next run finds it finished. While the trainer runs,
+    `eyrie status` names it with its epoch, step, loss and last checkpoint (it said `not started`), and its metrics
+    reach the file the train task's live view reads."""
     target = build_tiny_target("tiny-llama")
     data = config_dict(target, max_samples=24, shard_size=24, max_length=96, layer_ids=[2, 4, 5])
     data["train"] = {
@@ -53,11 +62,28 @@ def test_training_stops_on_a_plateau_and_is_not_relaunched(tmp_path):
         "stop_on_plateau": True,
         "plateau_patience": 1,
         "plateau_min_delta": 0.5,
+        "log_every_steps": 1,
     }
     config = parse_config(data)
     _, inputs, seq_lens = synthetic_training_inputs(config, tmp_path)
 
-    manifest = run_training(config, tmp_path / "train", "k", inputs, seq_lens, log=print)
+    # The run folder's train stage is tmp_path/train: `eyrie status` reads it while the trainer runs.
+    training = ThreadPoolExecutor(1).submit(
+        run_training, config, tmp_path / "train", "k", inputs, seq_lens, None, print
+    )
+    seen = []
+    while not training.done():
+        line = run_status(RunFolder(tmp_path))["stages"]["train"]
+        if line.startswith("training (pid"):
+            seen.append(line)
+        time.sleep(0.2)
+    manifest = training.result()
+    assert any(re.search(r"epoch \d+, step \d+ of \d+: loss [\d.]+", line) for line in seen), seen[-3:]
+    assert any(re.search(r"last checkpoint 0 \(step \d+\)", line) for line in seen), seen[-3:]
+    assert run_status(RunFolder(tmp_path))["stages"]["train"] == "done"
+    rows = [json.loads(line) for line in (tmp_path / "train" / "k" / METRICS).read_text().splitlines()]
+    assert {r["epoch"] for r in rows if "train/loss" in r} == {0, 1} and sum("val/loss_epoch" in r for r in rows) == 2
+    assert all("train_loss" in row for row in manifest["history"])  # beside the checkpoints' validation
 
     assert manifest["stopped_on_plateau"]["epoch"] == 1
     assert [row["epoch"] for row in manifest["history"]] == [0, 1]

@@ -64,8 +64,10 @@ def test_speculators_metric_records_reach_the_file_past_its_own_logger_setup(tmp
     argv = ["--epochs", "1", METRICS_FLAG, str(path), "--lr", "1"]
     root = logging.getLogger()
     before = list(root.handlers)
+    root.handlers.clear()  # as in the trainer's process: speculators' console handler is then installed, not pytest's
     try:
         record_metrics(argv)
+        assert any(type(h).__name__ == "RichHandler" for h in root.handlers)
         assert argv == ["--epochs", "1", "--lr", "1"]  # speculators never sees Eyrie's option
         setup_metric_logger(loggers="", run_name=None, output_dir=str(tmp_path / "logs"))  # as its CLI does
         metrics = logging.getLogger("speculators.metrics")
@@ -74,9 +76,7 @@ def test_speculators_metric_records_reach_the_file_past_its_own_logger_setup(tmp
         metrics.info({"val": {"loss_epoch": 2.0}, "epoch": 0}, extra={"step": 8})
         logging.getLogger("speculators").info("not a metric")
     finally:
-        for h in root.handlers[:]:
-            if h not in before:
-                root.removeHandler(h)
+        root.handlers[:] = before
     rows, _ = read_rows(path)
     assert [r.get("train/loss") for r in rows] == [2.5, None]
     assert rows[0]["global_step"] == 7 and rows[0]["train/full_acc_0"] == 0.4 and rows[0]["step"] == 7

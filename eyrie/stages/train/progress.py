@@ -75,7 +75,9 @@ def record_metrics(argv: list[str]) -> None:
     from speculators.train.logger import setup_root_logger
 
     setup_root_logger()
-    logging.getLogger().addHandler(MetricsFile(path))
+    # First among the root's handlers: speculators' console handler rewrites each record's mapping into text.
+    root = logging.getLogger()
+    root.handlers.insert(0, MetricsFile(path))
 
 
 def record_launch(work: Path, steps_per_epoch: int, epochs: int, pid: int) -> None:
