@@ -60,8 +60,14 @@ def _preflight(args) -> int:
 
 def _status(args) -> int:
     from eyrie.ops.status import format_status, run_status
-    from eyrie.run.folder import RunFolder
+    from eyrie.run.folder import STAMP, RunFolder
 
+    root = Path(args.run_dir)
+    if not root.is_dir():  # every stage would read "not started": true of no run
+        print(f"eyrie: error: no run folder at {root}", file=sys.stderr)
+        return 2
+    if not (root / STAMP).is_file():
+        print(f"note: {root} has no {STAMP}: no Eyrie run has opened it (yet)")
     print(format_status(run_status(RunFolder(args.run_dir))))
     return 0
 
