@@ -77,3 +77,22 @@ def test_a_rule_reading_what_preflight_cannot_know_says_unknown(tmp_path, monkey
     runner, why = server_model_runner(_parsed(_config(tmp_path), True), LLAMA, {})
     assert runner == "unknown" and "model_config.something_only_a_load_knows" in why
     assert installed_vllm.RUNNER_ENV == "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def test_vllm_0_26s_rule_reads_the_cache_config_and_keeps_moe_targets_on_v1(tmp_path, monkeypatch):
+    """vLLM 0.26's rule (read from its source) keeps a MoE target that is not one of its default-V2 architectures on
+    V1 and reads sections preflight builds no facts for (`cache_config.kv_sharing_fast_prefill`,
+    `ec_transfer_config`): those come from the parsed arguments of the same names, not 'unknown' (as the H200 run
+    first printed). The H200's servers ran Kimi's wrapper (MoE) on V1 and Llama and GPT-2 on V2."""
+    from vllm.config import VllmConfig
+
+    def rule(self):
+        if self.model_config.is_moe and not set(self.model_config.architectures) & {"DeepseekV2ForCausalLM"}:
+            return False
+        return not self.cache_config.kv_sharing_fast_prefill and self.ec_transfer_config is None
+
+    monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(rule))
+    kimi = {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": {"n_routed_experts": 8}}
+    parsed = _parsed(_config(tmp_path), True)
+    assert server_model_runner(parsed, LLAMA, {})[0] == "V2"
+    assert server_model_runner(parsed, kimi, {})[0] == "V1"

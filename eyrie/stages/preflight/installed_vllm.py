@@ -255,20 +255,29 @@ class _Facts:
 
 
 class _ConfigView:
-    """A stand-in for vLLM's VllmConfig on which its own `use_v2_model_runner` rule runs: the sections as `_Facts`,
-    every other member (the rule's helper methods and properties) taken from the installed VllmConfig itself."""
+    """A stand-in for vLLM's VllmConfig on which its own `use_v2_model_runner` rule runs: the sections given as
+    `_Facts`; the rule's helper methods and properties taken from the installed VllmConfig itself; a setting the
+    server's arguments name (`--ec-transfer-config`) as parsed; any other section (`cache_config`, ...) read from the
+    parsed arguments of the same names (vLLM's engine arguments are its config fields)."""
 
-    def __init__(self, sections: dict):
+    def __init__(self, sections: dict, parsed: argparse.Namespace):
         self.__dict__.update(sections)
+        self._parsed = parsed
 
     def __getattr__(self, name: str):
         from vllm.config import VllmConfig
 
+        if name.startswith("__"):
+            raise AttributeError(name)
         member = inspect.getattr_static(VllmConfig, name, None)
         if isinstance(member, property):
             return member.fget(self)
-        if callable(member):
+        if inspect.isfunction(member):
             return member.__get__(self, _ConfigView)
+        if hasattr(self._parsed, name):
+            return getattr(self._parsed, name)
+        if name.endswith("_config"):
+            return _Facts(name, {}, self._parsed)
         raise AttributeError(f"VllmConfig.{name}")
 
 
@@ -333,7 +342,8 @@ def server_model_runner(parsed: argparse.Namespace, cfg: dict, env: dict[str, st
             "attention_config": _Facts("attention_config", {"hisparse_config": None}),
             "scheduler_config": _Facts("scheduler_config", {}, parsed),
             "watermark_config": None,
-        }
+        },
+        parsed,
     )
     saved = os.environ.get(RUNNER_ENV)
     if RUNNER_ENV in env:
