@@ -67,7 +67,7 @@ def _status(args) -> int:
         print(f"eyrie: error: no run folder at {root}", file=sys.stderr)
         return 2
     if not (root / STAMP).is_file():
-        print(f"note: {root} has no {STAMP}: no Eyrie run has opened it (yet)")
+        print(f"note: {root} has no {STAMP}: no Eyrie run has opened it (yet)", file=sys.stderr)
     print(format_status(run_status(RunFolder(args.run_dir))))
     return 0
 

@@ -3,6 +3,7 @@ every vLLM server recorded under the run folder: extraction's (and each node's),
 
 from __future__ import annotations
 
+import re
 import time
 
 from eyrie import FORMAT_VERSION, __version__
@@ -116,14 +117,19 @@ def _waiting_for_server(run: RunFolder, out: dict) -> None:
     """A stage that has not started because the extraction server it needs is loading says so: regeneration's
     (when its folder exists) or else extraction's, the first of them not done."""
     server = out["server"]
-    if not server.startswith(("starting", "running")):
+    if server.startswith("starting"):
+        phase = re.search(r"now in ([a-zA-Z ]+?)(?: \(|$)", server)
+        waiting = "waiting for the extraction server, loading" + (f" ({phase.group(1)})" if phase else "")
+    elif server.startswith("running"):
+        waiting = "starting: the extraction server is up, no shard finished yet"
+    else:
         return
     for stage in ("regenerate", "extract"):
         state = out["stages"].get(stage)
         if stage == "regenerate" and not run.stage(stage).is_dir():
             continue
         if state == "not started":
-            out["stages"][stage] = f"waiting for the extraction server ({server.split(':')[0]})"
+            out["stages"][stage] = waiting
         if state != "done":
             return
 

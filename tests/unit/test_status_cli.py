@@ -12,5 +12,5 @@ def test_status_of_a_missing_folder_is_an_error(tmp_path, capsys):
 
 def test_status_of_a_folder_no_run_opened_says_so(tmp_path, capsys):
     assert main(["status", "--run-dir", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "no eyrie-run.json: no Eyrie run has opened it" in out and "train" in out
+    out, err = capsys.readouterr()
+    assert "no eyrie-run.json: no Eyrie run has opened it" in err and "train" in out

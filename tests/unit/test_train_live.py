@@ -311,3 +311,25 @@ def test_the_train_task_run_shows_steps_table_and_curve_while_it_trains(tmp_path
     assert str(kinds["image"].data).startswith("data:image/png;base64,")
     assert any(line.startswith("train: epoch 0, step 9 of 20: loss 3") for line in lines)
     assert any(line.startswith("train: epoch 0 validation: loss 2.5") for line in lines)
+
+
+def test_a_stage_waiting_for_its_loading_server_says_so(tmp_path):
+    """Extraction had not started while its server loaded: the stage says it waits, and the server its phase."""
+    from conftest import server_recorded_as_this_process
+
+    from eyrie.vllm.phases import START_MARK
+
+    run = RunFolder(tmp_path / "run")
+    assert run_status(run)["stages"]["extract"] == "not started"
+    server = server_recorded_as_this_process(run.extract, started_at=time.time())
+    server.log_path.write_text(
+        f"{START_MARK}{time.strftime('%Y-%m-%d %H:%M:%S')} =====\n"
+        f"INFO {time.strftime('%m-%d %H:%M:%S')} [core.py:1] Initializing engine\n"
+        f"INFO {time.strftime('%m-%d %H:%M:%S')} [gpu_model_runner.py:2] Starting to load model /m\n"
+    )
+    status = run_status(run)
+    assert (
+        status["server"].startswith(f"starting: pid {os.getpid()}, loading for ")
+        and "now in weights" in status["server"]
+    )
+    assert status["stages"]["extract"] == "waiting for the extraction server, loading (weights)"
