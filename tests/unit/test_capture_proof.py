@@ -295,3 +295,32 @@ def test_a_server_whose_capture_is_wrong_is_refused_and_recorded(tmp_path, targe
         prove_server(_ctx(folder), _data(tmp_path), tmp_path / "capture", None, server, 128, log=lambda m: None)
     recorded = read_json(tmp_path / "capture" / proof.PROOF)
     assert recorded["passed"] is False and "layer 1: " in recorded["reason"]
+
+
+def test_layers_that_carry_recurrent_state_are_recognised_from_the_config():
+    class Plain:  # a model class with none of vLLM's state flags
+        pass
+
+    assert proof.recurrent_state(Plain, {"layer_types": ["full_attention", "sliding_attention"] * 2}) is None
+    assert proof.recurrent_state(Plain, {}) is None
+    gated = proof.recurrent_state(Plain, {"layer_types": ["linear_attention"] * 3 + ["full_attention"]})
+    assert gated and "3 of its 4 layers" in gated
+    assert proof.recurrent_state(Plain, {"layer_types": ["conv", "full_attention"]})  # short convolutions
+    assert proof.recurrent_state(Plain, {"layer_types": ["mamba", "attention"]})  # a legacy name, remapped
+
+
+def test_a_hybrid_target_is_refused_before_the_load_unless_the_proof_is_to_decide(monkeypatch):
+    """vLLM's own interfaces on its real classes: state-space, short-convolution and gated-linear-attention hybrids
+    are recognised; attention-only targets are not."""
+    from eyrie.stages.preflight.target import resolve_vllm_class
+
+    for arch in ("Qwen3NextForCausalLM", "Lfm2ForCausalLM", "MambaForCausalLM"):
+        assert proof.recurrent_state(resolve_vllm_class(arch), {}), arch
+    for arch in ("LlamaForCausalLM", "DeepseekV3ForCausalLM", "Gemma2ForCausalLM"):
+        assert proof.recurrent_state(resolve_vllm_class(arch), {}) is None, arch
+    monkeypatch.delenv(proof.HYBRID_ENV, raising=False)
+    refused = proof.recurrent_state_refusal(resolve_vllm_class("Qwen3NextForCausalLM"), {})
+    assert refused and "carry recurrent state" in refused[0] and f"{proof.HYBRID_ENV}=prove" in refused[0]
+    assert proof.recurrent_state_refusal(resolve_vllm_class("LlamaForCausalLM"), {}) == []
+    monkeypatch.setenv(proof.HYBRID_ENV, "prove")
+    assert proof.recurrent_state_refusal(resolve_vllm_class("Qwen3NextForCausalLM"), {}) == []

@@ -16,6 +16,7 @@ from pathlib import Path
 from eyrie.config import PipelineConfig
 from eyrie.errors import ConfigError, PreflightError
 from eyrie.hidden_states.encoding import check_config as check_hidden_states_dtype
+from eyrie.hidden_states.proof import recurrent_state_refusal
 from eyrie.run.folder import RunFolder
 from eyrie.stages.evaluate import evaluation_sets, template_variant_warnings, template_variants
 from eyrie.stages.preflight.ahead import wait_for_imports_ahead
@@ -41,6 +42,7 @@ from eyrie.stages.preflight.target import (
     check_parallelism,
     check_serving,
     probe_eagle3,
+    resolve_vllm_class,
     validate_aux_layer_ids,
     vllm_has_extract_hidden_states,
 )
@@ -76,6 +78,7 @@ def check_target(config: PipelineConfig, serve: bool) -> PreflightReport:
     failures += problems
 
     probe = probe_eagle3(cfg)
+    failures += recurrent_state_refusal(resolve_vllm_class(probe.architecture), text)  # hybrid targets
     if probe.path == "unsupported":
         failures.append(f"{probe.reason}. Fix: {probe.fix}" if probe.fix else probe.reason)
     if probe.path == "compat" and not config.extraction.enforce_eager:
