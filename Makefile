@@ -13,6 +13,8 @@ export PREFECT_HOME := $(CURDIR)/.cache/prefect
 # Prefect 3.7 keeps task results in ~/.prefect/storage whatever PREFECT_HOME says: keep them beside it.
 export PREFECT_RESULTS_LOCAL_STORAGE_PATH := $(CURDIR)/.cache/prefect/storage
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
+# Whole-file digests of target weights, kept per file version (eyrie/run/identity.py): beside the other caches.
+export EYRIE_DIGEST_STORE := $(CURDIR)/.cache/digests
 export HF_HUB_OFFLINE := 1
 # Python keeps the bytecode it compiles (in .venv and the repo's ignored __pycache__ folders), even where the machine
 # sets PYTHONDONTWRITEBYTECODE (as container images often do): uv installs no .pyc, and without them every process

@@ -42,6 +42,8 @@ TEST_ENV = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_RESULTS_LOCAL_STORAGE_PATH": _RESULTS_DIR,
     "HF_HUB_OFFLINE": "1",
+    # Whole-file digests of target weights (eyrie/run/identity.py) stay in the repo's ignored cache, not ~/.cache.
+    "EYRIE_DIGEST_STORE": os.environ.get("EYRIE_DIGEST_STORE", str(CACHE / "digests")),
     # vLLM's offline engine in its caller's process (tests/engine_capture.py sets it too). `vllm serve` in vLLM 0.32
     # starts its engine core in a process of its own whatever this says (AsyncLLM always takes the multiprocess
     # client); VLLM_SERVER_ARGS' `uni` backend keeps the worker in that process: two processes per server start
