@@ -1,0 +1,466 @@
+"""Eyrie's GPU paths on a GPU build of vLLM, one GPU-sized tiny target per contract, driving the core library's stages
+directly (no Prefect: the core library never imports it). Run on the GPU node through benchmarks/gpu_pipeline.sh,
+which says the device call sequence; on a CPU build of vLLM it runs the same code as far as that build allows
+(`--cpu`: smaller widths, CPU attention's limits).
+
+Contracts (`--targets`, default all three):
+  llama  a Llama-family target vLLM serves natively (SupportsEagle3): 8 layers, hidden 256, 4 heads of 64, GQA 2;
+  gpt2   a target whose vLLM class lacks the interface, served through Eyrie's compatibility layer: 8 layers,
+         hidden 256, 4 heads of 64;
+  kimi   a Kimi-K2.5 wrapper around a DeepseekV3 text model with MLA at the (qk_nope, qk_rope, v) head dims
+         GPU vLLM's MLA prefill accepts, (128, 64, 128), kv_lora_rank 512, and a small MoE.
+
+Stages (`--stages`, default extract,serve), each target through each:
+  preflight  `eyrie.stages.preflight.check.check_target` (the installed vLLM's class, interface, flags, and the model
+             runner each server will use);
+  extract    Eyrie's extraction server (`ServerSpec.for_extraction`, `VllmServer.ensure`: Eyrie's command, its
+             connector and plugin), one request per chat sample through Eyrie's client, each file checked with the
+             extract stage's own `load_checked`, and every captured layer compared with transformers on the same
+             device (id k < L: `hidden_states[k]`; id L: the last decoder layer's output, through a hook);
+  serve      Eyrie's serving server (`ServerSpec.for_serving`) with an EAGLE-3 drafter of the target's shape, CUDA
+             graphs on wherever the EAGLE-3 path allows (native targets), greedy chat completions, and the
+             acceptance length from the server's own spec-decode counters. The drafter is random (speculators, the
+             trainer, is not in the GPU kit): the figure shows speculation ran and how it is counted, not a drafter's
+             quality.
+Every server's model runner (V1/V2), attention backend, CUDA-graph mode and start-up time are read from its log.
+Results: one JSON (`--out`), appended per target and stage, so a later device call adds to an earlier one's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LAYERS = 8
+AUX = [2, 4, 5]
+GPU_DIMS = {
+    "llama": dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    "gpt2": dict(n_embd=256, n_head=4, n_inner=512),
+    # MLA at DeepSeek's and Kimi's own head dims: FlashAttention's MLA prefill takes (128, 64, 128)
+    "kimi": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        kv_lora_rank=512,
+        q_lora_rank=128,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+    ),
+}
+# vLLM's CPU build: head_dim 32 works; MLA keeps the CPU tiny's dims (the CPU build has no MLA prefill limits).
+CPU_DIMS = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=32),
+    "gpt2": {},
+    "kimi": {},
+}
+KINDS = {"llama": "tiny-llama", "gpt2": "tiny-gpt2", "kimi": "tiny-kimi-k25"}
+EXPECTED_PATH = {"llama": "native", "gpt2": "compat", "kimi": "native"}
+T0 = time.time()
+
+
+def note(msg: str) -> None:
+    print(f"[gpu-pipeline {time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def since(t: float) -> float:
+    return round(time.time() - t, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# targets and configs
+
+
+def build(name: str, work: Path, cpu: bool) -> Path:
+    from eyrie.target.tiny import build_target
+
+    dims = (CPU_DIMS if cpu else GPU_DIMS)[name]
+    return build_target(KINDS[name], work / "targets" / f"{name}-{'cpu' if cpu else 'gpu'}", **dims)
+
+
+def reference_folder(name: str, model: Path) -> Path:
+    """The transformers model whose hidden states the capture is compared with (the Kimi wrapper's text model)."""
+    return model / "text_model" if name == "kimi" else model
+
+
+def pipeline_config(name: str, model: Path, work: Path, cpu: bool):
+    from eyrie.config import parse_config
+
+    server_args = ["--language-model-only"] if name == "kimi" else []  # the wrapper's vision tower never built
+    return parse_config(
+        {
+            "name": f"gpu-{name}",
+            "target": {"model": str(model), "max_model_len": 512},
+            "data": {"source": str(ROOT / "eyrie/data/demo_chat.jsonl"), "max_length": 256},
+            "extraction": {
+                "layer_ids": AUX,
+                # eager: the compatibility layer's hooks need it (preflight checks); every server of this run extracts
+                # eager, as Eyrie does by default
+                "enforce_eager": True,
+                "gpu_memory_utilization": None if cpu else 0.25,
+                "server_args": server_args,
+            },
+            "vocab": {"draft_vocab_size": 256},
+            "evaluate": {"num_speculative_tokens": 3},
+        },
+        source=f"gpu_pipeline:{name}",
+    )
+
+
+def chat_samples(model: Path, n: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    rows = [json.loads(line) for line in (ROOT / "eyrie/data/demo_chat.jsonl").read_text().splitlines() if line]
+    out = []
+    for row in rows[:n]:
+        msgs = row.get("messages") or row.get("conversations") or row
+        text = tok.apply_chat_template(msgs, tokenize=False)
+        out.append(tok(text, add_special_tokens=False)["input_ids"][:255])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# server logs: what each server ran on
+
+LOG_KEYS = {
+    "vllm_version": re.compile(r"vLLM API server version ([\w.+-]+)|vLLM v?(\d+\.\d+\.\d+\S*)"),
+    "model_runner": re.compile(
+        r"(Using V2 Model Runner|Model Runner V2 does not yet support [^;]*; using the V1 model "
+        r"runner|using the V1 model runner|Model Runner V2 requires Triton)"
+    ),
+    "attention_backend": re.compile(r"Using (\S+) (?:attention )?backend"),
+    "fa_version": re.compile(r"Using FlashAttention version (\d)"),
+    "mla_prefill": re.compile(r"Using (\S+) (?:backend )?for MLA prefill|MLA prefill backend[: ]+(\S+)"),
+    "cudagraph": re.compile(r"(Graph capturing finished in [\d.]+ ?secs?.*|cudagraph_mode=\S+)"),
+    "compat": re.compile(r"Eyrie's EAGLE-3 compatibility layer (serves .*|: .*)"),
+    "aux_layers": re.compile(r"Using Eagle3 auxiliary layers from (?:config|model): (.*)"),
+    "ready": re.compile(r"init engine .* took ([\d.]+) s|Application startup complete"),
+}
+
+
+def read_server_log(path: Path) -> dict:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return {"log": None}
+    seen: dict = {}
+    for line in text.splitlines():
+        for key, rx in LOG_KEYS.items():
+            m = rx.search(line)
+            if m:
+                val = next((g for g in m.groups() if g), m.group(0)) if m.groups() else m.group(0)
+                seen.setdefault(key, [])
+                if val not in seen[key]:
+                    seen[key].append(val.strip()[:200])
+    runner = " ".join(seen.get("model_runner", []))
+    seen["runner"] = "V2" if "Using V2 Model Runner" in runner else ("V1" if runner else "V1 (no V2 line)")
+    errors = [line.strip()[:300] for line in text.splitlines() if re.search(r"Error|Traceback", line)]
+    seen["errors"] = errors[-6:]
+    seen["log"] = str(path)
+    return seen
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# stages
+
+
+def stage_preflight(name: str, config) -> dict:
+    from eyrie.stages.preflight.check import check_target
+
+    t = time.time()
+    report = check_target(config, serve=True)
+    out = {
+        "s": since(t),
+        "eagle3_path": report.eagle3_path,
+        "expected_path": EXPECTED_PATH[name],
+        "vllm_class": report.vllm_class,
+        "reason": report.eagle3_reason,
+        "model_runners": report.target_facts.get("model_runners"),
+        "failures": report.failures,
+        "notes": report.notes,
+    }
+    out["ok"] = report.eagle3_path == EXPECTED_PATH[name]
+    return out
+
+
+def rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def reference_states(ref: Path, samples: list[list[int]], ids: list[int]):
+    """transformers' stream for each captured id, on the GPU when there is one (id L through a hook: before the
+    final norm)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = AutoModelForCausalLM.from_pretrained(str(ref), dtype=torch.bfloat16).to(dev).eval()
+    layers = hf.model.layers if hasattr(hf, "model") and hasattr(hf.model, "layers") else hf.transformer.h
+    last: list = []
+    hook = layers[-1].register_forward_hook(lambda m, i, o: last.append(o[0] if isinstance(o, tuple) else o))
+    out = []
+    with torch.no_grad():
+        for ids_ in samples:
+            last.clear()
+            o = hf(torch.tensor([ids_], device=dev), output_hidden_states=True)
+            out.append([(last[-1][0] if k == len(layers) else o.hidden_states[k][0]).float().cpu() for k in ids])
+    hook.remove()
+    name = torch.cuda.get_device_name(0) if dev == "cuda" else "cpu"
+    del hf
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return out, name
+
+
+def stage_extract(name: str, config, model: Path, work: Path, n: int) -> dict:
+    from safetensors.torch import load_file
+
+    from eyrie.stages.extract.answered import _wait_and_release
+    from eyrie.stages.extract.checks import load_checked
+    from eyrie.stages.preflight.target import captured_layer_ids
+    from eyrie.vllm.process import VllmServer
+    from eyrie.vllm.spec import ServerSpec
+
+    ids = captured_layer_ids(AUX, LAYERS)
+    staging = work / "hidden" / name
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    spec = ServerSpec.for_extraction(config, ids, str(staging))
+    server = VllmServer(work / "servers" / f"{name}-extract")
+    out: dict = {"layer_ids": ids, "command": " ".join(spec.command(0)[1:])}
+    t = time.time()
+    try:
+        client = server.ensure(spec, startup_timeout_s=420, log=note)
+        out["ready_s"] = since(t)
+        note(f"{name}: extraction server ready in {out['ready_s']} s")
+        samples = chat_samples(model, n)
+        t = time.time()
+        paths = [client.extract(s, timeout_s=120) for s in samples]
+        for p in paths:  # the connector writes behind the answer: wait for its writer, as the extract stage does
+            _wait_and_release(p)
+        out["extract_s"] = since(t)
+        out["requests"] = len(samples)
+        out["tokens"] = sum(map(len, samples))
+    finally:
+        out["server"] = read_server_log(server.log_path)
+        server.stop(log=note)
+    hidden = None
+    for p, s in zip(paths, samples):
+        load_checked(Path(p), s, len(ids), _width(config), config.extraction.hidden_states_dtype)
+    refs, device = reference_states(reference_folder(name, model), samples, ids)
+    errs: dict[int, list[float]] = {k: [] for k in ids}
+    for p, s, ref in zip(paths, samples, refs):
+        data = load_file(p)
+        hidden = data["hidden_states"]
+        assert data["token_ids"].tolist() == s
+        for j, k in enumerate(ids):
+            errs[k].append(rel(hidden[:, j], ref[j]))
+    out["device"] = device
+    out["shape"] = list(hidden.shape) if hidden is not None else None
+    out["max_rel_err"] = {str(k): round(max(v), 5) for k, v in errs.items()}
+    out["ok"] = all(max(v) < 0.03 for v in errs.values())
+    return out
+
+
+def _width(config) -> int:
+    from eyrie.target.metadata import read_target_config, text_config
+
+    text = text_config(read_target_config(config.target))
+    return int(text.get("hidden_size") or text.get("n_embd"))
+
+
+def make_drafter(model: Path, name: str, work: Path) -> Path:
+    """A random one-layer EAGLE-3 drafter of the target's width, in vLLM's own EAGLE-3 format
+    (LlamaForCausalLMEagle3: `midlayer.*`, `fc` over the three aux streams, its own norm and head, the target's
+    embeddings shared), aux ids as extraction captured them."""
+    import torch
+    from safetensors.torch import save_file
+
+    from eyrie.config import TargetConfig
+    from eyrie.target.metadata import read_target_config, text_config
+
+    text = text_config(read_target_config(TargetConfig(model=str(model))))
+    h = int(text.get("hidden_size") or text["n_embd"])
+    vocab = int(text.get("vocab_size"))
+    heads, head_dim = 4, 64
+    if h < heads * head_dim:  # the CPU widths
+        heads, head_dim = 2, h // 2
+    inter = 2 * h
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape, std=0.02):
+        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
+
+    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
+    weights = {
+        "midlayer.input_layernorm.weight": ones(h),
+        "midlayer.hidden_norm.weight": ones(h),
+        "midlayer.post_attention_layernorm.weight": ones(h),
+        "midlayer.self_attn.q_proj.weight": w(heads * head_dim, 2 * h),
+        "midlayer.self_attn.k_proj.weight": w(heads * head_dim, 2 * h),
+        "midlayer.self_attn.v_proj.weight": w(heads * head_dim, 2 * h),
+        "midlayer.self_attn.o_proj.weight": w(h, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": w(inter, h),
+        "midlayer.mlp.up_proj.weight": w(inter, h),
+        "midlayer.mlp.down_proj.weight": w(h, inter),
+        "fc.weight": w(h, 3 * h),
+        "norm.weight": ones(h),
+        "lm_head.weight": w(vocab, h),
+    }
+    out = work / "drafters" / name
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": head_dim,
+        "num_hidden_layers": 1,
+        "vocab_size": vocab,
+        "draft_vocab_size": vocab,
+        "target_hidden_size": h,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "eagle_aux_hidden_state_layer_ids": AUX,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": AUX, "use_aux_hidden_state": True},
+    }
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def spec_counters(metrics: str) -> dict:
+    got = {}
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        m = re.findall(rf"^vllm:spec_decode_{key}(?:_total)?(?:{{[^}}]*}})? ([\d.e+]+)$", metrics, re.M)
+        got[key] = sum(float(x) for x in m) if m else None
+    return got
+
+
+def stage_serve(name: str, config, model: Path, work: Path, n: int, path: str, cpu: bool) -> dict:
+    from eyrie.vllm.process import VllmServer
+    from eyrie.vllm.spec import ServerSpec
+
+    drafter = make_drafter(model, name, work)
+    spec = ServerSpec.for_serving(config, str(drafter))
+    # CUDA graphs and torch.compile where the EAGLE-3 path allows them: a native class; the compatibility layer's
+    # hooks need eager execution (preflight refuses it otherwise).
+    spec.enforce_eager = cpu or path == "compat"
+    server = VllmServer(work / "servers" / f"{name}-serve")
+    out: dict = {"enforce_eager": spec.enforce_eager, "drafter": "random (vLLM's EAGLE-3 format)"}
+    t = time.time()
+    try:
+        client = server.ensure(spec, startup_timeout_s=480, log=note)
+        out["ready_s"] = since(t)
+        note(f"{name}: serving server ready in {out['ready_s']} s")
+        before = spec_counters(client.metrics())
+        t = time.time()
+        rows = [json.loads(line) for line in (ROOT / "eyrie/data/demo_chat.jsonl").read_text().splitlines() if line]
+        tokens = 0
+        for row in rows[:n]:
+            msgs = [m for m in (row.get("messages") or []) if m.get("role") == "user"][:1]
+            res = client.chat(msgs, 48)
+            tokens += res["usage"]["completion_tokens"]
+        out["chat_s"] = since(t)
+        out["completion_tokens"] = tokens
+        after = spec_counters(client.metrics())
+        d = {k: (after[k] or 0) - (before[k] or 0) for k in after}
+        out["spec_decode"] = d
+        out["acceptance_length"] = round(1 + d["num_accepted_tokens"] / d["num_drafts"], 3) if d["num_drafts"] else None
+        out["ok"] = bool(tokens and d["num_drafts"])
+    finally:
+        out["server"] = read_server_log(server.log_path)
+        server.stop(log=note)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--targets", default="llama,gpt2,kimi")
+    ap.add_argument("--stages", default="preflight,extract,serve")
+    ap.add_argument("--work", default=os.environ.get("GPU_PIPELINE_WORK", "/tmp/gpu-pipeline"))
+    ap.add_argument("--out", default=None, help="results JSON (appended); default $OUT/gpu-pipeline.json")
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--cpu", action="store_true", help="CPU widths (vLLM's CPU build)")
+    a = ap.parse_args()
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    out_path = Path(a.out or Path(os.environ.get("OUT", work)) / "gpu-pipeline.json")
+    results = json.loads(out_path.read_text()) if out_path.exists() else {"runs": []}
+    import torch
+    import vllm
+
+    env = {
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "python": sys.version.split()[0],
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(T0)),
+    }
+    ok = True
+    for name in a.targets.split(","):
+        rec: dict = {"target": name, "contract": EXPECTED_PATH[name], **env}
+        try:
+            t = time.time()
+            model = build(name, work, a.cpu)
+            rec["build_s"] = since(t)
+            note(f"{name}: target at {model} ({rec['build_s']} s)")
+            config = pipeline_config(name, model, work, a.cpu)
+            path = EXPECTED_PATH[name]
+            if "preflight" in a.stages:
+                rec["preflight"] = stage_preflight(name, config)
+                path = rec["preflight"]["eagle3_path"]
+                note(f"{name}: preflight {json.dumps(rec['preflight'])[:600]}")
+            if "extract" in a.stages:
+                rec["extract"] = stage_extract(name, config, model, work, a.samples)
+                note(f"{name}: extract {json.dumps({k: v for k, v in rec['extract'].items() if k != 'server'})}")
+                note(f"{name}: extraction server {json.dumps(rec['extract']['server'])[:900]}")
+            if "serve" in a.stages:
+                rec["serve"] = stage_serve(name, config, model, work, a.samples, path, a.cpu)
+                note(f"{name}: serve {json.dumps({k: v for k, v in rec['serve'].items() if k != 'server'})}")
+                note(f"{name}: serving server {json.dumps(rec['serve']['server'])[:900]}")
+        except Exception as e:  # noqa: BLE001 - record what broke and go on with the next target
+            rec["error"] = f"{type(e).__name__}: {e}"[:1500]
+            rec["traceback"] = traceback.format_exc().splitlines()[-8:]
+            note(f"{name}: FAILED {rec['error'][:800]}")
+        rec["wall_s"] = since(T0)
+        rec["ok"] = "error" not in rec and all(
+            rec[s].get("ok", True) for s in ("preflight", "extract", "serve") if s in rec
+        )
+        ok = ok and rec["ok"]
+        results["runs"].append(rec)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()
+    note(f"done: {'ok' if ok else 'FAILED'}; results in {out_path}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Eyrie's GPU paths on the lent H200 (or any GPU node with vLLM 0.26's kit): benchmarks/gpu_pipeline.py for one
+# GPU-sized tiny target per contract (llama: native; gpt2: Eyrie's compatibility layer; kimi: the Kimi-K2.5 wrapper
+# with MLA at (128, 64, 128)), through preflight, extraction (checked against transformers) and serving with EAGLE-3.
+#
+# Here, once, from the repository root (about 65-95 s; .gpu/ is ignored):
+#   bash ../shared/gpu/build-vllm-bundle.sh          # vLLM 0.26.0 for the image's torch 2.11, in 3 pieces
+# Then the device calls back to back (the machine goes back ~30 s after a call returns, and a cold one has lost
+# /tmp: start again at call 1). eyrie.egg-info (ignored, made by `make .venv/.installed`) carries Eyrie's vLLM
+# plugin entry point, which vLLM finds on PYTHONPATH.
+#   1. carry [.gpu/pieces/1]:  mkdir -p /tmp/gpu-pieces && cp .gpu/pieces/1/* /tmp/gpu-pieces/
+#   2. carry [.gpu/pieces/2]:  mkdir -p /tmp/gpu-pieces && cp .gpu/pieces/2/* /tmp/gpu-pieces/
+#   3. carry [.gpu/pieces/3, .gpu/kit, eyrie.egg-info], timeout 600:
+#        bash benchmarks/gpu_pipeline.sh --stages preflight,extract
+#   4. carry [.gpu/kit, eyrie.egg-info], timeout 600 (the install is found in /tmp/gpu-site):
+#        bash benchmarks/gpu_pipeline.sh --stages serve
+# Results accumulate in $GPU_PIPELINE_WORK/gpu-pipeline.json (default /tmp/gpu-pipeline) across calls on one warm
+# machine; each call copies it and the servers' logs to $OUT. benchmarks/results/gpu-pipeline-*.json keep them.
+set -u
+source .gpu/kit/device-install.sh || exit $?
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export GPU_PIPELINE_WORK=${GPU_PIPELINE_WORK:-/tmp/gpu-pipeline}
+OUT=${OUT:-$GPU_PIPELINE_WORK/out}
+mkdir -p "$OUT" "$GPU_PIPELINE_WORK"
+start=$(date +%s)
+python3 benchmarks/gpu_pipeline.py --work "$GPU_PIPELINE_WORK" --out "$GPU_PIPELINE_WORK/gpu-pipeline.json" "$@"
+rc=$?
+echo "gpu_pipeline.py: exit $rc after $(( $(date +%s) - start )) s"
+cp "$GPU_PIPELINE_WORK/gpu-pipeline.json" "$OUT/" 2>/dev/null
+# the servers' logs, one archive (what comes back from $OUT is at most 8 files)
+(cd "$GPU_PIPELINE_WORK" && find servers -name '*.log' -print0 2>/dev/null | tar --null -czf "$OUT/server-logs.tgz" -T -) 2>/dev/null
+exit $rc
