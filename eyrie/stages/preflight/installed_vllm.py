@@ -270,7 +270,7 @@ class _ConfigView:
         if name.startswith("__"):
             raise AttributeError(name)
         member = inspect.getattr_static(VllmConfig, name, None)
-        if isinstance(member, property):
+        if isinstance(member, property) and member.fget is not None:
             return member.fget(self)
         if inspect.isfunction(member):
             return member.__get__(self, _ConfigView)
@@ -300,7 +300,7 @@ def server_model_runner(parsed: argparse.Namespace, cfg: dict, env: dict[str, st
     from eyrie.stages.preflight.target import resolve_vllm_class
 
     rule = inspect.getattr_static(VllmConfig, "use_v2_model_runner", None)
-    if not isinstance(rule, property):
+    if not isinstance(rule, property) or rule.fget is None:
         return "V1", f"vLLM {_version()} has no Model Runner V2 rule (VllmConfig.use_v2_model_runner)"
     archs = cfg.get("architectures") or []
     cls = resolve_vllm_class(archs[0]) if archs else None

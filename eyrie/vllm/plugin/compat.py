@@ -267,6 +267,7 @@ def _lookup(module: str, attr: str):
     (light: vLLM's interfaces and config); V1's runner module only where already loaded or importable."""
     import importlib
 
+    obj: object
     try:
         obj = importlib.import_module(module)
     except Exception:  # noqa: BLE001 - a vLLM without this runner (0.34 drops V1), or one that fails to import
