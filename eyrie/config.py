@@ -61,7 +61,9 @@ class TargetConfig(_Section):
         ]
         | None
     ) = Field(
-        None, description="Build this tiny project-made target at `model` if the folder is missing (demo, tests)."
+        None,
+        description="Build this tiny project-made target at `model` if the folder is missing: only where the demo "
+        "keeps it (.cache/targets/<tiny>) or with EYRIE_BUILD_TINY=1, never at a mistyped path of a copied config.",
     )
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism for extraction and evaluation.")
     dtype: Literal["bfloat16", "float16", "auto"] = Field(
@@ -454,6 +456,39 @@ class PipelineConfig(_Section):
                 f"extraction.host {self.extraction.host!r} exposes the server beyond loopback: set "
                 "extraction.api_key_env to the name of an environment variable holding an API key"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> PipelineConfig:
+        """Every name one section gives for another's entry resolves, and names meant to tell entries apart are
+        unique: refused at load, not stages later (a `template_mix` naming an undeclared variant failed in
+        regeneration, after the target loaded)."""
+        variants = [v.name for v in self.evaluate.template_variants]
+        for kind, what, names in (
+            ("evaluate.template_variants", "variants", variants),
+            ("evaluate.prompt_sets", "sets", [s.name for s in self.evaluate.prompt_sets]),
+        ):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise ValueError(f"{kind}: two {what} are named {', '.join(map(repr, twice))}; name each apart")
+        mix = [share.variant for share in self.regenerate.template_mix or []]
+        if mix and "default" in variants:
+            raise ValueError(
+                "evaluate.template_variants: a variant is named 'default', which regenerate.template_mix reserves "
+                "for the template's own rendering: rename it"
+            )
+        known = ["default", *variants]
+        for name in mix:
+            if name not in known:
+                raise ValueError(
+                    f"regenerate.template_mix: {name!r} is not a template variant; known: "
+                    f"{', '.join(map(repr, known))} (declare it in evaluate.template_variants with its "
+                    "chat_template_kwargs)"
+                )
+            if mix.count(name) > 1:
+                raise ValueError(
+                    f"regenerate.template_mix names {name!r} twice: give each variant one entry and weight"
+                )
         return self
 
     @property

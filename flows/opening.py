@@ -26,9 +26,10 @@ class OpenedRun:
     report: dict  # preflight's, on the prepared data's length
 
 
-def open_run(config: PipelineConfig, run: RunFolder, serve: bool = False) -> OpenedRun:
+def open_run(config: PipelineConfig, run: RunFolder, serve: bool = False, card: bool = True) -> OpenedRun:
     """Open `run` (its lock held by the caller). `serve`: the run goes on to export and evaluation, which serve
-    target + drafter in vLLM (preflight checks that too)."""
+    target + drafter in vLLM (preflight checks that too). `card`: the preflight after prepare leaves the run's
+    preflight card (False where a later preflight, after regeneration, leaves it)."""
     log = get_run_logger()
     # Holding the lock, no writer is in flight here: a temporary file left by an atomic write is from a crash.
     # Not walked: the hidden states (one file per sample), where no atomic write happens.
@@ -52,12 +53,17 @@ def open_run(config: PipelineConfig, run: RunFolder, serve: bool = False) -> Ope
     if config.target.revision or config.data.revision:
         how = "as this flow run's first attempt pinned them" if reused else "pinned"
         log.info(f"hub revisions {how}: target {config.target.revision}, data {config.data.revision}")
-    preflight_task(config, str(run.root), serve=serve)  # seconds, before anything expensive
+    preflight_task(config, str(run.root), serve=serve, card=False)  # seconds, before anything expensive
     # The tokenizer's and the data's fingerprints remembered in the run folder under what determines them: a
     # re-run loads no tokenizer (seconds: transformers' import) while nothing it depends on changed.
     prepare_stage_key = compute_prepare_key(config.target, config.data, str(run.fingerprints))
     prepared = prepare_task(config.target, config.data, str(run.prepare), prepare_stage_key)
     report = preflight_task(
-        config, str(run.root), tokens=prepared["stats"]["tokens"], serve=serve, prepare_key=prepare_stage_key
+        config,
+        str(run.root),
+        tokens=prepared["stats"]["tokens"],
+        serve=serve,
+        prepare_key=prepare_stage_key,
+        card=card,
     )
     return OpenedRun(config, prepare_stage_key, prepared, report)

@@ -58,7 +58,8 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
     run.ensure()
     with run.lock(), own_process_group(run):
         serve = until == "evaluate"  # export and evaluation serve target + drafter in vLLM
-        opened = open_run(config, run, serve=serve)
+        # One preflight card per run: the last preflight's (after regeneration, where the run regenerates).
+        opened = open_run(config, run, serve=serve, card=not (config.regenerate.enabled and until != "prepare"))
         config, prepare_stage_key, prepared, report = opened.config, opened.prepare_key, opened.prepared, opened.report
         if serve and not prepared["stats"]["rows_eval"]:  # known now, not after extraction and training
             raise EyrieError(

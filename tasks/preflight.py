@@ -12,17 +12,30 @@ from tasks.caching import eyrie_task
 
 @eyrie_task("preflight", retries=0)
 def preflight_task(
-    config: PipelineConfig, run_dir: str, tokens: int | None = None, serve: bool = False, prepare_key: str | None = None
+    config: PipelineConfig,
+    run_dir: str,
+    tokens: int | None = None,
+    serve: bool = False,
+    prepare_key: str | None = None,
+    card: bool = True,
 ) -> dict:
-    """Seconds of checks before any weights load; raises PreflightError listing every problem."""
+    """Seconds of checks before any weights load; raises PreflightError listing every problem. The run runs on this
+    host, so what needs a GPU is judged here. `card`: leave the report as the flow run's markdown artifact (a run
+    checks two or three times, and shows one card: its last preflight's); a failure always leaves it."""
     report = run_preflight(
-        config, Path(run_dir), tokens=tokens, raise_on_failure=False, serve=serve, prepare_key=prepare_key
+        config,
+        Path(run_dir),
+        tokens=tokens,
+        raise_on_failure=False,
+        serve=serve,
+        prepare_key=prepare_key,
+        runs_here=True,
     )
     atomic_write_json(Path(run_dir) / "preflight.json", report.as_dict())
-    # The report where a user of the UI looks first: on the flow run, failed or not.
-    create_markdown_artifact(
-        report_markdown(report), key="preflight", description="preflight: the checks made before any weights load"
-    )
+    if card or report.failures:  # the report where a user of the UI looks first: on the flow run
+        create_markdown_artifact(
+            report_markdown(report), key="preflight", description="preflight: the checks made before any weights load"
+        )
     if report.failures:
         from eyrie.errors import PreflightError
 

@@ -162,3 +162,36 @@ def test_every_config_field_has_a_description():
         return out
 
     assert bare(PipelineConfig) == []
+
+
+def test_cross_references_resolve_at_load(tmp_path):
+    """A name one section gives for another's entry must resolve when the config loads, not in the stage that reads
+    it (a `template_mix` naming an undeclared variant failed in regeneration, after the target loaded)."""
+    variants = [{"name": "thinking", "chat_template_kwargs": {"enable_thinking": True}}]
+    ok = config_dict(
+        tmp_path,
+        regenerate={
+            "enabled": True,
+            "template_mix": [{"variant": "default", "weight": 1}, {"variant": "thinking", "weight": 1}],
+        },
+        evaluate={"template_variants": variants},
+    )
+    assert [s.variant for s in parse_config(ok).regenerate.template_mix] == ["default", "thinking"]
+    cases = {
+        "'thinkin' is not a template variant; known: 'default', 'thinking'": (
+            [{"variant": "thinkin", "weight": 1}],
+            variants,
+        ),
+        "'thinking' twice": ([{"variant": "thinking", "weight": 1}, {"variant": "thinking", "weight": 2}], variants),
+        "reserves": ([{"variant": "default", "weight": 1}], [{"name": "default", "chat_template_kwargs": {"x": 1}}]),
+        "two variants are named 'thinking'": (None, variants * 2),
+    }
+    for message, (mix, declared) in cases.items():
+        bad = config_dict(
+            tmp_path, regenerate={"enabled": True, "template_mix": mix}, evaluate={"template_variants": declared}
+        )
+        with pytest.raises(ConfigError, match=message):
+            parse_config(bad)
+    sets = [{"name": "mt", "path": "a.jsonl"}, {"name": "mt", "path": "b.jsonl"}]
+    with pytest.raises(ConfigError, match="evaluate.prompt_sets: two sets are named 'mt'"):
+        parse_config(config_dict(tmp_path, evaluate={"prompt_sets": sets}))

@@ -7,6 +7,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from eyrie.config import TargetConfig
 from eyrie.stages.preflight import ahead
 
@@ -50,11 +52,33 @@ def test_only_a_tiny_target_being_built_imports_ahead(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(wiring, "import_ahead", lambda: calls.append("ahead"))
     monkeypatch.setattr(wiring, "build_target", lambda name, path: calls.append(("build", name)))
-    wiring.ensure_target.fn(TargetConfig(model=str(tmp_path / "t"), tiny="tiny-llama-chat"))
+    home = tmp_path / ".cache" / "targets" / "tiny-llama-chat"  # where the demo keeps it
+    wiring.ensure_target.fn(TargetConfig(model=str(home), tiny="tiny-llama-chat"))
     assert calls == ["ahead", ("build", "tiny-llama-chat")]
-    (tmp_path / "t").mkdir()
-    (tmp_path / "t" / "config.json").write_text("{}")
+    home.mkdir(parents=True)
+    (home / "config.json").write_text("{}")
     calls.clear()
-    wiring.ensure_target.fn(TargetConfig(model=str(tmp_path / "t"), tiny="tiny-llama-chat"))  # built: nothing
+    wiring.ensure_target.fn(TargetConfig(model=str(home), tiny="tiny-llama-chat"))  # built: nothing
     wiring.ensure_target.fn(TargetConfig(model=str(tmp_path / "real")))  # a real target: nothing
     assert calls == []
+
+
+def test_a_copied_demo_config_never_builds_a_tiny_target_at_its_mistyped_path(tmp_path, monkeypatch):
+    """A config copied from the demo keeps `target.tiny`; its mistyped model path is refused, naming the fix, not
+    built and taught as a tiny model. The demo's own place builds, and EYRIE_BUILD_TINY=1 builds anywhere."""
+    import tasks.prepare as wiring
+    from eyrie.errors import ConfigError
+
+    built = []
+    monkeypatch.setattr(wiring, "import_ahead", lambda: None)
+    monkeypatch.setattr(wiring, "build_target", lambda name, path: built.append(str(path)))
+    monkeypatch.delenv("EYRIE_BUILD_TINY", raising=False)
+    typo = TargetConfig(model=str(tmp_path / "models" / "Llama-3.1-8B-Instrct"), tiny="tiny-llama-chat")
+    with pytest.raises(ConfigError, match="does not exist") as err:
+        wiring.ensure_target.fn(typo)
+    assert "remove target.tiny" in str(err.value) and built == []
+    assert not wiring.may_build_tiny(TargetConfig(model=str(tmp_path / "tiny-llama"), tiny="tiny-llama-chat"))
+    assert wiring.may_build_tiny(TargetConfig(model=".cache/targets/tiny-llama-chat", tiny="tiny-llama-chat"))
+    monkeypatch.setenv("EYRIE_BUILD_TINY", "1")
+    wiring.ensure_target.fn(typo)
+    assert built == [typo.model]

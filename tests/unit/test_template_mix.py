@@ -96,17 +96,22 @@ def test_a_variant_renders_with_its_switches(tok):
 def test_a_name_no_variant_declares_is_refused(target_dir):
     assert _mix(config_for(target_dir, MIX)) == {"default": {}, "thinking": THINK}
     assert _mix(config_for(target_dir)) == {}
-    with pytest.raises(
-        ConfigError, match=r"'thinkin' is not a template variant; known: 'default', 'thinking', 'plain'"
-    ):
-        _mix(config_for(target_dir, [{"variant": "thinkin", "weight": 1}]))
-    with pytest.raises(ConfigError, match="twice"):
-        _mix(config_for(target_dir, [{"variant": "plain", "weight": 1}, {"variant": "plain", "weight": 2}]))
-    with pytest.raises(ConfigError, match="reserves"):
-        _mix(config_for(target_dir, MIX, variants=[{"name": "default", "chat_template_kwargs": THINK}]))
+    # Refused when the config loads (eyrie/config.py), with the stage's own words.
+    with pytest.raises(ValueError, match=r"'thinkin' is not a template variant; known: 'default', 'thinking', 'plain'"):
+        config_for(target_dir, [{"variant": "thinkin", "weight": 1}])
+    with pytest.raises(ValueError, match="twice"):
+        config_for(target_dir, [{"variant": "plain", "weight": 1}, {"variant": "plain", "weight": 2}])
+    with pytest.raises(ValueError, match="reserves"):
+        config_for(target_dir, MIX, variants=[{"name": "default", "chat_template_kwargs": THINK}])
+    # A config changed after loading (its sections validate only themselves): refused by the stage too.
+    changed = config_for(target_dir, MIX)
+    changed.regenerate.template_mix = [{"variant": "thinkin", "weight": 1}]
+    with pytest.raises(ConfigError, match=r"'thinkin' is not a template variant; known: 'default', 'thinking'"):
+        _mix(changed)
     # The shard key is where the plan meets the config: refused there too, before any request.
+    changed.regenerate.template_mix = [{"variant": "nope", "weight": 1}]
     with pytest.raises(ConfigError, match="not a template variant"):
-        shard_key("tpl", None, config_for(target_dir, [{"variant": "nope", "weight": 1}]))
+        shard_key("tpl", None, changed)
 
 
 def test_the_key_follows_the_mix_and_its_switches(tmp_path, target_dir):

@@ -32,8 +32,11 @@ from eyrie.stages.preflight.node import (
     check_online_tmpfs,
     check_train_devices,
     hidden_state_bytes,
+    judge_host,
+    mount_of,
 )
 from eyrie.stages.preflight.report import PreflightReport
+from eyrie.stages.preflight.run_inputs import check_data_sample, check_run_folder
 from eyrie.stages.preflight.target import (
     _first,
     captured_layer_ids,
@@ -41,6 +44,7 @@ from eyrie.stages.preflight.target import (
     check_drafter_inputs,
     check_parallelism,
     check_serving,
+    foreign_default_layer_ids,
     probe_eagle3,
     resolve_vllm_class,
     validate_aux_layer_ids,
@@ -139,6 +143,7 @@ def check_target(config: PipelineConfig, serve: bool) -> PreflightReport:
         config.max_model_len,
     )
     report.warnings += arg_warnings
+    report.warnings += filter(None, [foreign_default_layer_ids(config.extraction.layer_ids, num_layers)])
     report.target_facts["model_runners"] = runners
     report.notes += [
         f"the {label} server runs on model runner {r['runner']}: {r['why']}" for label, r in runners.items()
@@ -168,6 +173,7 @@ def run_preflight(
     raise_on_failure: bool = True,
     serve: bool = True,
     prepare_key: str | None = None,
+    runs_here: bool = False,
 ) -> PreflightReport:
     """Every check that needs no weights, of the whole config; the report lists every failure found, not only the
     first. `serve`: the run goes on to export and evaluation (vLLM serves target + drafter), so check that too.
@@ -187,7 +193,19 @@ def run_preflight(
     report.hidden_states = config.train.hidden_states
     aux_ids, hidden = report.aux_layer_ids, report.hidden_size
     failures += check_train_devices(config.train, config.target)
+    # This host, where it cannot be judged (no GPU here for a GPU config, /proc/mounts unreadable): said in the
+    # verdict, not passed silently; the run's own preflight (`runs_here`) refuses a cuda run on a host without a GPU.
+    host_failures, report.unjudged = judge_host(config.train, config.target, runs_here)
+    failures += host_failures
+    if mount_of(run_dir) is None:
+        report.unjudged.append("the run folder's filesystem (its flock across nodes): /proc/mounts cannot be read")
+    failures += check_run_folder(run_dir)
     failures += check_lock_filesystem(run_dir)
+    if prepare_key is None and tokens is None:  # before prepare: after it, prepare has read every row
+        data_failures, data_warnings, data_notes = check_data_sample(config.data)
+        failures += data_failures
+        report.warnings += data_warnings
+        report.notes += data_notes
     failures += check_online_tmpfs(
         config.train, config.data, config.extraction, run_dir, len(report.captured_layer_ids), hidden
     )

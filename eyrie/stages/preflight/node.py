@@ -155,3 +155,32 @@ def check_online_tmpfs(
             "at a larger tmpfs, or lower extraction.concurrency or data.max_length"
         ]
     return []
+
+
+def judge_host(
+    train: TrainConfig, target: TargetConfig, runs_here: bool, gpus: int | None = None
+) -> tuple[list[str], list[str]]:
+    """(failures, not judged) of this host's GPUs for the run. `runs_here`: the run itself runs on this host (the
+    flow's own preflight), so `train.device: cuda` with no GPU visible is refused (it would fail at the train stage,
+    after extraction). Otherwise (`eyrie preflight` on a login node or a laptop, checking a config for a GPU node)
+    what needs GPUs is said to be not judged here, never passed silently."""
+    if train.device == "cpu":
+        return [], []
+    gpus = gpu_count() if gpus is None else gpus
+    if gpus:
+        return [], []  # check_train_devices counts them
+    needs = [f"train.device {train.device}"] if train.device == "cuda" else []
+    if train.devices > 1:
+        needs.append(f"train.devices {train.devices}")
+    if target.tensor_parallel_size > 1:
+        needs.append(f"target.tensor_parallel_size {target.tensor_parallel_size}")
+    if not needs:
+        return [], []  # device auto, one device: training runs on this CPU
+    if runs_here and train.device == "cuda":
+        return [
+            "train.device is cuda but no GPU is visible on this host (no GPU device node, or CUDA_VISIBLE_DEVICES "
+            "hides them): run on a GPU node, or set train.device: cpu (or auto) for a CPU run"
+        ], []
+    return [], [
+        f"the GPUs ({', '.join(needs)}): no GPU is visible here; the run's own preflight on its node judges them"
+    ]

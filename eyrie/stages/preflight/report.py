@@ -31,6 +31,8 @@ class PreflightReport:
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # information, not a problem: e.g. the label transforms applied
     failures: list[str] = field(default_factory=list)
+    # What this host could not judge (no GPU here for a GPU config...): said in the verdict, never a silent pass.
+    unjudged: list[str] = field(default_factory=list)
     # The key of the verdict on the target, vLLM and the config (eyrie.stages.preflight.verdict), and whether this
     # report reused a passing one from the run folder (no vLLM import) or checked afresh.
     verdict_key: str | None = None
@@ -46,6 +48,7 @@ def report_markdown(report: PreflightReport) -> str:
         f"**FAILED**: {len(report.failures)} problem(s), no weights were loaded"
         if report.failures
         else f"passed: `{report.architecture}` via the {report.eagle3_path} EAGLE-3 path"
+        + (f"; not judged on this host: {'; '.join(report.unjudged)}" if report.unjudged else "")
     )
     weights = report.target_facts.get("verifier_weights", {})
     rows = [
@@ -85,7 +88,9 @@ def report_text(report: PreflightReport) -> str:
         head = [
             f"preflight passed: {report.architecture} via the {report.eagle3_path} EAGLE-3 path, "
             f"capturing layers {report.captured_layer_ids}"
+            + (" (except what this host cannot judge, below)" if report.unjudged else "")
         ]
+    head += [f"  not judged on this host: {u}" for u in report.unjudged]
     found = [
         f"  target        {report.architecture} (vLLM {report.vllm_class}), {report.num_layers} layers, hidden "
         f"{report.hidden_size}, vocabulary {report.vocab_size}",

@@ -25,6 +25,22 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
+def foreign_default_layer_ids(ids: list[int] | None, num_layers: int) -> str | None:
+    """A warning when `ids` are the default ids of a target with another layer count (a preset's fixed ids, copied
+    to this target): they pass the range check but capture other depths than the low/middle/high the default picks
+    here. Ids chosen otherwise are the user's choice and pass."""
+    if not ids or len(ids) != 3 or num_layers < 4:
+        return None
+    other = ids[2] + 3  # default ids end at L-3
+    if other == num_layers or other < 4 or list(ids) != default_aux_layer_ids(other):
+        return None
+    return (
+        f"extraction.layer_ids {list(ids)} are the default ids of a {other}-layer target, but this target has "
+        f"{num_layers} layers (its default: {default_aux_layer_ids(num_layers)}): a preset's ids copied to another "
+        "model capture other depths. Omit extraction.layer_ids for this target's default, or set ids for it"
+    )
+
+
 def captured_layer_ids(aux_ids: list[int], num_layers: int) -> list[int]:
     """What extraction captures: the aux ids, then id L (the last layer's output, before the final norm)."""
     return list(aux_ids) + [num_layers]
