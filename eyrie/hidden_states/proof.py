@@ -70,7 +70,7 @@ def _truncated_config(text_cfg: dict, layers: int):
     """transformers' config for the target's decoder with its first `layers` layers (per-layer lists cut too)."""
     from transformers import AutoConfig
 
-    model_type = text_cfg.get("model_type")
+    model_type = str(text_cfg.get("model_type"))
     skip = ("model_type", "architectures", "auto_map", "quantization_config", "transformers_version")
     try:
         full = AutoConfig.for_model(model_type, **{k: v for k, v in text_cfg.items() if k not in skip})
@@ -134,8 +134,12 @@ class Recomputer:
         theirs_prefix, mine_prefix = embed[: -len(tail)], mine[: -len(tail)]
         mapping = {"^" + re.escape(theirs_prefix): mine_prefix} if theirs_prefix != mine_prefix else None
         del shape
+        from transformers.utils import logging as transformers_logging
+
+        said = transformers_logging.get_verbosity()
+        transformers_logging.set_verbosity_error()  # its report lists every tensor past the cut as unexpected
         try:
-            model, info = AutoModelForCausalLM.from_pretrained(
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
                 ctx["model"],
                 config=cfg,
                 revision=ctx.get("revision") or "main",
@@ -143,8 +147,11 @@ class Recomputer:
                 key_mapping=mapping,
                 output_loading_info=True,
             )
+            model, info = loaded
         except Exception as err:  # noqa: BLE001
             raise Unrecomputable(f"cannot load the first layers from {ctx['model']} ({err})") from None
+        finally:
+            transformers_logging.set_verbosity(said)
         # Every tensor of the decoder must come from the checkpoint (a head the decoder never uses may be absent).
         missing = [k for k in info.get("missing_keys", []) if not k.startswith("lm_head")]
         if missing:
