@@ -37,6 +37,8 @@ def _run(args) -> int:
             outputs = pipeline_flow(config=config, run_dir=run_dir, until=args.until)
             if begun is not None:
                 finished.record(config, run_dir, args.until, outputs, begun)
+            else:
+                finished.forget(run_dir)
             print(f"\nEyrie run complete (through {args.until}). Outputs:")
     for k, v in outputs.items():
         print(f"  {k:<14} {v}")

@@ -198,7 +198,17 @@ def state(config, run_dir: str, until: str, *, run: bool = True, missing_ok: boo
     hub = _hub(config)
     if hub is None:
         return None
-    hub_values = {v for k, v in (("target", config.target.model), ("data", config.data.source)) if k in hub}
+    # A hub input's id and revision (`main`, `refs/pr/1`) are pinned above, not paths.
+    hub_values = {
+        v
+        for k, section, fields in (
+            ("target", config.target, ("model", "revision")),
+            ("data", config.data, ("source", "revision")),
+        )
+        if k in hub
+        for v in (getattr(section, f) for f in fields)
+        if v
+    }
     roots = _cache_roots(config, env)
     dump = config.model_dump(mode="json")
     paths: dict = {}
@@ -332,6 +342,13 @@ def record(config, run_dir: str, until: str, outputs: dict, begun: dict | None =
     except RunFolderError:
         return False
     return True
+
+
+def forget(run_dir: str) -> None:
+    """Remove the folder's record (a run whose inputs the fast path cannot vouch for leaves none behind)."""
+    from eyrie.run.folder import RunFolder
+
+    (RunFolder(run_dir).root / RECORD).unlink(missing_ok=True)
 
 
 def finished_outputs(config, run_dir: str, until: str) -> dict | None:

@@ -353,3 +353,21 @@ def test_a_link_loop_is_walked_once_and_a_cache_folder_is_not_walked(done, tmp_p
     assert finished.state(config, str(run), "evaluate")["paths"][str(cache)][1][1] == "a cache"
     (cache / "hub" / "another").write_bytes(b"y")  # vLLM or the hub writes its cache during every run
     assert finished.finished_outputs(config, str(run), "evaluate") == OUTPUTS
+
+
+def test_a_hub_target_at_a_revision_is_pinned_and_its_revision_is_no_path(done, monkeypatch):
+    """A hub target turned the fast path off (an `org/name` that is no path), and so would a revision such as
+    `refs/pr/1`: both are resolved to the commit the revision points at now."""
+    import eyrie.target.hub as hub
+
+    config, run = done
+    commits = {"refs/pr/1": "1" * 40}
+    monkeypatch.setattr(hub, "hub_commit", lambda repo_id, repo_type, revision: commits[revision])
+    target = config.target.model_copy(update={"model": "org/model", "revision": "refs/pr/1"})
+    config = config.model_copy(update={"target": target})
+    with RunFolder(str(run)).lock():
+        pass
+    assert finished.record(config, str(run), "evaluate", OUTPUTS)
+    assert finished.finished_outputs(config, str(run), "evaluate") == OUTPUTS
+    commits["refs/pr/1"] = "2" * 40  # the pull request got a new commit
+    assert finished.finished_outputs(config, str(run), "evaluate") is None
