@@ -10,6 +10,7 @@ are pending and how a shard is checked; the stage's flow says how one shard is s
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -21,6 +22,7 @@ from eyrie.stages.extract import clean_staging
 from eyrie.stages.prepare import Shard
 from eyrie.vllm.process import VllmServer
 from eyrie.vllm.spec import ServerSpec
+from tasks.progress import StageProgress
 from tasks.serving import start_server_task, stop_server_task, stop_unused_servers_task
 
 
@@ -83,14 +85,37 @@ class ShardedStage:
     keep_server_after_failure: bool = False
 
 
-def shard_failures(submitted: Iterable[tuple[Shard, object]]) -> dict[str, str]:
-    """Wait for every (shard, future) pair; each shard fails on its own, and all their errors are reported."""
+def _ended(fut) -> bool:
+    """Whether a shard's future has ended, without asking the Prefect API (its wrapped future, in this process)."""
+    wrapped = getattr(fut, "wrapped_future", None)
+    done = getattr(wrapped if wrapped is not None else fut, "done", None)
+    return bool(done()) if callable(done) else True
+
+
+def _wait(fut, seconds: float) -> None:
+    wait = getattr(fut, "wait", None)  # a Prefect future's: returns after `seconds` at most
+    if callable(wait):
+        wait(seconds)
+    elif isinstance(fut, futures.Future):
+        futures.wait([fut], timeout=seconds)
+
+
+def shard_failures(submitted: Iterable[tuple[Shard, object]], progress: StageProgress | None = None) -> dict[str, str]:
+    """Wait for every (shard, future) pair; each shard fails on its own, and all their errors are reported. With
+    `progress`, this thread (the flow's) publishes the stage's progress while it waits and as each shard ends."""
     out = {}
     for shard, fut in submitted:
+        if progress is not None:
+            while not _ended(fut):
+                _wait(fut, progress.every_s)
+                progress.publish()
         try:
             fut.result()  # type: ignore[attr-defined]
         except Exception as err:
             out[shard.name] = f"{shard.name}: {err}"
+        if progress is not None:
+            progress.finish(shard.name, ok=shard.name not in out)
+            progress.publish()
     return out
 
 
@@ -107,12 +132,18 @@ def run_sharded_stage(stage: ShardedStage, keep_server: bool = False) -> bool:
     if removed:
         log.info(f"removed {removed} orphaned staging files")
     todo = [s for s in stage.shards if s.name in stage.pending]
-    failed = shard_failures(stage.submit(todo, stage.server.start()))
-    if failed and not stage.server.healthy():
-        # Killed or OOM under the shards: start it once more and redo only those (their finished work on disk is
-        # kept; only what is missing is sent again).
-        log.warning(f"the vLLM server died ({len(failed)} shards failed); restarting it once")
-        failed = shard_failures(stage.submit([s for s in todo if s.name in failed], stage.server.start()))
+    url = stage.server.start()
+    # One progress artifact for this stage run, its shards' rows counted by their tasks, published from here.
+    progress = StageProgress(stage.name, stage.shards, stage.pending)
+    try:
+        failed = shard_failures(stage.submit(todo, url), progress)
+        if failed and not stage.server.healthy():
+            # Killed or OOM under the shards: start it once more and redo only those (their finished work on disk
+            # is kept; only what is missing is sent again).
+            log.warning(f"the vLLM server died ({len(failed)} shards failed); restarting it once")
+            failed = shard_failures(stage.submit([s for s in todo if s.name in failed], stage.server.start()), progress)
+    finally:
+        progress.close()
     # A success must never leave work missing: the shards that ran are checked again against the disk. The others
     # were found complete when the stage began and nothing here wrote to them.
     missing = [s.name for s in todo if not stage.is_complete(s)]

@@ -5,13 +5,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import get_run_logger
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from eyrie.errors import DiskFullError
 from eyrie.stages.extract.shard import extract_shard
 from eyrie.stages.prepare import Shard
 from eyrie.vllm.client import ServerClient
 from tasks.caching import eyrie_task, keyed_task
+from tasks.progress import report_rows
 
 
 @dataclass
@@ -56,14 +56,9 @@ def extract_shard_task(job: ExtractShardJob, base_url: str | None) -> dict:
         if base_url
         else None
     )
-    shown = [0.0]
-    artifact = create_progress_artifact(0.0, description=f"extract {job.shard.name}") if client else None
 
-    def progress(done: int, total: int) -> None:
-        pct = 100.0 * done / max(total, 1)
-        if artifact and (pct - shown[0] >= 5 or done == total):  # one API call per 5%, not per sample
-            shown[0] = pct
-            update_progress_artifact(artifact, pct)
+    def progress(done: int, total: int) -> None:  # counted for the stage's one progress artifact (tasks/progress.py)
+        report_rows("extraction", job.shard.name, done, total)
 
     manifest = extract_shard(
         client,

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import get_run_logger
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import create_table_artifact
 
 from eyrie.config import PipelineConfig, RegenerateConfig
 from eyrie.errors import RegenerationError
@@ -16,6 +16,7 @@ from eyrie.stages.regenerate.conversation import shared_tokenizer, template_mix
 from eyrie.stages.regenerate.shard import regenerate_shard, shard_complete, shard_paths
 from eyrie.vllm.client import ServerClient
 from tasks.caching import keyed_task, stage_task
+from tasks.progress import report_rows
 
 
 @dataclass
@@ -45,14 +46,9 @@ def regenerate_shard_task(job: RegenerateShardJob, base_url: str | None, config:
     cfg = config.regenerate
     api_key_env = config.extraction.api_key_env
     client = ServerClient(base_url, os.environ.get(api_key_env) if api_key_env else None, max(10, cfg.concurrency))
-    artifact = create_progress_artifact(0.0, description=f"regenerate {shard.name}")
-    shown = [0.0]
 
-    def progress(done: int, total: int) -> None:
-        pct = 100.0 * done / max(total, 1)
-        if pct - shown[0] >= 5 or done == total:  # one API call per 5%, not per conversation
-            shown[0] = pct
-            update_progress_artifact(artifact, pct)
+    def progress(done: int, total: int) -> None:  # counted for the stage's one progress artifact (tasks/progress.py)
+        report_rows("regeneration", shard.name, done, total)
 
     manifest = regenerate_shard(
         client,
