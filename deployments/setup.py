@@ -9,7 +9,9 @@ for the nodes; the automation "Crash zombie flows" (Prefect's documented one: a 
 to CRASHED, freeing its concurrency slot); with `--notify-block TYPE/NAME` (or $EYRIE_NOTIFY_BLOCK) the automation
 "Eyrie GPU run failed", which sends that notification block (a Slack, Teams, e-mail or custom webhook block the
 operator created) a message naming the run when a run in the GPU pool fails or crashes; then the deployments,
-through `prefect deploy --all --prefect-file`, which upserts them by name and their schedules by slug. prefect.yaml
+through `prefect deploy --all --prefect-file`, which upserts them by name and their schedules by slug, then each
+deployment's parameter schema with a `position` on every field (deployments/form.py: the run form in pipeline order).
+The production deployments carry the production preset as their parameters (the run form opens filled). prefect.yaml
 is checked before anything is written. Each write prints one line, and a run with nothing to do prints
 `0 change(s)`. A queue in these pools that is not wanted (a node taken off the list) is reported, not deleted: runs
 may still wait in it. `--check-node NAME` (run by the worker's
@@ -156,12 +158,17 @@ def load_prefect_file(path: Path = PREFECT_FILE) -> tuple[list[str], list[dict[s
         if not (REPO / d["entrypoint"].split(":")[0]).is_file():
             raise SetupError(f"{where}: {d['entrypoint'].split(':')[0]} does not exist")
         # The server checks a run's parameters against the flow's schema when the run is created through the API,
-        # but not the runs its scheduler creates from a schedule's parameters: check the config here, before
-        # anything is written, with the same validation `eyrie run --config` applies.
-        for i, sched in enumerate(d.get("schedules") or []):
-            if "config" in (params := sched.get("parameters") or {}):
+        # but not the runs its scheduler creates from a schedule's parameters, nor the deployment's own (the run
+        # form's preset, and what a run given no config runs): check each config here, before anything is written,
+        # with the same validation `eyrie run --config` applies.
+        sources = [("parameters", d.get("parameters") or {})]
+        sources += [
+            (f"schedules[{i}].parameters", s.get("parameters") or {}) for i, s in enumerate(d.get("schedules") or [])
+        ]
+        for label, params in sources:
+            if "config" in params:
                 try:
-                    parse_config(params["config"], f"{where} schedules[{i}].parameters.config")
+                    parse_config(params["config"], f"{where} {label}.config")
                 except ConfigError as err:
                     raise SetupError(str(err)) from None
     return nodes, deployments
@@ -346,6 +353,27 @@ async def deploy(client, prefect_file: Path, deployments: list[dict[str, Any]], 
     for entrypoint, name in sorted(wanted - before):
         change(f"created deployment {name!r} ({entrypoint})")
     log(f"prefect deploy --all: {len(wanted)} deployments applied, {len(wanted - before)} new")
+    await lay_out_forms(client, wanted)
+
+
+async def lay_out_forms(client, wanted: set[tuple[str, str]]) -> None:
+    """Each deployment's parameter schema stored with a `position` on every field at every depth (deployments/form.py),
+    so that Prefect's run form reads in pipeline order rather than in the server's key order. `prefect deploy` writes
+    the schema without them each time it runs, so this follows every deploy; it is part of applying the deployments,
+    not a change of its own."""
+    from prefect.client.schemas.actions import DeploymentUpdate
+
+    from deployments.form import flow_parameter_schema
+
+    schemas: dict[str, dict[str, Any]] = {}
+    for d in await client.read_deployments():
+        if (d.entrypoint, d.name) not in wanted:
+            continue
+        if d.entrypoint not in schemas:
+            schemas[d.entrypoint] = await asyncio.to_thread(flow_parameter_schema, d.entrypoint, REPO)
+        if d.parameter_openapi_schema != schemas[d.entrypoint]:
+            update = DeploymentUpdate.model_validate({"parameter_openapi_schema": schemas[d.entrypoint]})
+            await client.update_deployment(d.id, update)
 
 
 async def setup(
