@@ -96,3 +96,15 @@ def test_vllm_0_26s_rule_reads_the_cache_config_and_keeps_moe_targets_on_v1(tmp_
     parsed = _parsed(_config(tmp_path), True)
     assert server_model_runner(parsed, LLAMA, {})[0] == "V2"
     assert server_model_runner(parsed, kimi, {})[0] == "V1"
+
+
+def test_the_kept_verdict_is_checked_again_when_the_runner_switch_changes(tmp_path, monkeypatch):
+    """The servers inherit VLLM_USE_V2_MODEL_RUNNER, which decides the runner preflight names (and a compat
+    target's refusal): a verdict kept under one value is not reused under another."""
+    from eyrie.stages.preflight.verdict import verdict_key
+
+    config = _config(tmp_path)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    unset = verdict_key(config, True)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert verdict_key(config, True) != unset

@@ -28,8 +28,8 @@ from eyrie.target.metadata import file_identity
 
 VERDICT = "preflight-verdict.json"
 # The variables the checks read (eyrie.stages.preflight.target: the compatibility layer's switch; the test hook that
-# hides a class's EAGLE-3 interface).
-ENVIRONMENT = ("EYRIE_EAGLE3_COMPAT", "EYRIE_TEST_HIDE_EAGLE3")
+# hides a class's EAGLE-3 interface; installed_vllm: vLLM's model-runner switch, which the servers inherit).
+ENVIRONMENT = ("EYRIE_EAGLE3_COMPAT", "EYRIE_TEST_HIDE_EAGLE3", "VLLM_USE_V2_MODEL_RUNNER")
 # The code whose decisions the verdict records: a change of any of it checks again.
 _EYRIE = Path(__file__).resolve().parents[2]
 CHECK_SOURCES = (
