@@ -75,6 +75,7 @@ IMAGE = REPO / "infra" / "Dockerfile.gpu-worker"
 # Where nodes are named as examples or as test fixtures: every such name must be a declared node.
 NAMING_FILES = [
     REPO / "README.md",
+    REPO / "docs" / "operations" / "setup.md",  # the operator's guide (infra/README.md points to it)
     *sorted(p for p in (REPO / "infra").iterdir() if p.is_file()),
     *sorted(p for p in (REPO / "deployments").iterdir() if p.is_file()),  # not its __pycache__
     *sorted((REPO / "flows").glob("*.py")),
