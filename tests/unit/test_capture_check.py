@@ -200,4 +200,4 @@ def test_answers_the_target_did_not_generate_are_recorded_not_judged(tmp_path, t
     )
     assert figures["head_check"]["reference"] == "the data's next tokens"
     assert figures["head_check"]["agreement"] < 0.5
-    assert said and "cannot prove the capture either way" in said[0]
+    assert said and "not a verdict on the capture" in said[0] and "capture/proof.json" in said[0]
