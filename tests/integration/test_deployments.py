@@ -144,6 +144,20 @@ def _ids(state: dict) -> dict:
     }
 
 
+def _assert_form_in_declaration_order(schema: dict) -> None:
+    """Each model of eyrie/config.py in the stored schema, laid out by `position` as Prefect's UI does, reads in
+    its declaration order."""
+    import eyrie.config as config_module
+
+    assert schema["definitions"], schema.keys()
+    for name, model_schema in schema["definitions"].items():
+        props = model_schema["properties"]
+        declared = [f.alias or n for n, f in getattr(config_module, name).model_fields.items()]
+        assert sorted(props, key=lambda k: props[k].get("position", 0)) == declared, name
+    top = schema["properties"]
+    assert [top[k].get("position") for k in sorted(top, key=lambda k: top[k]["position"])] == list(range(len(top)))
+
+
 @pytest.mark.slow
 def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
     from prefect.client.schemas.objects import StateType
@@ -208,7 +222,7 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
     assert state1["deployments"][EXTRACT].entrypoint == "flows/extract.py:extract_run_flow"
     assert state1["deployments"][NODE].entrypoint == "flows/extract.py:extract_flow"
     assert state1["deployments"][FANOUT].entrypoint == "flows/fanout.py:extract_fanout_flow"
-    assert state1["deployments"][FANOUT].parameters == {"queues": NODES}  # every node gets a share
+    assert state1["deployments"][FANOUT].parameters["queues"] == NODES  # every node gets a share
     assert state1["deployments"][REGENERATE_NODE].entrypoint == "flows/regenerate.py:regenerate_flow"
     for node in (NODE, REGENERATE_NODE):
         assert "shards" in state1["deployments"][node].parameter_openapi_schema["properties"]
@@ -217,6 +231,15 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
     assert schema["properties"]["config"]["$ref"] == "#/definitions/PipelineConfig"
     assert set(schema["required"]) == {"config", "run_dir"}
     assert schema["properties"]["until"]["enum"] == list(UNTIL)
+    # The run form: PostgreSQL hands the schema's keys back sorted by length; every field at every depth keeps the
+    # `position` of its declaration (pipeline order), by which Prefect's UI lays the form out.
+    _assert_form_in_declaration_order(schema)
+    # The production deployments open their form filled with the production preset.
+    preset = load_config(REPO / "configs" / "kimi-k2.5-tp8.yaml")
+    for name in (PIPELINE, EXTRACT, FANOUT):
+        params = state1["deployments"][name].parameters
+        assert parse_config(params["config"]) == preset and params["run_dir"] == "/data/runs/kimi", name
+        _assert_form_in_declaration_order(state1["deployments"][name].parameter_openapi_schema)
 
     # The weekly schedule: Sunday 03:00 UTC, inactive, carrying the production preset unchanged.
     assert len(pipeline.schedules) == 1
@@ -236,6 +259,8 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
     # --- second run: nothing new, nothing changed
     second_log = _run_setup(prefect_server)
     state2 = asyncio.run(_read_back(prefect_server))
+    # `prefect deploy` wrote the schema again, without positions; setup put them back.
+    _assert_form_in_declaration_order(state2["deployments"][PIPELINE].parameter_openapi_schema)
     assert _ids(state2) == _ids(state1)
     assert state2["counts"] == state1["counts"]
     # Nothing created, updated or deleted, and it says so.
@@ -255,21 +280,28 @@ def test_setup_creates_everything_once_and_is_idempotent(prefect_server):
             unknown_key["config"]["train"]["epoch"] = 3  # a typo of `epochs`
             with pytest.raises(PrefectHTTPStatusError) as err_extra:
                 await c.create_flow_run_from_deployment(pipeline.id, parameters=unknown_key)
+            # A required parameter missing (a node deployment has no parameters of its own to fill it in).
+            node = state1["deployments"][NODE]
             with pytest.raises(PrefectHTTPStatusError) as err_missing:
-                await c.create_flow_run_from_deployment(pipeline.id, parameters={"config": weekly.parameters["config"]})
+                await c.create_flow_run_from_deployment(node.id, parameters={"config": weekly.parameters["config"]})
             # Control: the schedule's own parameters are accepted and the run waits in the GPU node's queue.
             good = await c.create_flow_run_from_deployment(pipeline.id, parameters=weekly.parameters)
+            # A run given only a config takes the rest from the deployment's preset, as the run form does.
+            filled = await c.create_flow_run_from_deployment(
+                pipeline.id, parameters={"config": weekly.parameters["config"]}
+            )
             runs = await c.read_flow_runs()
-            return err.value, err_extra.value, err_missing.value, good, runs
+            return err.value, err_extra.value, err_missing.value, good, filled, runs
 
-    bad, extra, missing, good, runs = asyncio.run(create_runs())
+    bad, extra, missing, good, filled, runs = asyncio.run(create_runs())
     assert bad.response.status_code == 409
     assert "config.data.max_length" in bad.response.json()["detail"]
     assert "'abc' is not of type 'integer'" in bad.response.json()["detail"]
     assert extra.response.status_code == 409 and "epoch" in extra.response.json()["detail"]
     assert missing.response.status_code == 409 and "run_dir" in missing.response.json()["detail"]
     assert good.state.type == StateType.SCHEDULED and good.work_queue_name == NODES[0]
-    assert [r.id for r in runs] == [good.id]  # the rejected ones were never created
+    assert filled.parameters["run_dir"] == "/data/runs/kimi" and filled.parameters["until"] == "evaluate"
+    assert {r.id for r in runs} == {good.id, filled.id}  # the rejected ones were never created
 
     # --- drift is put back, keeping the ids: someone removed the GPU pool's limit and gave the control pool one,
     # edited queues' limits, paused the automation and created a second copy of it
@@ -346,7 +378,7 @@ def test_a_third_node_is_one_line_in_prefect_yaml(prefect_server, tmp_path):
     state = asyncio.run(_read_back(prefect_server, nodes))
     assert state["pools"][GPU_POOL].concurrency_limit == len(nodes)
     assert state["queues"][GPU_POOL, "gpu-node-3"].concurrency_limit == 1
-    assert state["deployments"][FANOUT].parameters == {"queues": nodes}
+    assert state["deployments"][FANOUT].parameters["queues"] == nodes
     assert {d.work_queue_name for n, d in state["deployments"].items() if n != FANOUT} == {NODES[0]}
 
     # Off the list again (the repository's file): the limit follows; the queue is reported, not deleted.
@@ -380,7 +412,7 @@ def test_prefect_yaml_is_valid_for_prefect_deploy():
         assert d["enforce_parameter_schema"] is True, name
         # The GPU flows default to the first node's queue; the fan-out's shares go to every node.
         assert d["work_pool"]["work_queue_name"] == ("control" if name == FANOUT else NODES[0]), name
-    assert deployments[-1]["parameters"] == {"queues": NODES}  # the fan-out, last
+    assert deployments[-1]["parameters"]["queues"] == NODES  # the fan-out, last
     # The weekly schedule inlines the production preset: the two must not drift apart.
     from eyrie.config import load_config, parse_config
 
