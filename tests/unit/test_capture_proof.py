@@ -324,3 +324,42 @@ def test_a_hybrid_target_is_refused_before_the_load_unless_the_proof_is_to_decid
     assert proof.recurrent_state_refusal(resolve_vllm_class("LlamaForCausalLM"), {}) == []
     monkeypatch.setenv(proof.HYBRID_ENV, "prove")
     assert proof.recurrent_state_refusal(resolve_vllm_class("Qwen3NextForCausalLM"), {}) == []
+
+
+def test_the_stage_proves_each_server_before_its_first_shard_and_a_refusal_stops_it(monkeypatch):
+    """flows/extract.py's wiring (regeneration's too): the proof runs once per server URL, before any shard is
+    submitted; a refusal stops the server (unless the config keeps it) and no shard is submitted."""
+    from types import SimpleNamespace
+
+    from flows import extract
+
+    proved, submitted, stopped = [], [], []
+    plan = SimpleNamespace(server_dir="/srv", spec=SimpleNamespace(max_model_len=64))
+    run = SimpleNamespace(root="/run")
+    server = SimpleNamespace(stop=lambda: stopped.append(1))
+    monkeypatch.setattr(extract, "prove_capture_task", lambda *a: proved.append(a[-1]) or {"passed": True})
+    figures: dict = {}
+    submit = extract.proved_first(
+        lambda todo, url: submitted.append((todo, url)), None, {}, run, "/src", plan, server, False, figures
+    )
+    submit(["a"], "http://one")
+    submit(["b"], "http://one")  # the same server: not proved again
+    submit(["c"], "http://two")  # restarted: a new server is proved
+    assert proved == ["http://one", "http://two"] and figures == {"passed": True}
+    assert submitted == [(["a"], "http://one"), (["b"], "http://one"), (["c"], "http://two")]
+
+    def refuse(*a):
+        raise CaptureError("layer 2: not the target's")
+
+    monkeypatch.setattr(extract, "prove_capture_task", refuse)
+    submitted.clear()
+    submit = extract.proved_first(
+        lambda todo, url: submitted.append(todo), None, {}, run, "/src", plan, server, False, {}
+    )
+    with pytest.raises(CaptureError, match="layer 2"):
+        submit(["a"], "http://three")
+    assert submitted == [] and stopped == [1]
+    kept = extract.proved_first(lambda todo, url: None, None, {}, run, "/src", plan, server, True, {})
+    with pytest.raises(CaptureError):
+        kept(["a"], "http://four")
+    assert stopped == [1]  # extraction.keep_server_after_failure: left up
