@@ -305,7 +305,7 @@ def test_the_train_task_run_shows_steps_table_and_curve_while_it_trains(tmp_path
     kinds = {a.type: a for a in mine}
     assert {"progress", "table", "image"} <= set(kinds), [(a.type, a.key) for a in mine]
     assert kinds["progress"].description == "train: steps" and float(kinds["progress"].data) == 50.0
-    tables = [a for a in mine if a.key == "training-metrics"]
+    tables = sorted((a for a in mine if a.key == "training-metrics"), key=lambda a: a.created)
     rows = json.loads(tables[-1].data) if isinstance(tables[-1].data, str) else tables[-1].data
     assert rows[0]["train_loss"] == 3.5 and rows[0]["val_loss"] == 2.5
     assert str(kinds["image"].data).startswith("data:image/png;base64,")
