@@ -208,8 +208,10 @@ def cmd_eyrie(args, optimizer: str | None = None) -> dict:
         from speculators.train.config import TrainConfig
 
         argv = cmd[cmd.index("eyrie.stages.train.entry" if args.exact else "_bench_entry") + 1 :]
-        i = argv.index("--eyrie-verifier-weights")
-        flat = TrainConfig.resolve(argv[:i] + argv[i + 2 :]).flatten()
+        for own in ("--eyrie-verifier-weights", "--eyrie-metrics"):  # the entry's own options
+            if own in argv:
+                del argv[argv.index(own) : argv.index(own) + 2]
+        flat = TrainConfig.resolve(argv).flatten()
         out["resolved"] = {
             k: flat.get(k)
             for k in (

@@ -26,8 +26,10 @@ def cmd_loader(args) -> dict:
     d = dims(args)
     cmd, _, _ = eyrie_command(args, Path(args.root), args.optimizer)
     argv = cmd[cmd.index("eyrie.stages.train.entry") + 1 :]
-    i = argv.index("--eyrie-verifier-weights")
-    a = argparse.Namespace(**TrainConfig.resolve(argv[:i] + argv[i + 2 :]).flatten())
+    for own in ("--eyrie-verifier-weights", "--eyrie-metrics"):  # the entry's own options
+        if own in argv:
+            del argv[argv.index(own) : argv.index(own) + 2]
+    a = argparse.Namespace(**TrainConfig.resolve(argv).flatten())
     for name in args.off:
         setattr(switches, name, False)
     cuda = torch.cuda.is_available()

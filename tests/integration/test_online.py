@@ -94,6 +94,7 @@ def _resolved(cmd: list[str], monkeypatch) -> tuple[dict, list]:
     monkeypatch.setattr(eyrie.stages.train.online_dataset, "install", lambda *a: installed.append(a))
     argv = cmd[cmd.index("eyrie.stages.train.entry") + 1 :]
     train_entry._pop_option(argv, "--eyrie-verifier-weights")
+    train_entry._pop_option(argv, "--eyrie-metrics")
     train_entry._online_hidden_states(argv)
     return SpeculatorsConfig.resolve(argv).flatten(), installed
 
