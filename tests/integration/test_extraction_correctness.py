@@ -301,6 +301,30 @@ def _check_one_sample(r: Running, path: str, ids: list[int], kind: str, record_p
     # The captured layers are distinct (not one layer written several times).
     for j in range(1, n_captured):
         assert _rel_err(hs[:, j], hs[:, j - 1]) > 0.05
+    # The capture proof (eyrie/hidden_states/proof.py) accepts this real capture: its recomputation of the first
+    # layers from the checkpoint puts every aux layer nearest its own layer, within the proof's bound.
+    _proof_accepts(r, hs, ids, kind, record_property)
+
+
+def _proof_accepts(r: Running, hs: torch.Tensor, ids: list[int], kind: str, record_property) -> None:
+    from eyrie.config import TargetConfig
+    from eyrie.hidden_states.proof import aux_problems, recomputer
+    from eyrie.target.metadata import checkpoint_tensor_names, resolve_borrowed_weights
+
+    target = TargetConfig(model=str(r.model))
+    full = json.loads((r.model / "config.json").read_text())
+    ctx = {
+        "model": str(r.model),
+        "num_layers": r.num_layers,
+        "layer_ids": list(r.spec.layer_ids),
+        "verifier_weights": resolve_borrowed_weights(target, full, checkpoint_tensor_names(target)).speculators_names(),
+        "text_config": text_config(full),
+        "quantized": False,
+    }
+    problems, figures = aux_problems([(hs.float(), ids)], ctx["layer_ids"], r.num_layers, recomputer(ctx))
+    record_property("proof_aux", figures)
+    print(f"{kind}: the capture proof's aux layers (relative L2 to own, before, after) {figures}")
+    assert not problems, problems
 
 
 def test_concurrent_requests_each_get_their_own_sample(servers, tmp_path, tiny_llama):
