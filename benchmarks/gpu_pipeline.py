@@ -397,6 +397,253 @@ def stage_serve(name: str, config, model: Path, work: Path, n: int, path: str, c
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# the whole chain: prepare, extract (shards), vocab, train, export, evaluate
+
+
+def taught_target(name: str, cpu: bool) -> Path:
+    """The target the chain trains a drafter for. llama: the demo's own target, `tiny-llama-chat` (the tiny Llama
+    taught the bundled conversations in a child process with fixed CPU numerics, so every x86 machine builds the same
+    bytes; head_dim 32, which FlashAttention 3 takes), kept under .gpu/work/targets so that it is built once here and
+    carried to the GPU node (it is idempotent: a complete folder of the same recipe is kept). A random target's next
+    token is noise, and a drafter's acceptance on it would mean nothing. kimi: the GPU-sized wrapper with random
+    weights (no teaching recipe exists for it): its figure shows the chain runs on MLA, not a drafter's quality."""
+    from eyrie.target.tiny import build_target
+
+    if name == "llama":
+        return build_target("tiny-llama-chat", ROOT / ".gpu" / "work" / "targets" / "llama-chat")
+    return build(name, ROOT / ".gpu" / "work", cpu)
+
+
+def chain_config(name: str, model: Path, cpu: bool, epochs: int, samples: int):
+    """The demo's settings (configs/demo.yaml) without regeneration; on the GPU, CUDA graphs for the serving server
+    and the trainer on cuda."""
+    from eyrie.config import parse_config
+
+    server_args = ["--language-model-only"] if name == "kimi" else []
+    # the demo's CPU server settings (fork, one unbound OpenMP thread): a tiny target's server ready in seconds
+    cpu_env = {"EYRIE_CPU_ENGINE_FORK": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    return parse_config(
+        {
+            "name": f"gpu-chain-{name}",
+            "target": {"model": str(model), "max_model_len": 512},
+            "data": {
+                "source": str(ROOT / "eyrie/data/demo_chat.jsonl"),
+                "max_length": 256,
+                "shard_size": 64,
+                "max_samples": samples,
+                "eval_fraction": 0.5,
+            },
+            "extraction": {
+                "layer_ids": AUX,
+                "enforce_eager": True,  # the extraction server; the serving server's graphs are set per spec
+                "gpu_memory_utilization": None if cpu else 0.25,
+                "server_args": server_args,
+                "server_env": cpu_env if cpu else {},
+                "concurrency": 8,
+            },
+            "vocab": {"draft_vocab_size": 256},
+            "train": {
+                "epochs": epochs,
+                "lr": 1.0e-2,
+                "ttt_steps": 3,
+                "max_seq_len": 512,
+                "device": "cpu" if cpu else "cuda",
+                "log_every_steps": 10,
+            },
+            "evaluate": {"num_speculative_tokens": 3, "max_tokens": 48},
+        },
+        source=f"gpu_pipeline:chain:{name}",
+    )
+
+
+def train_figures(work: Path) -> dict:
+    """The trainer's own step timings (its metrics.jsonl, one row per logged step; eyrie/stages/train/progress.py
+    reads the same file): steps/s between the first and the last logged step (the first step's compile and warm-up
+    left out), and the median logged step time."""
+    rows = []
+    path = work / "metrics.jsonl"
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        with contextlib.suppress(ValueError):
+            row = json.loads(line)
+            if isinstance(row, dict) and "step" in row and "time" in row and "train/loss" in row:
+                rows.append(row)
+    if not rows:
+        return {"logged_steps": 0}
+    ms = sorted(r["profile/step_ms"] for r in rows[1:] if "profile/step_ms" in r)
+    first, last = rows[0], rows[-1]
+    span = last["time"] - first["time"]
+    return {
+        "logged_steps": len(rows),
+        "first_step": first["step"],
+        "last_step": last["step"],
+        "steps_per_s": round((last["step"] - first["step"]) / span, 2) if span > 0 else None,
+        "median_step_ms": round(ms[len(ms) // 2], 2) if ms else None,
+        "tokens_per_s_last": last.get("profile/tokens_per_s"),
+        "train_loss_first": first["train/loss"],
+        "train_loss_last": last["train/loss"],
+    }
+
+
+def stage_chain(name: str, work: Path, cpu: bool, epochs: int, samples: int, eval_prompts: int) -> dict:
+    """prepare, extraction into shards through Eyrie's extraction server (`extract_shard`), vocab, training with
+    Eyrie's trainer command, export with its serving proof, and evaluation (`measure`) on the proof's server, which
+    serves target + trained drafter with CUDA graphs on the GPU. The core library's stage functions, called as the
+    pipeline flow calls them (flows/pipeline.py), without Prefect."""
+    from dataclasses import replace
+
+    from eyrie.stages.evaluate import measure, with_per_request_metrics
+    from eyrie.stages.export import export_and_prove
+    from eyrie.stages.extract.shard import extract_shard
+    from eyrie.stages.preflight import run_preflight
+    from eyrie.stages.prepare import iter_eval_prompts, load_seq_lens, load_shards, prepare
+    from eyrie.stages.train.data import TrainingData
+    from eyrie.stages.train.trainer import run_training
+    from eyrie.stages.vocab import build_vocab, mapping_paths
+    from eyrie.vllm.process import VllmServer
+    from eyrie.vllm.spec import ServerSpec
+
+    t = time.time()
+    model = taught_target(name, cpu)
+    root = work / "chain" / name
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    config = chain_config(name, model, cpu, epochs, samples)
+    out: dict = {"target": str(model), "target_s": since(t), "taught": name == "llama", "epochs": epochs}
+    pretrain = model / "pretrain_loss.json"
+    if pretrain.exists():
+        out["target_pretrain_loss"] = json.loads(pretrain.read_text())
+
+    t = time.time()
+    report = run_preflight(config, root / "run", serve=True)
+    out["preflight"] = {
+        "s": since(t),
+        "eagle3_path": report.eagle3_path,
+        "model_runners": report.target_facts.get("model_runners"),
+        "aux_layer_ids": report.aux_layer_ids,
+        "captured_layer_ids": report.captured_layer_ids,
+    }
+    note(f"{name}: chain preflight {json.dumps(out['preflight'])}")
+
+    t = time.time()
+    prepared = root / "prepare"
+    manifest = prepare(config.target, config.data, prepared)
+    stats = manifest["stats"]
+    out["prepare"] = {"s": since(t), **{k: v for k, v in stats.items() if not isinstance(v, dict)}}
+    note(f"{name}: prepare {json.dumps(out['prepare'])}")
+
+    # extraction: Eyrie's server, each shard through extract_shard (files checked and renamed into the run folder,
+    # which shares the server's staging folder's filesystem)
+    ids = report.captured_layer_ids
+    staging = root / "staging"
+    staging.mkdir()
+    hidden = root / "hidden_states"
+    spec = ServerSpec.for_extraction(config, ids, str(staging))
+    server = VllmServer(root / "server-extract")
+    ext: dict = {"layer_ids": ids}
+    t = time.time()
+    try:
+        client = server.ensure(spec, startup_timeout_s=420, log=note)
+        ext["ready_s"] = since(t)
+        t = time.time()
+        counts = []
+        for shard in load_shards(prepared):
+            m = extract_shard(
+                client,
+                prepared,
+                shard,
+                f"gpu-chain-{shard.name}",
+                hidden,
+                root / "extract" / f"{shard.name}.json",
+                len(ids),
+                report.hidden_size,
+                config.extraction.concurrency,
+                config.extraction.request_timeout_s,
+                log=note,
+            )
+            counts.append(m["extracted_samples"])
+        ext["extract_s"] = since(t)
+        ext["samples"] = sum(counts)
+    finally:
+        ext["server"] = read_server_log(server.log_path)
+        server.stop(log=note)
+    out["extract"] = ext
+    note(f"{name}: extract {json.dumps({k: v for k, v in ext.items() if k != 'server'})}")
+
+    t = time.time()
+    dvs = config.vocab.draft_vocab_size
+    build_vocab(prepared / "dataset" / "token_freq.pt", dvs, report.vocab_size, root / "vocab", "v")
+    d2t, t2d = mapping_paths(root / "vocab", dvs)
+    out["vocab"] = {"s": since(t), "draft_vocab_size": dvs, "target_vocab_size": report.vocab_size}
+
+    data = TrainingData(prepared / "dataset", hidden, d2t, t2d, report.aux_layer_ids, report.target_facts)
+    seq_lens = load_seq_lens(prepared)
+    t = time.time()
+    trained = run_training(config, root / "train", "k", data, seq_lens, log=note)
+    train_s = since(t)
+    steps = trained.get("global_step") or 0
+    out["train"] = {
+        "s": train_s,
+        "device": config.train.device,
+        "global_step": steps,
+        "steps_per_s_wall": round(steps / train_s, 2) if train_s else None,
+        "checkpoint": trained.get("checkpoint"),
+        "history": trained.get("history"),
+        "val_metrics": trained.get("val_metrics"),
+        "warnings": trained.get("warnings"),
+        "trainer_metrics": train_figures(root / "train" / "k"),
+    }
+    note(f"{name}: train {json.dumps({k: v for k, v in out['train'].items() if k != 'trainer_metrics'})[:1500]}")
+
+    # export, proved on the server evaluation then reuses (as the pipeline does): target + trained drafter, CUDA
+    # graphs and torch.compile on the GPU (a native target), eager on the CPU build
+    serving = ServerSpec.for_serving(config)
+    serving = replace(
+        serving,
+        enforce_eager=cpu or report.eagle3_path == "compat",
+        server_args=with_per_request_metrics(serving.server_args),
+    )
+    prompts = list(iter_eval_prompts(prepared))[:eval_prompts]
+    srv = VllmServer(root / "server-trained")
+    t = time.time()
+    try:
+
+        def serve_drafter(drafter: str):
+            return srv.ensure(replace(serving, drafter=drafter), startup_timeout_s=480, log=note)
+
+        exported = export_and_prove(
+            Path(trained["checkpoint"]),
+            root / "export",
+            str(model),
+            report.aux_layer_ids,
+            report.hidden_size,
+            "e",
+            serve_drafter,
+            prompts[0],
+        )
+        out["export"] = {"s": since(t), "drafter": exported["drafter"], "vllm_proof": exported.get("vllm_proof")}
+        note(f"{name}: export {json.dumps(out['export'])[:800]}")
+        client = srv.ensure(replace(serving, drafter=exported["drafter"]), startup_timeout_s=480, log=note)
+        t = time.time()
+        result = measure(client, prompts, config.evaluate.max_tokens)
+        out["evaluate"] = {
+            "s": since(t),
+            "prompts": len(prompts),
+            "max_tokens": config.evaluate.max_tokens,
+            "num_speculative_tokens": config.evaluate.num_speculative_tokens,
+            "enforce_eager": serving.enforce_eager,
+            **{k: v for k, v in result.items() if k != "requests"},
+        }
+    finally:
+        out["serve_server"] = read_server_log(srv.log_path)
+        srv.stop(log=note)
+    ev = out["evaluate"]
+    note(f"{name}: evaluate {json.dumps(ev)[:1500]}")
+    out["acceptance_length"] = ev.get("acceptance_length")
+    out["ok"] = bool(steps) and bool(out["acceptance_length"]) and out["acceptance_length"] > 1.05
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def main() -> int:
@@ -407,6 +654,10 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="results JSON (appended); default $OUT/gpu-pipeline.json")
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--cpu", action="store_true", help="CPU widths (vLLM's CPU build)")
+    ap.add_argument("--epochs", type=int, default=8, help="chain: training epochs")
+    ap.add_argument("--chain-samples", type=int, default=256, help="chain: conversations read (half held out)")
+    ap.add_argument("--eval-prompts", type=int, default=128, help="chain: held-out prompts evaluated")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="chain: start no target's chain after this many s")
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -426,6 +677,13 @@ def main() -> int:
     for name in a.targets.split(","):
         rec: dict = {"target": name, "contract": EXPECTED_PATH[name], **env}
         try:
+            stages = set(a.stages.split(","))
+            if "chain" in stages:  # the whole chain on its own target (taught where a recipe exists)
+                if time.time() - T0 > a.budget_s:
+                    raise TimeoutError(f"not started: {a.budget_s} s of this call's budget already spent")
+                rec["chain"] = stage_chain(name, work, a.cpu, a.epochs, a.chain_samples, a.eval_prompts)
+            if not stages & {"preflight", "extract", "serve"}:
+                raise StopIteration
             t = time.time()
             model = build(name, work, a.cpu)
             rec["build_s"] = since(t)
@@ -444,13 +702,15 @@ def main() -> int:
                 rec["serve"] = stage_serve(name, config, model, work, a.samples, path, a.cpu)
                 note(f"{name}: serve {json.dumps({k: v for k, v in rec['serve'].items() if k != 'server'})}")
                 note(f"{name}: serving server {json.dumps(rec['serve']['server'])[:900]}")
+        except StopIteration:
+            pass
         except Exception as e:  # noqa: BLE001 - record what broke and go on with the next target
             rec["error"] = f"{type(e).__name__}: {e}"[:1500]
             rec["traceback"] = traceback.format_exc().splitlines()[-8:]
             note(f"{name}: FAILED {rec['error'][:800]}")
         rec["wall_s"] = since(T0)
         rec["ok"] = "error" not in rec and all(
-            rec[s].get("ok", True) for s in ("preflight", "extract", "serve") if s in rec
+            rec[s].get("ok", True) for s in ("preflight", "extract", "serve", "chain") if s in rec
         )
         ok = ok and rec["ok"]
         results["runs"].append(rec)

@@ -16,17 +16,36 @@
 #        bash benchmarks/gpu_pipeline.sh --stages serve
 # Results accumulate in $GPU_PIPELINE_WORK/gpu-pipeline.json (default /tmp/gpu-pipeline) across calls on one warm
 # machine; each call copies it and the servers' logs to $OUT. benchmarks/results/gpu-pipeline-*.json keep them.
+#   5. the whole chain (prepare, extraction into shards, vocab, training on cuda, export, evaluation with CUDA graphs)
+#      needs speculators and the packages the image and the kit lack, as wheels in .gpu/whl (below), and the demo's
+#      taught target built here into .gpu/work/targets/llama-chat (python benchmarks/gpu_pipeline.py --cpu --targets
+#      llama --stages chain builds it, and runs the chain on the CPU build). With piece 3, one call
+#      (GPU_PIPELINE_TIMEOUT stops the script in time for its results to come back):
+#      carry [.gpu/pieces/3, .gpu/kit, eyrie.egg-info, .gpu/whl, .gpu/work/targets/llama-chat], timeout 600:
+#        GPU_PIPELINE_TIMEOUT=540 bash benchmarks/gpu_pipeline.sh --targets llama,kimi --stages chain --budget-s 330
+# The wheels, once, here (1.2 MiB; the kit already holds pydantic, loguru, openai and the rest speculators needs):
+#   for p in speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 multiprocess==0.70.19 fsspec==2026.7.0; do
+#     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform any -d .gpu/whl "$p"; done
 set -u
 source .gpu/kit/device-install.sh || exit $?
+if [ -d .gpu/whl ] && ! python3 -c "import speculators" 2>/dev/null; then
+  t=$(date +%s)
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/gpu-whl .gpu/whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/gpu-whl${PYTHONPATH:+:$PYTHONPATH}
+  echo "wheels installed in $(( $(date +%s) - t )) s"
+fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export GPU_PIPELINE_WORK=${GPU_PIPELINE_WORK:-/tmp/gpu-pipeline}
 OUT=${OUT:-$GPU_PIPELINE_WORK/out}
 mkdir -p "$OUT" "$GPU_PIPELINE_WORK"
 start=$(date +%s)
-python3 benchmarks/gpu_pipeline.py --work "$GPU_PIPELINE_WORK" --out "$GPU_PIPELINE_WORK/gpu-pipeline.json" "$@"
+timeout -s INT -k 20 "${GPU_PIPELINE_TIMEOUT:-100000}" \
+  python3 benchmarks/gpu_pipeline.py --work "$GPU_PIPELINE_WORK" --out "$GPU_PIPELINE_WORK/gpu-pipeline.json" "$@"
 rc=$?
 echo "gpu_pipeline.py: exit $rc after $(( $(date +%s) - start )) s"
 cp "$GPU_PIPELINE_WORK/gpu-pipeline.json" "$OUT/" 2>/dev/null
 # the servers' logs, one archive (what comes back from $OUT is at most 8 files)
-(cd "$GPU_PIPELINE_WORK" && find servers -name '*.log' -print0 2>/dev/null | tar --null -czf "$OUT/server-logs.tgz" -T -) 2>/dev/null
+(cd "$GPU_PIPELINE_WORK" && find servers chain \( -name '*.log' -o -name '*.jsonl' -o -name 'manifest.json' \) \
+  -print0 2>/dev/null | tar --null -czf "$OUT/server-logs.tgz" -T -) 2>/dev/null
 exit $rc
