@@ -104,7 +104,8 @@ def extract_fanout_flow(
         # The pipeline's own opening: the nodes get the config with its hub revisions pinned, so they key their
         # shards as the pipeline does. With `serve`, preflight checks export and evaluation too, before any node
         # spends GPU hours.
-        opened = open_run(config, run, serve=serve)
+        # One preflight card per run: the last preflight's (after regeneration, where the nodes regenerate).
+        opened = open_run(config, run, serve=serve, card=not config.regenerate.enabled)
         config, report = opened.config, opened.report
         if serve and not opened.prepared["stats"]["rows_eval"]:
             raise EyrieError(

@@ -72,17 +72,17 @@ def _failing_flow(args):
 
 @pytest.fixture
 def console(monkeypatch):
-    """A console handler on the root logger, as Prefect's logging config puts it, and an API-like handler on the
-    task run logger."""
+    """A console handler as the root logger's only one, as Prefect's logging config puts it (the session's own,
+    whose streams earlier tests' captures may have closed, set aside), and an API-like handler on the task run
+    logger."""
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     api = _ApiLike()
-    task_log = logging.getLogger("prefect.task_runs")
-    logging.getLogger().addHandler(handler)
-    task_log.addHandler(api)
+    root, task_log, prefect_log = (logging.getLogger(n) for n in ("", "prefect.task_runs", "prefect"))
+    saved = root.handlers[:], prefect_log.handlers[:], task_log.handlers[:]
+    root.handlers[:], prefect_log.handlers[:], task_log.handlers[:] = [handler], [], [api]
     yield stream, api
-    logging.getLogger().removeHandler(handler)
-    task_log.removeHandler(api)
+    root.handlers[:], prefect_log.handlers[:], task_log.handlers[:] = saved
 
 
 def test_a_refused_run_prints_its_error_once_without_tracebacks(console, monkeypatch, tmp_path, capsys):

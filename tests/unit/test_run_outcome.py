@@ -7,6 +7,7 @@ import pytest
 from conftest import config_dict
 from prefect import flow
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
 from eyrie.config import parse_config
 from eyrie.stages.evaluate import gap_sentence, train_serve_gap
@@ -73,3 +74,20 @@ def test_the_summary_sentence_says_what_its_table_shows(validation, served, says
     assert flagged == len(gap["flagged"])
     if len(gap["flagged"]) == len(gap["rows"]):
         assert "predicts serving within" not in text
+
+
+@pytest.mark.usefixtures("flow_api")
+def test_a_run_leaves_one_preflight_card(tiny_llama, tmp_path):
+    """Preflight runs before prepare and again after it (the disk check on the real token count): the flow run shows
+    one card, the last one's (three identical cards before)."""
+    from flows.pipeline import pipeline_flow
+
+    config = parse_config(config_dict(tiny_llama, max_samples=16))
+    state = pipeline_flow(config, str(tmp_path / "run"), until="prepare", return_state=True)
+    assert state.is_completed()
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+        )
+    cards = [a for a in found if a.key == "preflight"]
+    assert len(cards) == 1 and "| hidden states (estimate) | 0.0 GiB |" in cards[0].data  # the last one's
