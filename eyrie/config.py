@@ -80,6 +80,12 @@ class TargetConfig(_Section):
         description="PEP 440 version specifier the installed vLLM must meet for this target (e.g. '>=0.18'); "
         "preflight refuses another version, naming the installed one.",
     )
+    recurrent_layers: Literal["refuse", "prove"] = Field(
+        "refuse",
+        description="A target whose layers carry recurrent state (state-space, short-convolution or "
+        "gated-linear-attention layers): refuse: preflight refuses it before any load (vLLM's capture of such "
+        "layers is not proven right); prove: load it and let the capture proof decide before the first shard.",
+    )
 
     @field_validator("vllm_version")
     @classmethod
@@ -172,6 +178,14 @@ class ExtractionConfig(_Section):
         True,
         description="Leave the server up when a shard fails, so a retry "
         "reuses the loaded target (`eyrie stop-server`).",
+    )
+    unproven_aux_layers: Literal["refuse", "warn"] = Field(
+        "refuse",
+        description="Aux layer ids the capture proof cannot recompute from the target's weights (a quantized "
+        "checkpoint, or more layers before the id than the proof rebuilds: ids past the first few layers of an "
+        "8B+ target): refuse: preflight refuses the run, naming them, before any load; warn: the proof checks "
+        "the ids it can and the last layer through the head, and records the others as unproven in "
+        "capture/proof.json and the run's warnings.",
     )
 
     @field_validator("server_env", mode="before")

@@ -126,6 +126,7 @@ def _extract(
     )
     if proof:
         outcome["capture_proof"] = proof
+        outcome["warnings"] = list(proof.get("warnings", []))  # aux layers the proof could not recompute
     return outcome
 
 

@@ -254,6 +254,7 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         # What the team should read before shipping: undertraining, training that does not predict serving.
         "warnings": [
             *(regenerated or {}).get("warnings", []),  # rows lost to server errors, retried by the next run
+            *extracted.get("warnings", []),  # aux layers the capture proof could not recompute
             *trained.get("warnings", []),
             *filter(None, [gap_warning(evaluation["train_serve_gap"])]),
             *evaluation.get("warnings", []),  # a drafter not clearly better than its baseline (issue 25 item 2)

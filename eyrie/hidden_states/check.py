@@ -109,6 +109,7 @@ def context_for(config, report) -> dict:
         # What the capture proof rebuilds the first layers from (eyrie.hidden_states.proof)
         "text_config": cfg,
         "quantized": bool(full.get("quantization_config") or cfg.get("quantization_config")),
+        "unproven_aux_layers": config.extraction.unproven_aux_layers,  # the proof's policy for ids it cannot rebuild
     }
 
 

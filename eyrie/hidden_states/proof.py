@@ -19,11 +19,14 @@ every token is still the top one):
    another layer, another target or stale states cannot pass.
 3. **No dead rows** at any captured layer (all zero, or constant over the hidden size).
 
-A target whose first layers cannot be rebuilt in this process (a checkpoint whose tensors transformers' class for
-the config does not name, a quantized checkpoint, a prefix past `RECOMPUTE_MAX_PARAMS`) cannot have its aux layers
-recomputed: the proof then refuses, naming what is missing, unless the run allows it explicitly
-(`EYRIE_PROOF_AUX=head-only`, for a target whose capture was proven another way); the figures then record the aux
-layers as unproven. "Cannot prove either way" is never a silent pass.
+What can be recomputed is decided from the target's config alone (`plan_aux`, no weights read): the largest prefix
+of the target (embedding and first layers, every parameter of the rebuilt model counted) within
+`RECOMPUTE_MAX_PARAMS`, and the aux ids within it (an id needs the stream entering it and the one after). A deeper id
+(on an 8B+ target, L//2 and L-3), or every id of a quantized checkpoint (its tensors are not the float weights
+transformers builds) or of a config transformers cannot build, is unproven, with the reason. Preflight predicts
+this before any load (`aux_refusal`): with `extraction.unproven_aux_layers: refuse` (the default) it refuses the run,
+naming the ids; with `warn` the proof checks the ids it can, records the others as unproven in `proof.json` and the
+run's warnings. "Cannot prove either way" is never a silent pass.
 
 The same recomputation (`aux_problems`) judges each shard's aux layers (`check.check_shard`), on a prefix of one of
 its files, so a shard written by another server or under another capture (a stale shard) is refused on its own, not
@@ -32,8 +35,8 @@ only when it differs from the run's first shard.
 
 from __future__ import annotations
 
-import os
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +58,7 @@ REL_MAX = 0.1  # captured vs recomputed relative L2; the compatibility matrix me
 NEIGHBOUR_MARGIN = 0.5  # the error to the captured layer must be below this times the error to either neighbour
 RECOMPUTE_MAX_PARAMS = 2_000_000_000  # parameters of the rebuilt first layers (float32: 8 GB)
 SHARD_PREFIX_TOKENS = 64  # tokens of one shard file recomputed per shard (causal: the prefix's states are exact)
-AUX_ENV = "EYRIE_PROOF_AUX"  # "head-only": aux layers that cannot be recomputed are recorded unproven, not refused
+AUX_POLICY = "unproven_aux_layers"  # the ctx's copy of extraction.unproven_aux_layers: "refuse" or "warn"
 
 
 class Unrecomputable(Exception):
@@ -177,8 +180,119 @@ def _common_dotted_suffix(a: str, b: str) -> str:
     return ".".join(pa[len(pa) - n :]) if n >= 2 else ""
 
 
+@dataclass(frozen=True)
+class AuxPlan:
+    """Which aux ids the proof can recompute: `layers` streams rebuilt (entering layers 0..layers; None: nothing
+    is rebuilt), the ids judged against them (`proven`), the others (`unproven`) and why they are not."""
+
+    layers: int | None
+    proven: list[int] = field(default_factory=list)
+    unproven: list[int] = field(default_factory=list)
+    reason: str | None = None
+
+
+def _needed(lid: int, num_layers: int) -> int:
+    """The streams to rebuild to judge aux id `lid`: its own and the one after (its neighbour), below the last."""
+    return max(0, min(lid + 1, num_layers - 1))
+
+
+def _prefix_params(text_cfg: dict, deepest: int) -> dict[int, int]:
+    """{k: parameters of the model `Recomputer(..., k)` builds} for k in 0..deepest, from a meta-device build (no
+    memory, no weights): every parameter counted (embedding, the first k+1 layers, norm, head)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = _truncated_config(text_cfg, deepest + 1)
+    try:
+        with torch.device("meta"):
+            shape = AutoModelForCausalLM.from_config(cfg)
+    except Exception as err:  # noqa: BLE001
+        raise Unrecomputable(f"transformers cannot build the decoder from the config ({err})") from None
+    total = sum(p.numel() for p in shape.parameters())
+    # The decoder's layers: the first module list as long as the layers built (pre-order: before any inner list).
+    stack = next((m for m in shape.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == deepest + 1), None)
+    if stack is None:  # layers not found: the whole build stands for every prefix (all or nothing)
+        return {k: total for k in range(deepest + 1)}
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in stack]
+    base = total - sum(per_layer)
+    return {k: base + sum(per_layer[: k + 1]) for k in range(deepest + 1)}
+
+
+def plan_aux(text_cfg: dict, layer_ids: list[int], num_layers: int, quantized: bool = False) -> AuxPlan:
+    """Which of `layer_ids`' aux ids (those below `num_layers`) the proof can recompute, from the target's config
+    alone: the largest prefix within RECOMPUTE_MAX_PARAMS, and the ids within it. Raises nothing."""
+    aux = sorted({i for i in layer_ids if i < num_layers})
+    if not aux:
+        return AuxPlan(None)
+    if quantized or text_cfg.get("quantization_config"):
+        return AuxPlan(
+            None,
+            unproven=aux,
+            reason="the checkpoint is quantized (its tensors are not the float weights transformers builds, so "
+            "its layers cannot be rebuilt in the flow's process)",
+        )
+    deepest = max(_needed(i, num_layers) for i in aux)
+    try:
+        counts = _prefix_params(text_cfg, deepest)
+    except Unrecomputable as err:
+        return AuxPlan(None, unproven=aux, reason=str(err))
+    layers = max((k for k, n in counts.items() if n <= RECOMPUTE_MAX_PARAMS), default=None)
+    proven = [i for i in aux if layers is not None and _needed(i, num_layers) <= layers]
+    unproven = [i for i in aux if i not in proven]
+    reason = None
+    if unproven:
+        k = _needed(unproven[0], num_layers)
+        reason = (
+            f"rebuilding the stream up to layer {k} takes the target's embedding, first {k + 1} layers and head, "
+            f"{counts[k] / 1e9:.2f}B parameters, past the {RECOMPUTE_MAX_PARAMS / 1e9:.0f}B the proof rebuilds "
+            "(float32, in the flow's process)"
+        )
+    return AuxPlan(layers if proven else None, proven, unproven, reason)
+
+
+_PLANS: dict[tuple, AuxPlan] = {}
+
+
+def plan_for(ctx: dict) -> AuxPlan:
+    """`plan_aux` for a capture context (`eyrie.hidden_states.check.context_for`), once per process and target."""
+    key = (ctx["model"], ctx.get("revision"), bool(ctx.get("quantized")), tuple(ctx["layer_ids"]), ctx["num_layers"])
+    with _LOCK:
+        if key not in _PLANS:
+            try:
+                text_cfg = text_config_of(ctx)
+            except Unrecomputable as err:
+                aux = sorted({i for i in ctx["layer_ids"] if i < ctx["num_layers"]})
+                _PLANS[key] = AuxPlan(None, unproven=aux, reason=str(err))
+            else:
+                _PLANS[key] = plan_aux(text_cfg, ctx["layer_ids"], ctx["num_layers"], bool(ctx.get("quantized")))
+        return _PLANS[key]
+
+
+def aux_refusal(cfg: dict, layer_ids: list[int], num_layers: int, policy: str) -> tuple[list[str], list[str]]:
+    """Preflight's prediction from the target's config.json `cfg` (no weights read) of what the capture proof can
+    recompute: (failures, warnings). `policy` is extraction.unproven_aux_layers: with "refuse", aux ids the proof
+    cannot recompute fail preflight, named with the reason and the fix; with "warn" they are a warning."""
+    from eyrie.target.metadata import text_config
+
+    text_cfg = text_config(cfg)
+    quantized = bool(cfg.get("quantization_config") or text_cfg.get("quantization_config"))
+    plan = plan_aux(text_cfg, layer_ids, num_layers, quantized)
+    if not plan.unproven:
+        return [], []
+    what = (
+        f"the capture proof cannot recompute aux layer ids {plan.unproven} from the target's weights: {plan.reason}"
+        + (f" (it proves ids {plan.proven})" if plan.proven else "")
+    )
+    if policy == "warn":
+        return [], [f"{what}; extraction.unproven_aux_layers: warn records them as unproven"]
+    return [
+        f"{what}. A capture not proven is not trained on by default: set extraction.unproven_aux_layers: warn to "
+        "accept them on the last layer's head check and the ids proven, or choose shallower extraction.layer_ids"
+    ], []
+
+
 _RECOMPUTERS: dict[tuple, Recomputer | Unrecomputable] = {}
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()
 
 
 def text_config_of(ctx: dict) -> dict:
@@ -197,10 +311,12 @@ def text_config_of(ctx: dict) -> dict:
 
 
 def recomputer(ctx: dict) -> Recomputer:
-    """The rebuilt first layers for `ctx`'s aux ids (one past the deepest, capped below the last layer), built once
-    per process and target; raises Unrecomputable."""
-    aux = [i for i in ctx["layer_ids"] if i < ctx["num_layers"]]
-    layers = min(max(aux, default=0) + 1, ctx["num_layers"] - 1)
+    """The rebuilt first layers for the aux ids `plan_for(ctx)` can prove (one past the deepest of them, capped below
+    the last layer), built once per process and target; raises Unrecomputable when none can be."""
+    plan = plan_for(ctx)
+    if plan.layers is None:
+        raise Unrecomputable(plan.reason or "no aux layer to recompute")
+    layers = plan.layers
     key = (
         ctx["model"],
         ctx.get("revision"),
@@ -227,7 +343,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def aux_problems(
     captured: list[tuple[torch.Tensor, list[int]]], layer_ids: list[int], num_layers: int, rec: Recomputer
 ) -> tuple[list[str], dict]:
-    """Each aux layer of `captured` ([(hs [T, n_layers, H] float32, token ids)]) against the rebuilt first layers:
+    """Each aux layer of `captured` ([(hs [T, n_layers, H] float32, token ids)]) within the rebuilt first layers:
     within REL_MAX of its own layer and nearer to it than to either neighbour (NEIGHBOUR_MARGIN). The problems, and
     the figures per layer (relative L2 to its own layer, to the one before and the one after)."""
     import torch
@@ -238,8 +354,8 @@ def aux_problems(
     for hs, ids in captured:
         ref = rec.streams(ids)  # [layers+1, T, H]
         for j, lid in enumerate(layer_ids):
-            if lid >= num_layers:
-                continue
+            if lid >= num_layers or _needed(lid, num_layers) > rec.layers:
+                continue  # the last layer (the head check's), or past the prefix rebuilt (unproven: `plan_aux`)
             pairs.setdefault(lid, []).append((hs[:, j, :], ref))
     for lid, items in pairs.items():
         got = torch.cat([h for h, _ in items])
@@ -329,21 +445,36 @@ def judge(ctx: dict, samples: list[tuple[torch.Tensor, list[int], int]], log=pri
     # 2. every aux layer against the target's own first layers, recomputed
     aux = [i for i in layer_ids if i < L]
     if aux:
-        try:
-            rec = recomputer(ctx)
-        except Unrecomputable as err:
-            if os.environ.get(AUX_ENV) == "head-only":
-                figures["aux_check"] = {"unproven": aux, "reason": str(err), "allowed_by": f"{AUX_ENV}=head-only"}
-                log(f"warning: aux layers {aux} are not proven ({err}); {AUX_ENV}=head-only accepts that")
+        plan = plan_for(ctx)
+        check: dict[str, Any] = {}
+        unproven, reason = list(plan.unproven), plan.reason
+        if plan.proven:
+            try:
+                rec = recomputer(ctx)
+            except Unrecomputable as err:  # the config allowed it but the checkpoint does not (names, tensors)
+                unproven, reason = sorted(set(unproven) | set(plan.proven)), str(err)
+            else:
+                found, errs = aux_problems([(hs, ids) for hs, ids, _ in samples], layer_ids, L, rec)
+                problems += found
+                check = {"recomputed_layers": rec.layers, "relative_l2": errs, "max": REL_MAX}
+        if unproven:
+            check.update(unproven=unproven, reason=reason)
+            if ctx.get(AUX_POLICY) == "warn":
+                warning = (
+                    f"the capture proof could not recompute aux layer ids {unproven} ({reason}): they are unproven; "
+                    "the last layer is proven through the target's head"
+                    + (f" and ids {sorted(check['relative_l2'])} recomputed" if check.get("relative_l2") else "")
+                )
+                check["allowed_by"] = "extraction.unproven_aux_layers: warn"
+                figures["warnings"] = [warning]
+                log(f"warning: {warning}")
             else:
                 problems.append(
-                    f"aux layers {aux} cannot be proven: {err}. A capture not proven is not trained on: prove it "
-                    f"another way and set {AUX_ENV}=head-only to accept the last layer's head check alone"
+                    f"aux layers {unproven} cannot be proven: {reason}. A capture not proven is not trained on: set "
+                    "extraction.unproven_aux_layers: warn to accept them unproven, or choose shallower "
+                    "extraction.layer_ids"
                 )
-        else:
-            found, errs = aux_problems([(hs, ids) for hs, ids, _ in samples], layer_ids, L, rec)
-            problems += found
-            figures["aux_check"] = {"recomputed_layers": rec.layers, "relative_l2": errs, "max": REL_MAX}
+        figures["aux_check"] = check
     figures["problems"] = problems
     if problems:
         raise CaptureError(
@@ -358,8 +489,6 @@ def judge(ctx: dict, samples: list[tuple[torch.Tensor, list[int], int]], log=pri
 
 # ---------------------------------------------------------------------------------------------------------------
 # Targets whose layers carry recurrent state, decided before the load
-
-HYBRID_ENV = "EYRIE_HYBRID_TARGETS"  # "prove": load such a target and let the capture proof decide
 
 
 def recurrent_state(cls, text_cfg: dict) -> str | None:
@@ -391,16 +520,18 @@ def recurrent_state(cls, text_cfg: dict) -> str | None:
     return None
 
 
-def recurrent_state_refusal(cls, text_cfg: dict) -> list[str]:
+def recurrent_state_refusal(cls, text_cfg: dict, policy: str = "refuse") -> list[str]:
     """Preflight's refusal, before any load, of a target whose layers carry recurrent state: vLLM's capture of
-    such layers is not proven (on one hybrid it came out 0.23-0.32 from the target's states). `EYRIE_HYBRID_TARGETS=
-    prove` loads it anyway and the capture proof decides minutes after the load, before any shard."""
+    such layers is not proven (on one hybrid it came out 0.23-0.32 from the target's states). `policy` is
+    target.recurrent_layers: "prove" loads it anyway and the capture proof decides minutes after the load, before
+    any shard."""
     why = recurrent_state(cls, text_cfg)
-    if why is None or os.environ.get(HYBRID_ENV) == "prove":
+    if why is None or policy == "prove":
         return []
     return [
         f"the target's layers carry recurrent state ({why}): vLLM's hidden-state capture of such a target is not "
         "proven right (on one hybrid it was 0.23-0.32 relative L2 from the target's own states), and a drafter "
-        f"trained on a wrong capture is useless. Set {HYBRID_ENV}=prove to load it and let the capture proof (every "
-        "layer recomputed from the target's weights) decide before any shard, or use an attention-only target"
+        "trained on a wrong capture is useless. Set target.recurrent_layers: prove to load it and let the capture "
+        "proof (every layer it can recompute from the target's weights) decide before any shard, or use an "
+        "attention-only target"
     ]

@@ -256,6 +256,8 @@ NOT_SHAPING: dict[str, str] = {
     "name": "the run's name: where its folder is",
     "target.tiny": "how a missing target folder is built; what was built enters through the target's files",
     "target.vllm_version": "a check of the installed vLLM; the installed version itself is in the keys it shapes",
+    "target.recurrent_layers": "whether preflight lets a target with recurrent layers load; what is extracted "
+    "from it is the same (preflight's verdict holds the whole section)",
     "data.source": "enters by content: local files' sha256, a hub dataset's id and pinned commit (`source`)",
     "data.revision": "enters through the source's pinned commit (`source`)",
     "extraction.layer_ids": "enters as the layer ids preflight resolves from it and the target (`captured`)",
@@ -266,6 +268,8 @@ NOT_SHAPING: dict[str, str] = {
     "extraction.min_free_disk_gib": "preflight's head-room check",
     "extraction.verify_checksums": "how completeness is checked, not what is made",
     "extraction.keep_server_after_failure": "whether a server outlives a failure",
+    "extraction.unproven_aux_layers": "whether a run whose capture the proof cannot fully check goes on; what is "
+    "extracted is the same (preflight's verdict holds the whole section)",
     "regenerate.enabled": "which data extraction reads: enters through the upstream data keys",
     "regenerate.concurrency": "requests in flight: scheduling",
     "regenerate.request_timeout_s": "how long to wait for an answer",

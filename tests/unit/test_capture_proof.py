@@ -1,8 +1,9 @@
 """The capture proof run on every extraction server (eyrie/hidden_states/proof.py), in process on a tiny Llama: its
 greedy answers and its true residual stream stand for the server's. The true capture passes; each planted wrong one
 (the stream plus the layer's input, an off-by-one layer, zeros, another target's states, a stale shard) is refused,
-naming the layer; a target whose first layers cannot be rebuilt is refused, not passed, unless the run accepts the
-head check alone."""
+naming the layer; aux ids whose prefix cannot be rebuilt (a quantized checkpoint, a prefix past the budget) are
+refused, not passed, unless `extraction.unproven_aux_layers: warn` records them unproven; the ids within the budget
+are proven either way, and preflight predicts all of it from the config before any load."""
 
 from __future__ import annotations
 
@@ -161,15 +162,78 @@ def test_another_targets_states_are_refused(target):
     assert f"layer {LAYERS} (the last layer's output)" in text, text
 
 
-def test_a_target_that_cannot_be_rebuilt_is_refused_unless_the_head_check_alone_is_accepted(target, monkeypatch):
+def test_a_target_that_cannot_be_rebuilt_is_refused_unless_the_config_accepts_it_unproven(target):
     folder, samples = target
     ctx = {**_ctx(folder), "quantized": True}
     with pytest.raises(CaptureError, match=r"aux layers \[1, 2\] cannot be proven: the checkpoint is quantized"):
         proof.judge(ctx, _captured(samples), log=lambda m: None)
-    monkeypatch.setenv(proof.AUX_ENV, "head-only")
     said: list[str] = []
-    figures = proof.judge(ctx, _captured(samples), log=said.append)
-    assert figures["aux_check"]["unproven"] == [1, 2] and said, figures
+    figures = proof.judge({**ctx, proof.AUX_POLICY: "warn"}, _captured(samples), log=said.append)
+    assert figures["aux_check"]["unproven"] == [1, 2] and "relative_l2" not in figures["aux_check"], figures
+    assert figures["aux_check"]["allowed_by"] == "extraction.unproven_aux_layers: warn"
+    assert len(figures["warnings"]) == 1 and "[1, 2]" in figures["warnings"][0] and said, figures
+
+
+@pytest.fixture
+def budget_for_layer_1(target, monkeypatch):
+    """RECOMPUTE_MAX_PARAMS set between the prefix aux id 1 needs (streams 0..2: embedding, 3 layers, head) and the
+    one id 2 needs (streams 0..3): the tiny target stands for an 8B target whose L//2 and L-3 are past the budget."""
+    folder, _ = target
+    counts = proof._prefix_params(proof.text_config_of(_ctx(folder)), 3)
+    assert counts[2] < counts[3]
+    monkeypatch.setattr(proof, "RECOMPUTE_MAX_PARAMS", (counts[2] + counts[3]) // 2)
+    monkeypatch.setattr(proof, "_PLANS", {})
+    monkeypatch.setattr(proof, "_RECOMPUTERS", {})
+    return counts
+
+
+def test_the_shallow_aux_id_is_proven_when_the_deep_ones_prefix_is_past_the_budget(target, budget_for_layer_1):
+    folder, samples = target
+    plan = proof.plan_for(_ctx(folder))
+    assert (plan.layers, plan.proven, plan.unproven) == (2, [1], [2]), plan
+    assert "first 4 layers" in plan.reason and "past the" in plan.reason, plan.reason
+    with pytest.raises(
+        CaptureError, match=r"aux layers \[2\] cannot be proven: rebuilding the stream up to layer 3"
+    ) as err:
+        proof.judge(_ctx(folder), _captured(samples), log=lambda m: None)
+    assert "extraction.unproven_aux_layers: warn" in str(err.value)
+    figures = proof.judge({**_ctx(folder), proof.AUX_POLICY: "warn"}, _captured(samples), log=lambda m: None)
+    aux = figures["aux_check"]
+    assert set(aux["relative_l2"]) == {1} and aux["relative_l2"][1]["own"] < 0.02, aux
+    assert aux["recomputed_layers"] == 2 and aux["unproven"] == [2], aux
+    assert "[2]" in figures["warnings"][0] and "ids [1] recomputed" in figures["warnings"][0], figures
+
+
+def _id_1_off_by_one(s):  # the shallow aux id holds its layer's output
+    s[:, 1, :] = s[:, 2, :].clone()
+    return s
+
+
+def test_a_wrong_capture_at_the_proven_id_is_refused_though_the_deep_ones_are_accepted_unproven(
+    target, budget_for_layer_1
+):
+    folder, samples = target
+    with pytest.raises(CaptureError, match=r"layer 1: .*from the one entering layer 2") as err:
+        proof.judge({**_ctx(folder), proof.AUX_POLICY: "warn"}, _captured(samples, _id_1_off_by_one), log=print)
+    assert "layer 2:" not in str(err.value)  # past the budget: not judged, recorded unproven
+
+
+def test_preflight_predicts_from_the_config_which_aux_ids_the_proof_can_recompute(target, budget_for_layer_1):
+    import json
+
+    folder, _ = target
+    cfg = json.loads((folder / "config.json").read_text())
+    failures, warnings = proof.aux_refusal(cfg, [1, 2], LAYERS, "refuse")
+    assert len(failures) == 1 and not warnings, failures
+    assert "aux layer ids [2]" in failures[0] and "(it proves ids [1])" in failures[0], failures
+    assert "extraction.unproven_aux_layers: warn" in failures[0] and "shallower extraction.layer_ids" in failures[0]
+    failures, warnings = proof.aux_refusal(cfg, [1, 2], LAYERS, "warn")
+    assert failures == [] and len(warnings) == 1 and "aux layer ids [2]" in warnings[0], warnings
+    assert proof.aux_refusal(cfg, [1], LAYERS, "refuse") == ([], [])  # within the budget: nothing to say
+    failures, _ = proof.aux_refusal({**cfg, "quantization_config": {"quant_method": "fp8"}}, [1], LAYERS, "refuse")
+    assert "aux layer ids [1]" in failures[0] and "quantized" in failures[0], failures
+    failures, _ = proof.aux_refusal({**cfg, "model_type": "no-such-model"}, [1], LAYERS, "refuse")
+    assert "transformers cannot read the target's config" in failures[0], failures
 
 
 def test_too_few_greedy_positions_refuse_rather_than_pass(target):
@@ -309,7 +373,7 @@ def test_layers_that_carry_recurrent_state_are_recognised_from_the_config():
     assert proof.recurrent_state(Plain, {"layer_types": ["mamba", "attention"]})  # a legacy name, remapped
 
 
-def test_a_hybrid_target_is_refused_before_the_load_unless_the_proof_is_to_decide(monkeypatch):
+def test_a_hybrid_target_is_refused_before_the_load_unless_the_proof_is_to_decide():
     """vLLM's own interfaces on its real classes: state-space, short-convolution and gated-linear-attention hybrids
     are recognised; attention-only targets are not."""
     from eyrie.stages.preflight.target import resolve_vllm_class
@@ -318,12 +382,10 @@ def test_a_hybrid_target_is_refused_before_the_load_unless_the_proof_is_to_decid
         assert proof.recurrent_state(resolve_vllm_class(arch), {}), arch
     for arch in ("LlamaForCausalLM", "DeepseekV3ForCausalLM", "Gemma2ForCausalLM"):
         assert proof.recurrent_state(resolve_vllm_class(arch), {}) is None, arch
-    monkeypatch.delenv(proof.HYBRID_ENV, raising=False)
     refused = proof.recurrent_state_refusal(resolve_vllm_class("Qwen3NextForCausalLM"), {})
-    assert refused and "carry recurrent state" in refused[0] and f"{proof.HYBRID_ENV}=prove" in refused[0]
+    assert refused and "carry recurrent state" in refused[0] and "target.recurrent_layers: prove" in refused[0]
     assert proof.recurrent_state_refusal(resolve_vllm_class("LlamaForCausalLM"), {}) == []
-    monkeypatch.setenv(proof.HYBRID_ENV, "prove")
-    assert proof.recurrent_state_refusal(resolve_vllm_class("Qwen3NextForCausalLM"), {}) == []
+    assert proof.recurrent_state_refusal(resolve_vllm_class("Qwen3NextForCausalLM"), {}, "prove") == []
 
 
 def test_the_stage_proves_each_server_before_its_first_shard_and_a_refusal_stops_it(monkeypatch):

@@ -1,7 +1,8 @@
 """The capture proof on a running extraction server (`eyrie.hidden_states.proof` says what is proved): the server
 answers the proof's prompts greedily, its capture of those answers is read back from staging, and the verdict is
-recorded in `<run>/extract/capture/proof.json`. Once per server process: a server the run's regeneration proved
-already is not asked again.
+recorded in `<run>/extract/capture/proof.json` (aux layers the proof could not recompute, under
+`extraction.unproven_aux_layers: warn`, also in its `warnings`, which the run's warnings repeat). Once per server
+process: a server the run's regeneration proved already is not asked again.
 """
 
 from __future__ import annotations
@@ -127,8 +128,13 @@ def prove_server(
         + (
             ", ".join(f"{k}: {v['own']}" for k, v in aux.get("relative_l2", {}).items())
             + " (relative L2) from the target's own stream, recomputed"
-            if "relative_l2" in aux
-            else f"unproven ({aux.get('reason')})"
+            if aux.get("relative_l2")
+            else "none recomputed"
+        )
+        + (
+            f"; aux layers {aux['unproven']} unproven ({aux.get('reason')}), accepted by {aux.get('allowed_by')}"
+            if aux.get("unproven")
+            else ""
         )
     )
     return figures

@@ -16,7 +16,7 @@ from pathlib import Path
 from eyrie.config import PipelineConfig
 from eyrie.errors import ConfigError, PreflightError
 from eyrie.hidden_states.encoding import check_config as check_hidden_states_dtype
-from eyrie.hidden_states.proof import recurrent_state_refusal
+from eyrie.hidden_states.proof import aux_refusal, recurrent_state_refusal
 from eyrie.run.folder import RunFolder
 from eyrie.stages.evaluate import evaluation_sets, template_variant_warnings, template_variants
 from eyrie.stages.preflight.ahead import wait_for_imports_ahead
@@ -82,7 +82,9 @@ def check_target(config: PipelineConfig, serve: bool) -> PreflightReport:
     failures += problems
 
     probe = probe_eagle3(cfg)
-    failures += recurrent_state_refusal(resolve_vllm_class(probe.architecture), text)  # hybrid targets
+    failures += recurrent_state_refusal(resolve_vllm_class(probe.architecture), text, config.target.recurrent_layers)
+    proof_failures, proof_warnings = aux_refusal(cfg, aux_ids, num_layers, config.extraction.unproven_aux_layers)
+    failures += proof_failures  # aux ids the capture proof cannot recompute, decided before the load
     if probe.path == "unsupported":
         failures.append(f"{probe.reason}. Fix: {probe.fix}" if probe.fix else probe.reason)
     if probe.path == "compat" and not config.extraction.enforce_eager:
@@ -142,7 +144,7 @@ def check_target(config: PipelineConfig, serve: bool) -> PreflightReport:
         vllm.__version__,
         config.max_model_len,
     )
-    report.warnings += arg_warnings
+    report.warnings += arg_warnings + proof_warnings
     report.warnings += filter(None, [foreign_default_layer_ids(config.extraction.layer_ids, num_layers)])
     report.target_facts["model_runners"] = runners
     report.notes += [
