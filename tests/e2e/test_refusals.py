@@ -129,6 +129,8 @@ def test_run_refuses_before_any_server_starts(case, tmp_path):
     out = _eyrie_run(config, run)
     assert "eyrie: error: preflight failed" in out.stderr and "no weights were loaded" in out.stderr
     assert all(m in out.stderr for m in messages), out.stderr[-3000:]
+    # The problems once, in the error printed last; Prefect's lines about the failed runs carry no traceback.
+    assert "Traceback" not in out.stderr and out.stderr.count(messages[0]) == 1, out.stderr[-3000:]
     assert json.loads((run / "preflight.json").read_text())["failures"]
     assert not list(run.rglob("server.json")) and not (run / "extract").exists()
     assert _vllm_processes_for(run) == []
