@@ -22,6 +22,11 @@ Stages (`--stages`, default extract,serve), each target through each:
              acceptance length from the server's own spec-decode counters. The drafter is random (speculators, the
              trainer, is not in the GPU kit): the figure shows speculation ran and how it is counted, not a drafter's
              quality.
+  chain      the whole chain on one target (`stage_chain`): preflight, prepare, extraction into shards
+             (`extract_shard`), vocab, Eyrie's trainer command (train.device cuda), export with its serving proof,
+             and evaluation's `measure` on the proof's server (CUDA graphs for a native target). The Llama is the
+             demo's taught target, built here into .gpu/work/targets/llama-chat and carried; the Kimi wrapper keeps
+             random weights (no teaching recipe). Needs speculators (wheels: benchmarks/gpu_pipeline.sh).
 Every server's model runner (V1/V2), attention backend, CUDA-graph mode and start-up time are read from its log.
 Results: one JSON (`--out`), appended per target and stage, so a later device call adds to an earlier one's.
 """
@@ -484,7 +489,9 @@ def train_figures(work: Path) -> dict:
     }
 
 
-def stage_chain(name: str, work: Path, cpu: bool, epochs: int, samples: int, eval_prompts: int) -> dict:
+def stage_chain(
+    name: str, work: Path, cpu: bool, epochs: int, samples: int, eval_prompts: int, out: dict | None = None
+) -> dict:
     """prepare, extraction into shards through Eyrie's extraction server (`extract_shard`), vocab, training with
     Eyrie's trainer command, export with its serving proof, and evaluation (`measure`) on the proof's server, which
     serves target + trained drafter with CUDA graphs on the GPU. The core library's stage functions, called as the
@@ -508,7 +515,8 @@ def stage_chain(name: str, work: Path, cpu: bool, epochs: int, samples: int, eva
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     config = chain_config(name, model, cpu, epochs, samples)
-    out: dict = {"target": str(model), "target_s": since(t), "taught": name == "llama", "epochs": epochs}
+    out = {} if out is None else out  # filled as the stages finish: a stopped run still records what ran
+    out.update(target=str(model), target_s=since(t), taught=name == "llama", epochs=epochs)
     pretrain = model / "pretrain_loss.json"
     if pretrain.exists():
         out["target_pretrain_loss"] = json.loads(pretrain.read_text())
@@ -683,7 +691,8 @@ def main() -> int:
             if "chain" in stages:  # the whole chain on its own target (taught where a recipe exists)
                 if time.time() - T0 > a.budget_s:
                     raise TimeoutError(f"not started: {a.budget_s} s of this call's budget already spent")
-                rec["chain"] = stage_chain(name, work, a.cpu, a.epochs, a.chain_samples, a.eval_prompts)
+                rec["chain"] = {}
+                stage_chain(name, work, a.cpu, a.epochs, a.chain_samples, a.eval_prompts, rec["chain"])
             if not stages & {"preflight", "extract", "serve"}:
                 raise StopIteration
             t = time.time()
@@ -706,6 +715,13 @@ def main() -> int:
                 note(f"{name}: serving server {json.dumps(rec['serve']['server'])[:900]}")
         except StopIteration:
             pass
+        except KeyboardInterrupt:  # the call's time limit (gpu_pipeline.sh's timeout sends SIGINT): keep what ran
+            rec["error"] = "stopped (SIGINT: the time limit)"
+            rec["ok"] = False
+            results["runs"].append(rec)
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            out_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+            raise
         except Exception as e:  # noqa: BLE001 - record what broke and go on with the next target
             rec["error"] = f"{type(e).__name__}: {e}"[:1500]
             rec["traceback"] = traceback.format_exc().splitlines()[-8:]
