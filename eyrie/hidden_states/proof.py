@@ -197,12 +197,22 @@ def _needed(lid: int, num_layers: int) -> int:
 
 
 def _prefix_params(text_cfg: dict, deepest: int) -> dict[int, int]:
-    """{k: parameters of the model `Recomputer(..., k)` builds} for k in 0..deepest, from a meta-device build (no
-    memory, no weights): every parameter counted (embedding, the first k+1 layers, norm, head)."""
+    """{k: parameters of the model `Recomputer(..., k)` builds}, from meta-device builds (no memory, no weights),
+    every parameter counted (embedding, the first k+1 layers, norm, head): for k up to `deepest`, or up to the
+    first prefix past RECOMPUTE_MAX_PARAMS (the prefix grows by doubling: a deep model is not built whole)."""
+    n = min(deepest, 3)
+    while True:
+        counts = _counts(text_cfg, n)
+        if n >= deepest or counts[n] > RECOMPUTE_MAX_PARAMS:
+            return counts
+        n = min(2 * n + 1, deepest)
+
+
+def _counts(text_cfg: dict, n: int) -> dict[int, int]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    cfg = _truncated_config(text_cfg, deepest + 1)
+    cfg = _truncated_config(text_cfg, n + 1)
     try:
         with torch.device("meta"):
             shape = AutoModelForCausalLM.from_config(cfg)
@@ -210,12 +220,12 @@ def _prefix_params(text_cfg: dict, deepest: int) -> dict[int, int]:
         raise Unrecomputable(f"transformers cannot build the decoder from the config ({err})") from None
     total = sum(p.numel() for p in shape.parameters())
     # The decoder's layers: the first module list as long as the layers built (pre-order: before any inner list).
-    stack = next((m for m in shape.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == deepest + 1), None)
+    stack = next((m for m in shape.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n + 1), None)
     if stack is None:  # layers not found: the whole build stands for every prefix (all or nothing)
-        return {k: total for k in range(deepest + 1)}
+        return {k: total for k in range(n + 1)}
     per_layer = [sum(p.numel() for p in layer.parameters()) for layer in stack]
     base = total - sum(per_layer)
-    return {k: base + sum(per_layer[: k + 1]) for k in range(deepest + 1)}
+    return {k: base + sum(per_layer[: k + 1]) for k in range(n + 1)}
 
 
 def plan_aux(text_cfg: dict, layer_ids: list[int], num_layers: int, quantized: bool = False) -> AuxPlan:
@@ -241,11 +251,11 @@ def plan_aux(text_cfg: dict, layer_ids: list[int], num_layers: int, quantized: b
     unproven = [i for i in aux if i not in proven]
     reason = None
     if unproven:
-        k = _needed(unproven[0], num_layers)
+        k = 0 if layers is None else layers + 1  # the smallest prefix past the budget
         reason = (
-            f"rebuilding the stream up to layer {k} takes the target's embedding, first {k + 1} layers and head, "
-            f"{counts[k] / 1e9:.2f}B parameters, past the {RECOMPUTE_MAX_PARAMS / 1e9:.0f}B the proof rebuilds "
-            "(float32, in the flow's process)"
+            f"the proof rebuilds at most {RECOMPUTE_MAX_PARAMS / 1e9:g}B parameters (float32, in the flow's "
+            f"process) and the target's embedding, {'first layer' if k == 0 else f'first {k + 1} layers'} and head "
+            f"hold {counts[k] / 1e9:.2f}B"
         )
     return AuxPlan(layers if proven else None, proven, unproven, reason)
 

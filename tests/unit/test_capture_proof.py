@@ -191,10 +191,8 @@ def test_the_shallow_aux_id_is_proven_when_the_deep_ones_prefix_is_past_the_budg
     folder, samples = target
     plan = proof.plan_for(_ctx(folder))
     assert (plan.layers, plan.proven, plan.unproven) == (2, [1], [2]), plan
-    assert "first 4 layers" in plan.reason and "past the" in plan.reason, plan.reason
-    with pytest.raises(
-        CaptureError, match=r"aux layers \[2\] cannot be proven: rebuilding the stream up to layer 3"
-    ) as err:
+    assert "first 4 layers and head hold" in plan.reason and "the proof rebuilds at most" in plan.reason, plan
+    with pytest.raises(CaptureError, match=r"aux layers \[2\] cannot be proven: the proof rebuilds at most") as err:
         proof.judge(_ctx(folder), _captured(samples), log=lambda m: None)
     assert "extraction.unproven_aux_layers: warn" in str(err.value)
     figures = proof.judge({**_ctx(folder), proof.AUX_POLICY: "warn"}, _captured(samples), log=lambda m: None)
@@ -202,6 +200,27 @@ def test_the_shallow_aux_id_is_proven_when_the_deep_ones_prefix_is_past_the_budg
     assert set(aux["relative_l2"]) == {1} and aux["relative_l2"][1]["own"] < 0.02, aux
     assert aux["recomputed_layers"] == 2 and aux["unproven"] == [2], aux
     assert "[2]" in figures["warnings"][0] and "ids [1] recomputed" in figures["warnings"][0], figures
+
+
+def test_the_plan_on_real_target_shapes_from_their_config_alone():
+    """Llama-3-8B's and -70B's shapes on the meta device (no weights): on the 8B, id 2 fits the budget (embedding,
+    4 layers and head: 1.9B) and L//2, L-3 do not; on the 70B the embedding and head alone are past it."""
+    llama8b = {
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    }
+    plan = proof.plan_aux(llama8b, [2, 16, 29], 32)
+    assert (plan.layers, plan.proven, plan.unproven) == (3, [2], [16, 29]), plan
+    llama70b = {**llama8b, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80}
+    plan = proof.plan_aux({**llama70b, "num_attention_heads": 64}, [2, 40, 77], 80)
+    assert (plan.layers, plan.proven, plan.unproven) == (None, [], [2, 40, 77]), plan
+    assert "embedding, first layer and head hold 2." in plan.reason, plan.reason
 
 
 def _id_1_off_by_one(s):  # the shallow aux id holds its layer's output

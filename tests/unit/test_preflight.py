@@ -161,6 +161,26 @@ def test_mla_target_refused_for_serving_on_the_cpu_build(tiny_deepseek, tmp_path
     assert run_preflight(config, tmp_path / "run", raise_on_failure=False, serve=False).failures == []
 
 
+def test_aux_ids_the_capture_proof_cannot_recompute_are_decided_before_the_load(tiny_llama, tmp_path, monkeypatch):
+    """From the target's config alone (a meta-device build, no weights): aux ids whose prefix is past the capture
+    proof's budget (a tiny one here, standing for an 8B target's L//2 and L-3) fail preflight by default, named with
+    the reason and the fix; `extraction.unproven_aux_layers: warn` makes them a warning."""
+    from eyrie.hidden_states import proof
+    from eyrie.target.metadata import text_config
+
+    counts = proof._prefix_params(text_config(json.loads((tiny_llama / "config.json").read_text())), 6)
+    monkeypatch.setattr(proof, "RECOMPUTE_MAX_PARAMS", (counts[3] + counts[4]) // 2)  # streams 0..3: id 2 only
+    report = run_preflight(parse_config(config_dict(tiny_llama)), tmp_path / "a", raise_on_failure=False, serve=False)
+    assert report.aux_layer_ids == [2, 4, 5] and len(report.failures) == 1, report.failures
+    refusal = report.failures[0]
+    assert "cannot recompute aux layer ids [4, 5]" in refusal and "(it proves ids [2])" in refusal, refusal
+    assert "the proof rebuilds at most" in refusal and "extraction.unproven_aux_layers: warn" in refusal, refusal
+    warn = config_dict(tiny_llama, extraction={"unproven_aux_layers": "warn"})
+    report = run_preflight(parse_config(warn), tmp_path / "b", raise_on_failure=False, serve=False)
+    assert report.failures == [], report.failures
+    assert [w for w in report.warnings if "cannot recompute aux layer ids [4, 5]" in w], report.warnings
+
+
 def test_tokenizer_larger_than_the_vocabulary_refused(tmp_path, tiny_llama):
     folder = tmp_path / "small-vocab"
     shutil.copytree(tiny_llama, folder)
