@@ -154,6 +154,23 @@ def proved_first(submit, config, report, run, source, plan, server, keep_server_
     return proving
 
 
+def prove_online_server(config, report, run, source, plan, url: str) -> list[str]:
+    """The online trainer's extraction server proved as extraction's are (`proved_first`), before the trainer asks
+    it for its first sample: a refusal stops the server (unless the config keeps it) and fails the run. Returns the
+    proof's warnings (aux layers it could not recompute), for the run's own."""
+    from eyrie.vllm.process import VllmServer
+
+    try:
+        figures = prove_capture_task(
+            config, report, str(run.root), str(source), str(plan.server_dir), plan.spec.max_model_len, url
+        )
+    except Exception:
+        if not config.extraction.keep_server_after_failure:
+            VllmServer(plan.server_dir).stop()
+        raise
+    return list(figures.get("warnings", []))
+
+
 @flow(name="eyrie-extract", task_runner=ThreadPoolTaskRunner(max_workers=2), on_cancellation=[stop_on_cancellation])
 def extract_run_flow(config: PipelineConfig, run_dir: str, report: dict | None = None) -> dict:
     """Extraction alone (the eyrie-extract/production deployment): every shard of a prepared run folder, holding

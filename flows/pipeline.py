@@ -37,7 +37,7 @@ from eyrie.stages.vocab import mapping_paths, vocab_key
 from eyrie.vllm.process import VllmServer
 from eyrie.vllm.spec import ServerSpec
 from flows.cancel import own_process_group, stop_on_cancellation
-from flows.extract import extract_flow
+from flows.extract import extract_flow, prove_online_server
 from flows.opening import open_run
 from flows.regenerate import regenerate_flow
 from tasks.evaluate import DraftTokensJob, EvaluateJob, draft_tokens_task, evaluate_task, report_task
@@ -144,8 +144,9 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         if not finished_manifest(run.manifest("train"), train_stage_key):
             # The GPUs free for the trainer: no server of this run left up (online: but the extraction server).
             stop_unused_servers_task(str(run.root), [str(plan.server_dir)] if online else [], "train")
-            if online:  # the server up (reused, or started) for training
+            if online:  # the server up (reused, or started) for training, its capture proved before the trainer
                 server_url = start_server_task(plan.spec, str(plan.server_dir), config.extraction.startup_timeout_s)
+                extracted["warnings"] = prove_online_server(config, report, run, data_dir, plan, server_url)
         trained = train_task(
             config, TrainJob(str(run.train), train_stage_key, data, load_seq_lens(data_dir), warm, server_url)
         )

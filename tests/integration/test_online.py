@@ -237,9 +237,12 @@ def test_a_batch_is_fetched_concurrently_in_order(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_online_training_killed_mid_run_resumes_with_no_hidden_states_left(tmp_path, monkeypatch):
+    from eyrie.hidden_states.check import context_for
+    from eyrie.stages.extract.proof import prove_server
     from eyrie.stages.preflight import run_preflight
     from eyrie.stages.prepare import load_seq_lens, prepare
     from eyrie.stages.vocab import build_vocab, mapping_paths
+    from eyrie.vllm.client import ServerClient
     from eyrie.vllm.process import VllmServer
     from eyrie.vllm.spec import ServerSpec
 
@@ -261,6 +264,18 @@ def test_online_training_killed_mid_run_resumes_with_no_hidden_states_left(tmp_p
     folder = register_server_folder(tmp_path / "server")
     try:
         url = VllmServer(folder).ensure(spec, config.extraction.startup_timeout_s).base_url
+        # The pipeline proves the online server's capture before the trainer's first request
+        # (flows/extract.py, prove_online_server): the proof reads its captures from the tmpfs staging and leaves none.
+        proof = prove_server(
+            context_for(config, report),
+            prepared,
+            tmp_path / "capture",
+            VllmServer(folder).state,
+            ServerClient(url),
+            spec.max_model_len,
+        )
+        assert proof["passed"] and proof["head_check"] and proof["aux_check"]["relative_l2"], proof
+        assert leftover_bytes(staging) == 0, list(staging.iterdir())
         data = TrainingData(prepared / "dataset", staging, d2t, t2d, report.aux_layer_ids, report.target_facts)
         out = tmp_path / "train"
         # SIGKILL the trainer as it saves step 4's training state (a whole checkpoint of an earlier step exists).
