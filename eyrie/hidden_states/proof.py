@@ -11,22 +11,22 @@ every token is still the top one):
    before the final norm) through the target's final norm and head, loaded from its checkpoint, gives the tokens the
    server chose (`check.GREEDY_MIN_AGREEMENT`, near-ties within `check.TIE_NATS`). Whatever the data: the answers
    are the server's own, so this is a proof on a run without regeneration too.
-2. **Every aux layer recomputed from the target's weights.** The first layers of the target (up to one past the
-   deepest aux id) are built with transformers from the target's config and loaded from its checkpoint, and run on
-   the same token ids in float32: each captured aux layer must be within `REL_MAX` (relative L2) of the recomputed
-   stream entering its layer, and closer to it than to the streams entering the layers before and after it by
-   `NEIGHBOUR_MARGIN` (an off-by-one capture is closer to its neighbour), so zeros, the stream plus the layer's input,
-   another layer, another target or stale states cannot pass.
+2. **Every aux layer within the rebuild budget recomputed from the target's weights.** The first layers of the target
+   (up to one past the deepest such id) are built with transformers from the target's config and loaded from its
+   checkpoint, and run on the same token ids in float32: each captured aux layer must be within `REL_MAX` (relative L2)
+   of the recomputed stream entering its layer, and closer to it than to the streams entering the layers before and
+   after it by `NEIGHBOUR_MARGIN` (an off-by-one capture is closer to its neighbour), so zeros, the stream plus the
+   layer's input, another layer, another target or stale states cannot pass.
 3. **No dead rows** at any captured layer (all zero, or constant over the hidden size).
 
-What can be recomputed is decided from the target's config alone (`plan_aux`, no weights read): the largest prefix
-of the target (embedding and first layers, every parameter of the rebuilt model counted) within
-`RECOMPUTE_MAX_PARAMS`, and the aux ids within it (an id needs the stream entering it and the one after). A deeper id
-(on an 8B+ target, L//2 and L-3), or every id of a quantized checkpoint (its tensors are not the float weights
-transformers builds) or of a config transformers cannot build, is unproven, with the reason. Preflight predicts
-this before any load (`aux_refusal`): with `extraction.unproven_aux_layers: refuse` (the default) it refuses the run,
-naming the ids; with `warn` the proof checks the ids it can, records the others as unproven in `proof.json` and the
-run's warnings. "Cannot prove either way" is never a silent pass.
+What can be recomputed is decided from the target's config alone (`plan_aux`, no weights read): the largest prefix of
+the target (embedding and first layers, every parameter of the rebuilt model counted) within `RECOMPUTE_MAX_PARAMS`, and
+the aux ids within it (an id needs the stream entering it and the one after). A deeper id (on an 8B target L//2 and L-3,
+on a 70B every id), or every id of a quantized checkpoint (its tensors are not the float weights transformers builds) or
+of a config transformers cannot build, is unproven, with the reason. Preflight predicts this before any load
+(`aux_refusal`): with `extraction.unproven_aux_layers: refuse` (the default) it refuses the run, naming the ids; with
+`warn` the proof checks the ids it can, records the others as unproven in `proof.json` and the run's warnings. "Cannot
+prove either way" is never a silent pass.
 
 The same recomputation (`aux_problems`) judges each shard's aux layers (`check.check_shard`), on a prefix of one of
 its files, so a shard written by another server or under another capture (a stale shard) is refused on its own, not
