@@ -375,3 +375,41 @@ def test_speculators_training_loader_reads_the_output(resumed: Resumed):
     first = items[0]["hidden_states"].to(batch["hidden_states"].dtype)
     assert torch.equal(batch["hidden_states"][0, : lengths[0]], first)
     assert (run / "prepare" / "dataset" / "token_freq.pt").exists()
+
+
+def test_a_changed_input_redoes_through_eyrie_run_exactly_the_work_it_shapes(resumed: Resumed, tiny_llama):
+    """Issue 35's outcome, end to end through `eyrie run` on a copy of the finished run (the plan-level proof over
+    every declared input is tests/unit/test_reuse_outcomes.py): other aux layers of the same count leave every row's
+    tokens alone, yet every shard is extracted again by a new server and every file records the new key, while
+    prepare is reused; then a scheduling-only change (the client's concurrency) redoes nothing and starts no vLLM."""
+    import shutil
+
+    from eyrie.hidden_states.keyed import file_key
+
+    copy = resumed.root / "mutated"
+    shutil.copytree(resumed.run, copy, symlinks=True)
+    register_server_folder(copy / "extract")
+    hidden = copy / "extract" / "hidden_states"
+    keys_before = {p.name: file_key(p) for p in hidden.glob("hs_*")}
+    prepared = {p: file_ids(p) for p in (copy / "prepare").rglob("*") if p.is_file()}
+    assert keys_before and None not in keys_before.values()
+    common = dict(max_samples=NUM_SAMPLES, shard_size=SHARD_SIZE, concurrency=1)
+    try:
+        layers, _ = write_config(resumed.root / "layers.yaml", tiny_llama, "tiny-llama", layer_ids=[1, 3, 5], **common)
+        out = run_flow(layers, copy, timeout=1200).stdout
+        (resumed.root / "run-layers.log").write_text(out)
+        assert f"{NUM_SHARDS} shards, {NUM_SHARDS} to extract" in out, _tail(out)
+        assert starts_in_log(copy) == 2  # a new server, for the new layers
+        assert prepared and {p: file_ids(p) for p in (copy / "prepare").rglob("*") if p.is_file()} == prepared
+        keys_after = {p.name: file_key(p) for p in hidden.glob("hs_*")}
+        assert keys_after.keys() == keys_before.keys()
+        assert all(keys_after[n] != keys_before[n] for n in keys_before), (keys_before, keys_after)
+
+        common["concurrency"] = 2
+        sched, _ = write_config(resumed.root / "sched.yaml", tiny_llama, "tiny-llama", layer_ids=[1, 3, 5], **common)
+        again = run_flow(sched, copy, timeout=900).stdout
+        assert f"{NUM_SHARDS} shards, 0 to extract" in again and "vLLM server" not in again, _tail(again)
+        assert starts_in_log(copy) == 2
+        assert {p.name: file_key(p) for p in hidden.glob("hs_*")} == keys_after
+    finally:
+        stop_server(copy / "extract")
