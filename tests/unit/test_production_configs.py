@@ -144,6 +144,29 @@ def test_kimi_preset_runs_what_is_known_to_work(monkeypatch):
     assert check_vllm_version(config.target.vllm_version, vllm.__version__) == []
 
 
+DENSE_PRESET = REPO / "configs" / "dense-8b-70b.yaml"
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_dense_preset_on_llama_metadata(tp, tmp_path):
+    """configs/dense-8b-70b.yaml against a Llama-3.1 target's metadata (the fixture's 126 layers, no weights), at one
+    GPU as written and at TP 8 as its comment offers: nothing to fix, its layer ids the target's own 2, L//2, L-3
+    (none in the preset), and the one warning its `unproven_aux_layers: warn` accepts."""
+    import yaml
+
+    preset = yaml.safe_load(DENSE_PRESET.read_text())
+    assert "layer_ids" not in preset["extraction"]  # the ids follow the target's depth
+    folder = production_target(tmp_path, "llama-3.1-405b-instruct")
+    preset["target"].update(model=str(folder), revision=None, tensor_parallel_size=tp)
+    preset["extraction"]["min_free_disk_gib"] = 0
+    report = run_preflight(parse_config(preset), tmp_path / "run", tokens=1, raise_on_failure=False, serve=False)
+    assert report.failures == []
+    assert report.captured_layer_ids == [2, 63, 123, 126] and report.max_model_len == 8192
+    assert len(report.warnings) == 1, report.warnings
+    assert report.warnings[0].startswith("the capture proof cannot recompute aux layer ids [2, 63, 123]")
+    assert report.estimated_bytes == 4 * 16384 * 2 + 8
+
+
 def _bump(version: str) -> str:
     """A requirement `version` does not meet: the next minor release or later."""
     from packaging.version import Version
