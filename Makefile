@@ -73,6 +73,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/lint-imports
 	@# The docs: the configuration reference is current, and the site builds with no broken link (into .cache/site).
 	$(PY) -m eyrie.ops.config_reference --check
+	$(PY) -m eyrie.ops.sizing --check
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 test-fast: $(VENV)/.installed
