@@ -51,7 +51,7 @@ def test_the_page_figure_is_preflights_estimate(tmp_path):
     page = sizing.PAGE.read_text()
     columns = ["layers", "hidden size", "aux ids", *(f"{d} bytes/token" for d in sizing.DTYPES)]
     per_token = int(_cell(page, "Llama-3.1-405B", columns.index("float8_e4m3fn bytes/token") + 1).replace(",", ""))
-    assert report.estimated_bytes == 1000 * per_token == 1000 * (4 * 16384 + 8)
+    assert report.estimated_bytes == 1000 * per_token == 1000 * (4 * 16384 + 4 + 8)  # values, fp8 scale, token id
 
 
 def test_a_changed_figure_makes_the_page_stale(monkeypatch, tmp_path):

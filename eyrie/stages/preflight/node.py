@@ -9,11 +9,13 @@ import shutil
 from pathlib import Path
 
 from eyrie.config import DataConfig, ExtractionConfig, TargetConfig, TrainConfig
+from eyrie.hidden_states.encoding import FP8, bytes_per_token
 
 
 def hidden_state_bytes(tokens: int, num_captured: int, hidden_size: int, dtype_bytes: int = 2) -> int:
-    """Bytes of hidden states for `tokens` tokens, plus safetensors headers and token ids (8 B each)."""
-    return tokens * (num_captured * hidden_size * dtype_bytes + 8)
+    """Bytes of hidden states for `tokens` tokens as the files hold them (`bytes_per_token`: the values, fp8's
+    float32 scale per token, the int64 token id)."""
+    return tokens * bytes_per_token(num_captured, hidden_size, FP8 if dtype_bytes == 1 else "bfloat16")
 
 
 def bytes_still_to_write(train: TrainConfig, estimated_bytes: int, hidden_dir: Path) -> int:
