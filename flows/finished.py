@@ -14,8 +14,8 @@ sha256 (`record`) and compared before the next run (`finished_outputs`):
 - a hub target or hub dataset (`org/name`, or a bare id such as `squad`) by the commit its revision points at now,
   asked of the hub (or its local cache offline) as the flow pins it: a moved `main` makes the flow run;
 - every file of the run folder (manifests, checkpoints, hidden states, pins, preflight's verdict...), the same way;
-- Eyrie's own files (eyrie/, tasks/, flows/), the installed distributions (each site-packages entry's name, which
-  carries its version), the Python interpreter, the working directory and the environment variables that reach
+- Eyrie's own files (eyrie/, tasks/, flows/), the installed distributions (each site-packages metadata entry's name,
+  which carries its version), the Python interpreter, the working directory and the environment variables that reach
   Eyrie's libraries and children (`eyrie.run.environment`'s allow-list).
 
 The inputs are taken before the flow starts (`begin`, in `eyrie run` before anything imports torch or vLLM, with the
@@ -126,12 +126,18 @@ def _strings(value) -> list[str]:
     return []
 
 
+# What says a distribution is installed (its name carries its version) or adds to the import path. Not every entry:
+# Python writes site-packages/__pycache__ the first time a run imports a top-level module of a fresh install (uv
+# installs no bytecode), which would make every fresh clone's first run look changed.
+DIST_SUFFIXES = (".dist-info", ".egg-info", ".egg-link", ".pth")
+
+
 def _installed() -> list:
     seen = []
     for entry in sys.path:
         if entry and ("site-packages" in entry or "dist-packages" in entry) and os.path.isdir(entry):
             try:
-                seen.append([entry, sorted(os.listdir(entry))])
+                seen.append([entry, sorted(e for e in os.listdir(entry) if e.endswith(DIST_SUFFIXES))])
             except OSError:
                 continue
     return seen

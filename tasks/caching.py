@@ -35,11 +35,15 @@ class KeyedOn(CachePolicy):
 
     argument: str = "key"  # or "job.key": the `key` field of the task's `job` argument
 
-    def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kw) -> str | None:
+    def record_key(self, task_ctx, inputs: dict[str, Any]) -> str | None:
+        """The result record's key: the task's name and the argument's value (None: no caching)."""
         value = key_of(inputs, self.argument)
-        if not value:
+        return f"eyrie-{task_ctx.task.name}-{value}" if value else None
+
+    def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kw) -> str | None:
+        cache_key = self.record_key(task_ctx, inputs)
+        if cache_key is None:
             return None
-        cache_key = f"eyrie-{task_ctx.task.name}-{value}"
         if record_serializer(cache_key) in (None, "json"):
             return cache_key
         # A record that is not JSON (a pickle: from an Eyrie before JSON results, or planted in the shared result
@@ -71,6 +75,11 @@ def record_serializer(key: str) -> str | None:
         return "unreadable"
 
 
+def folder_tag(folder: Path) -> str:
+    """A stage folder's part of its result records' keys (`StageDone`)."""
+    return hashlib.sha256(str(Path(folder).resolve()).encode()).hexdigest()[:12]
+
+
 def key_of(inputs: dict[str, Any], argument: str) -> Any:
     """`inputs[argument]`, or with a dotted name (`job.key`) that argument's attribute."""
     head, *attrs = argument.split(".")
@@ -86,15 +95,18 @@ class StageDone(KeyedOn):
 
     manifest: str = "{out_dir}/manifest.json"  # or "{job.out_dir}/manifest.json"
 
+    def record_key(self, task_ctx, inputs: dict[str, Any]) -> str | None:
+        # Per folder: a result names its stage's paths, so a moved run folder (or another folder of the same key)
+        # runs the task, which finds its stage done on disk and names the paths where they are now. (The record
+        # checked for a pickle is this one, the key the task's result is read and written under.)
+        cache_key = super().record_key(task_ctx, inputs)
+        return cache_key and f"{cache_key}-{folder_tag(Path(self.manifest.format(**inputs)).parent)}"
+
     def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kw) -> str | None:
         cache_key = super().compute_key(task_ctx, inputs, flow_parameters, **kw)
         if cache_key is None or "-untrusted-" in cache_key:
             return cache_key
-        manifest = Path(self.manifest.format(**inputs))
-        # Per folder: a result names its stage's paths, so a moved run folder (or another folder of the same key)
-        # runs the task, which finds its stage done on disk and names the paths where they are now.
-        cache_key = f"{cache_key}-{hashlib.sha256(str(manifest.parent.resolve()).encode()).hexdigest()[:12]}"
-        if finished_manifest(manifest, key_of(inputs, self.argument)) is not None:
+        if finished_manifest(Path(self.manifest.format(**inputs)), key_of(inputs, self.argument)) is not None:
             return cache_key
         # Not done, yet Prefect holds a result for this key: it outlived its files. A key of this run alone makes
         # the task run without it; done again, the stage's output is what that record describes.

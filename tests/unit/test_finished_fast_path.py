@@ -371,3 +371,27 @@ def test_a_hub_target_at_a_revision_is_pinned_and_its_revision_is_no_path(done, 
     assert finished.finished_outputs(config, str(run), "evaluate") == OUTPUTS
     commits["refs/pr/1"] = "2" * 40  # the pull request got a new commit
     assert finished.finished_outputs(config, str(run), "evaluate") is None
+
+
+def test_bytecode_written_into_site_packages_during_the_run_keeps_the_record(done, tmp_path, monkeypatch):
+    """A fresh clone's first run imports top-level modules whose bytecode uv did not install: Python writes
+    site-packages/__pycache__ during the run. That is no change of what is installed (it once left the first
+    `make demo` unrecorded, so the second went through the flow); a new distribution's metadata is."""
+    config, run = done
+    site = tmp_path / "venv" / "lib" / "site-packages"
+    (site / "torch-2.0.dist-info").mkdir(parents=True)
+    (site / "six.py").write_text("")
+    monkeypatch.syspath_prepend(str(site))
+    begun = finished.begin(config, str(run), "evaluate")
+    (site / "__pycache__").mkdir()
+    (site / "__pycache__" / "six.cpython-311.pyc").write_bytes(b"")
+    with RunFolder(str(run)).lock():
+        pass
+    assert finished.record(config, str(run), "evaluate", OUTPUTS, begun)
+    assert finished.finished_outputs(config, str(run), "evaluate") is not None
+
+    begun = finished.begin(config, str(run), "evaluate")
+    (site / "torch-2.0.dist-info").rename(site / "torch-2.1.dist-info")  # upgraded while the run went on
+    with RunFolder(str(run)).lock():
+        pass
+    assert not finished.record(config, str(run), "evaluate", OUTPUTS, begun)

@@ -29,6 +29,7 @@ from eyrie.run.files import atomic_write_json, read_json
 from eyrie.run.folder import RunFolder
 from eyrie.stages.prepare import Shard
 from flows.sharded import ShardedStage, run_sharded_stage
+from tasks.caching import folder_tag
 
 pytestmark = pytest.mark.usefixtures("flow_api")
 
@@ -233,7 +234,7 @@ def test_a_stage_result_on_disk_is_json_and_still_a_cache_hit(tmp_path):
 
     name, first = vocab_flow()
     assert name == "Completed"
-    record = Path(os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"]) / "eyrie-vocab-json-key"
+    record = Path(os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"]) / f"eyrie-vocab-json-key-{folder_tag(out)}"
     stored = json.loads(record.read_bytes())  # the whole record is JSON; no pickle anywhere in it
     assert stored["metadata"]["serializer"]["type"] == "json"
     assert json.loads(stored["result"]) == first
@@ -257,7 +258,8 @@ def test_a_pickled_record_is_never_read(tmp_path):
         def __reduce__(self):
             return (Path.touch, (canary,))
 
-    record = Path(os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"]) / "eyrie-vocab-planted-key"
+    # Under the key the task's result is read and written under (its stage folder's part included).
+    record = Path(os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"]) / f"eyrie-vocab-planted-key-{folder_tag(out)}"
     payload = base64.b64encode(pickle.dumps(Planted())).decode()
     record.write_text(
         json.dumps(
