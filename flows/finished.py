@@ -126,16 +126,18 @@ def _strings(value) -> list[str]:
     return []
 
 
-# What says a distribution is installed (its name carries its version) or adds to the import path. Not every entry:
-# Python writes site-packages/__pycache__ the first time a run imports a top-level module of a fresh install (uv
-# installs no bytecode), which would make every fresh clone's first run look changed.
+# What says a distribution is installed (its name carries its version) or adds to the import path, in the
+# site-packages folders themselves. Not every entry: Python writes site-packages/__pycache__ the first time a run
+# imports a top-level module of a fresh install (uv installs no bytecode); nor folders inside them: importing
+# setuptools (torch's first compile does) appends site-packages/setuptools/_vendor to sys.path. Either made every
+# fresh clone's first run look changed, so its second went through the flow.
 DIST_SUFFIXES = (".dist-info", ".egg-info", ".egg-link", ".pth")
 
 
 def _installed() -> list:
     seen = []
     for entry in sys.path:
-        if entry and ("site-packages" in entry or "dist-packages" in entry) and os.path.isdir(entry):
+        if entry and Path(entry).name in ("site-packages", "dist-packages") and os.path.isdir(entry):
             try:
                 seen.append([entry, sorted(e for e in os.listdir(entry) if e.endswith(DIST_SUFFIXES))])
             except OSError:

@@ -375,16 +375,19 @@ def test_a_hub_target_at_a_revision_is_pinned_and_its_revision_is_no_path(done, 
 
 def test_bytecode_written_into_site_packages_during_the_run_keeps_the_record(done, tmp_path, monkeypatch):
     """A fresh clone's first run imports top-level modules whose bytecode uv did not install: Python writes
-    site-packages/__pycache__ during the run. That is no change of what is installed (it once left the first
-    `make demo` unrecorded, so the second went through the flow); a new distribution's metadata is."""
+    site-packages/__pycache__ during the run, and torch's first compile imports setuptools, which puts
+    site-packages/setuptools/_vendor on sys.path. Neither changes what is installed (each once left the first
+    `make demo` unrecorded, so the second went through the flow); a new distribution's metadata does."""
     config, run = done
     site = tmp_path / "venv" / "lib" / "site-packages"
     (site / "torch-2.0.dist-info").mkdir(parents=True)
     (site / "six.py").write_text("")
     monkeypatch.syspath_prepend(str(site))
+    (site / "setuptools" / "_vendor" / "x-1.0.dist-info").mkdir(parents=True)
     begun = finished.begin(config, str(run), "evaluate")
     (site / "__pycache__").mkdir()
     (site / "__pycache__" / "six.cpython-311.pyc").write_bytes(b"")
+    monkeypatch.syspath_prepend(str(site / "setuptools" / "_vendor"))  # what importing setuptools does
     with RunFolder(str(run)).lock():
         pass
     assert finished.record(config, str(run), "evaluate", OUTPUTS, begun)
