@@ -11,10 +11,14 @@ from tiny_drafter import tiny_eagle3
 
 @pytest.fixture
 def stock_init(monkeypatch):
-    """speculators' EAGLE-3 __init__ put back after the test."""
+    """speculators' own EAGLE-3 __init__ for the test (unwrapped, should a test before it in this process have left
+    `_rotary_tables_eager`'s wrapper on), put back after it."""
     from speculators.models.eagle3 import core
 
-    monkeypatch.setattr(core.Eagle3DraftModel, "__init__", core.Eagle3DraftModel.__init__)
+    init = core.Eagle3DraftModel.__init__
+    while getattr(init, "_eyrie_rotary_eager", False):
+        init = init.__wrapped__
+    monkeypatch.setattr(core.Eagle3DraftModel, "__init__", init)
     return core
 
 
