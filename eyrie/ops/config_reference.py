@@ -8,7 +8,6 @@ code. The page's own prose lives above a marker line and is kept; everything bel
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import types
@@ -19,6 +18,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from eyrie.config import PipelineConfig
+from eyrie.ops import generated_page
 
 MARKER = "<!-- Generated from eyrie/config.py by `python -m eyrie.ops.config_reference`: edit above this line. -->"
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -121,20 +121,7 @@ def page(current: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale, change nothing")
-    parser.add_argument("--page", type=Path, default=PAGE)
-    args = parser.parse_args(argv)
-    current = args.page.read_text() if args.page.exists() else "# Configuration\n"
-    wanted = page(current)
-    if args.check:
-        if wanted != current:
-            print(f"{args.page} is stale: run `python -m eyrie.ops.config_reference`", file=sys.stderr)
-            return 1
-        return 0
-    args.page.write_text(wanted)
-    print(f"wrote {args.page}")
-    return 0
+    return generated_page.main(argv, PAGE, page, "# Configuration\n", "eyrie.ops.config_reference", __doc__ or "")
 
 
 if __name__ == "__main__":
