@@ -1,0 +1,69 @@
+"""Count the attributes of other packages (speculators, torch, hs_connectors, transformers) that the train entry's
+code replaces at run time: every assignment `name.attr... = value` (and `setattr(name, ...)`) whose root `name` was
+imported from one of those packages, in the files the entry runs (eyrie/stages/train and the hidden-state readers it
+installs). Run: `.venv/bin/python benchmarks/train_swaps.py [--list]`."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FOREIGN = ("speculators", "torch", "hs_connectors", "transformers")
+FILES = [
+    *sorted((ROOT / "eyrie/stages/train").rglob("*.py")),
+    ROOT / "eyrie/hidden_states/pack_reader.py",
+    ROOT / "eyrie/hidden_states/gpu_decode.py",
+    ROOT / "eyrie/hidden_states/encoding.py",
+]
+
+
+def _foreign_names(tree: ast.AST) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in FOREIGN:
+                    names.add((a.asname or a.name).split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in FOREIGN:
+            names.update(a.asname or a.name for a in node.names)
+    return names
+
+
+def _root(node: ast.AST) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def swaps(files=FILES) -> list[str]:
+    """`path:line: target` for each replaced attribute of another package."""
+    out = []
+    for path in files:
+        tree = ast.parse(path.read_text())
+        foreign = _foreign_names(tree)
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+                if node.args and _root(node.args[0]) in foreign:
+                    out.append(f"{path.relative_to(ROOT)}:{node.lineno}: setattr({ast.unparse(node.args[0])}, ...)")
+                continue
+            for t in targets:
+                for el in t.elts if isinstance(t, ast.Tuple) else [t]:
+                    if isinstance(el, ast.Subscript):  # a registry entry replaced: `Backend.registry["file"] = ...`
+                        el = el.value if isinstance(el.value, ast.Attribute) else el
+                    if isinstance(el, (ast.Attribute, ast.Subscript)) and _root(el) in foreign:
+                        out.append(f"{path.relative_to(ROOT)}:{el.lineno}: {ast.unparse(el)}")
+    return out
+
+
+if __name__ == "__main__":
+    found = swaps()
+    if "--list" in sys.argv:
+        print("\n".join(found))
+    print(len(found))
