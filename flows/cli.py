@@ -51,7 +51,10 @@ def _preflight(args) -> int:
     from eyrie.stages.preflight.report import report_text
 
     config = load_config(args.config)
-    report = run_preflight(config, Path(args.run_dir or f"runs/{config.name}"), raise_on_failure=False)
+    run_dir = Path(args.run_dir or f"runs/{config.name}")
+    # Serving is checked when the run would serve, as the flow decides (flows/pipeline.py): the same key as the
+    # run's own preflight, so a folder's kept verdict is reused here too.
+    report = run_preflight(config, run_dir, raise_on_failure=False, serve=args.until == "evaluate")
     if args.json:  # the whole report, for a program to read; the verdict alone on stderr
         print(json.dumps(report.as_dict(), indent=2))
         print(report_text(report).splitlines()[0], file=sys.stderr)
@@ -192,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = command("preflight", "run only the checks (no weights load); exit 1 with every problem listed")
     config_option(c)
     run_dir_option(c)
+    c.add_argument(
+        "--until",
+        choices=UNTIL,
+        default="evaluate",
+        help="check for a run that stops after this stage (default: %(default)s: serving is checked too)",
+    )
     c.add_argument("--json", action="store_true", help="print the whole report as JSON (default: the verdict first)")
     c.set_defaults(func=_preflight)
     m = command(

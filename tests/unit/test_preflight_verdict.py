@@ -64,6 +64,39 @@ def test_a_passing_verdict_is_reused_by_a_later_run_without_importing_vllm(tiny_
     assert not run_preflight(bad, run.root, raise_on_failure=False, serve=False).verdict_reused
 
 
+def test_a_verdict_that_checked_serving_holds_for_a_run_that_does_not_serve_and_not_the_other_way(tiny_llama, tmp_path):
+    config = parse_config(config_dict(tiny_llama))
+    run = RunFolder(tmp_path / "run")
+    run.ensure()
+    assert not run_preflight(config, run.root, serve=False).verdict_reused
+    # Serving was not checked: a run that serves checks again (and keeps that verdict)...
+    serving = run_preflight(config, run.root, serve=True)
+    assert not serving.verdict_reused and serving.verdict_key == verdict_key(config, serve=True)
+    # ...which a run through extraction alone (`eyrie preflight --until extract`, a shard's node) then reuses.
+    assert run_preflight(config, run.root, serve=False).verdict_reused
+
+
+def test_eyrie_preflight_checks_serving_as_the_run_it_names_would(monkeypatch, tiny_llama, tmp_path):
+    from flows import cli
+
+    seen = []
+    monkeypatch.setattr(
+        "eyrie.stages.preflight.run_preflight", lambda config, run_dir, **kw: seen.append(kw["serve"]) or _Passed()
+    )
+    monkeypatch.setattr("eyrie.stages.preflight.report.report_text", lambda report: "preflight passed")
+    (tmp_path / "c.json").write_text(json.dumps(config_dict(tiny_llama)))
+    for until in ([], ["--until", "extract"], ["--until", "evaluate"]):
+        assert cli.main(["preflight", "--config", str(tmp_path / "c.json"), "--run-dir", str(tmp_path), *until]) == 0
+    assert seen == [True, False, True]
+
+
+class _Passed:
+    failures: list[str] = []
+
+    def as_dict(self) -> dict:
+        return {}
+
+
 def test_the_node_checks_run_on_a_reused_verdict(tiny_llama, tmp_path, monkeypatch):
     import eyrie.stages.preflight.node as node
 

@@ -186,6 +186,8 @@ def run_preflight(
     wait_for_imports_ahead()  # vLLM may be being imported already (ahead.py): never two importers at once
     key = verdict_key(config, serve)
     report = load_verdict(run_dir, key)
+    if report is None and not serve:  # a verdict that checked serving too holds for a run that does not serve
+        report = load_verdict(run_dir, verdict_key(config, serve=True))
     if report is None:
         report = check_target(config, serve)
         if not report.failures:
