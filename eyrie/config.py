@@ -432,6 +432,36 @@ class PromotionConfig(_Section):
     )
 
 
+class TrackingConfig(_Section):
+    mlflow: bool = Field(
+        False,
+        description="Export each finished run to MLflow: the config as parameters, the training curve and the "
+        "evaluation as metrics, the target, its revision and fingerprint, the library versions and Eyrie's commit "
+        "as tags, the drafter and the run summary as artifacts (docs/operations/tracking.md). Needs Eyrie's "
+        "`tracking` extra (mlflow-skinny) where the run runs; the run refuses to start without it.",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        description="The MLflow tracking URI: a server's http(s) URL, or a local `sqlite:///path/mlflow.db`. "
+        "Unset: $MLFLOW_TRACKING_URI, which must then be set where the run runs.",
+    )
+    mlflow_experiment: str = Field("eyrie", min_length=1, description="The MLflow experiment (made when missing).")
+    mlflow_artifact_location: str | None = Field(
+        None,
+        description="Where a new MLflow experiment keeps its artifacts. Unset: the server's choice; for a local "
+        "`sqlite:///` store, an `mlartifacts` folder beside the database file.",
+    )
+    wandb: bool = Field(
+        False,
+        description="Export each finished run to Weights & Biases, as to MLflow. Needs the `wandb` package "
+        "(Eyrie's `tracking-wandb` extra); its login and mode from the environment (WANDB_API_KEY, WANDB_MODE...).",
+    )
+    wandb_project: str = Field("eyrie", min_length=1, description="The W&B project.")
+    wandb_entity: str | None = Field(None, description="The W&B entity (user or team). Unset: the login's default.")
+    run_name: str | None = Field(None, description="The tracked run's name. Unset: the run's `name`.")
+    log_drafter: bool = Field(True, description="Upload the exported drafter folder (its config and weights).")
+
+
 class PipelineConfig(_Section):
     name: str = Field("eyrie", description="The run's name: the default run folder is runs/<name>.")
     target: TargetConfig
@@ -442,6 +472,7 @@ class PipelineConfig(_Section):
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     promotion: PromotionConfig = PromotionConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @field_validator("name")
     @classmethod

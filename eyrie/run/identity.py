@@ -288,6 +288,20 @@ NOT_SHAPING: dict[str, str] = {
     "(eyrie.stages.evaluate.evaluate_key's `sets`)",
     "promotion.dir": "where drafters are promoted: the current drafter enters by its content (`drafter`)",
     "promotion.warm_start": "whether a base is used: enters through the base's content (`drafter`)",
+    **{
+        f"tracking.{name}": "where a finished run is exported to (MLflow, W&B), after every stage"
+        for name in (
+            "mlflow",
+            "mlflow_tracking_uri",
+            "mlflow_experiment",
+            "mlflow_artifact_location",
+            "wandb",
+            "wandb_project",
+            "wandb_entity",
+            "run_name",
+            "log_drafter",
+        )
+    },
 }
 
 # ---------------------------------------------------------------------------------------------------------------
