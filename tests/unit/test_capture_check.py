@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from capture_target import CAPTURED, LAYERS, capture_context, residual_stream, tiny_llama
 from safetensors.torch import save_file
 
 from eyrie.hidden_states.check import CONTEXT, FOLDER, CaptureError, check_shard
@@ -14,8 +15,6 @@ from eyrie.run.files import atomic_write_json, read_json
 from eyrie.run.folder import RunFolder, sample_path
 from eyrie.stages.prepare import Shard
 
-LAYERS = 4
-CAPTURED = [1, 2, LAYERS]  # two aux layers and the last layer's output (vLLM's id L)
 ROWS, SHARD = 12, 6
 
 
@@ -23,35 +22,15 @@ ROWS, SHARD = 12, 6
 def target(tmp_path_factory):
     """A seeded tiny Llama, its greedy answers, and the true stream at every layer (entering each, and leaving the
     last before the final norm)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        initializer_range=0.2,  # away from near-ties between logits
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg).eval()
     folder = tmp_path_factory.mktemp("target")
-    model.save_pretrained(folder, safe_serialization=True)
+    model = tiny_llama(folder, 0)
     rows, masks, streams = [], [], []
     with torch.no_grad():
         for i in range(ROWS):
             prompt = torch.randint(3, 256, (1, 6 + i % 4))
             out = model.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20)
             ids = out[0].tolist()
-            seen: list = []
-            hook = model.model.layers[-1].register_forward_hook(lambda m, a, o, seen=seen: seen.append(o))
-            hs = model(out, output_hidden_states=True).hidden_states
-            hook.remove()
-            h_last = seen[0][0] if isinstance(seen[0], tuple) else seen[0]
-            stream = torch.stack([*(h[0] for h in hs[:LAYERS]), h_last[0]], dim=1)  # [T, L+1, H]
+            stream = residual_stream(model, ids)  # [T, L+1, H]
             rows.append(ids)
             masks.append([0] * prompt.shape[1] + [1] * (len(ids) - prompt.shape[1]))
             streams.append(stream)
@@ -68,19 +47,7 @@ def _run(tmp_path, target, corrupt=None):
     source = run.stage("regenerate")
     Dataset.from_dict({"input_ids": rows, "loss_mask": masks}).save_to_disk(str(source / "dataset"))
     atomic_write_json(source / "stats.json", {"temperatures": {"0.0": ROWS}})
-    ctx = {
-        "model": str(folder),
-        "revision": None,
-        "num_layers": LAYERS,
-        "layer_ids": CAPTURED,
-        "verifier_weights": {
-            "embed_tokens.weight": "model.embed_tokens.weight",
-            "model.norm.weight": "model.norm.weight",
-            "lm_head.weight": "lm_head.weight",
-        },
-        "final_norm": "LlamaRMSNorm",
-        "norm_eps": 1e-6,
-    }
+    ctx = capture_context(folder)
     atomic_write_json(run.extract / FOLDER / CONTEXT, ctx)
     shards = [Shard(0, 0, SHARD, "a", 0), Shard(1, SHARD, ROWS, "b", 0)]
     for i, (ids, stream) in enumerate(zip(rows, streams, strict=True)):

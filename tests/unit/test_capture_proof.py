@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from capture_target import CAPTURED, LAYERS, capture_context, residual_stream, tiny_llama
 from safetensors.torch import save_file
 
 from eyrie.hidden_states import proof
@@ -17,56 +18,7 @@ from eyrie.run.files import atomic_write_json, read_json
 from eyrie.run.folder import RunFolder, sample_path
 from eyrie.stages.prepare import Shard
 
-LAYERS = 4
-CAPTURED = [1, 2, LAYERS]  # two aux layers and the last layer's output (vLLM's id L)
 PROMPTS = 3
-
-
-def _tiny_llama(folder, seed):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    model.save_pretrained(folder, safe_serialization=True)
-    return model
-
-
-def _streams(model, ids):
-    """[T, L+1, H]: the stream entering each layer, and the last layer's output before the final norm."""
-    seen: list = []
-    hook = model.model.layers[-1].register_forward_hook(lambda m, a, o: seen.append(o))
-    with torch.no_grad():
-        hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-    hook.remove()
-    last = seen[0][0] if isinstance(seen[0], tuple) else seen[0]
-    return torch.stack([*(h[0] for h in hs[:LAYERS]), last[0]], dim=1)
-
-
-def _ctx(folder):
-    return {
-        "model": str(folder),
-        "revision": None,
-        "num_layers": LAYERS,
-        "layer_ids": CAPTURED,
-        "verifier_weights": {
-            "embed_tokens.weight": "model.embed_tokens.weight",
-            "model.norm.weight": "model.norm.weight",
-            "lm_head.weight": "lm_head.weight",
-        },
-        "final_norm": "LlamaRMSNorm",
-        "norm_eps": 1e-6,
-    }
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +26,8 @@ def target(tmp_path_factory):
     """The tiny target and another one of the same shape (other weights); the proof's samples as the server would
     capture them: prompts, the target's greedy answers, the true stream at every layer."""
     folder = tmp_path_factory.mktemp("target")
-    model = _tiny_llama(folder, 0)
-    other = _tiny_llama(tmp_path_factory.mktemp("other"), 1)
+    model = tiny_llama(folder, 0)
+    other = tiny_llama(tmp_path_factory.mktemp("other"), 1)
     torch.manual_seed(2)
     samples = []
     for i in range(PROMPTS):
@@ -83,7 +35,7 @@ def target(tmp_path_factory):
         with torch.no_grad():
             out = model.generate(prompt, max_new_tokens=proof.ANSWER_TOKENS, do_sample=False, min_new_tokens=16)
         ids = out[0].tolist()
-        samples.append((_streams(model, ids), _streams(other, ids), ids, prompt.shape[1]))
+        samples.append((residual_stream(model, ids), residual_stream(other, ids), ids, prompt.shape[1]))
     return folder, samples
 
 
@@ -100,7 +52,7 @@ def _captured(samples, corrupt=None, other=False):
 
 def test_the_true_capture_is_proved_with_its_figures(target):
     folder, samples = target
-    figures = proof.judge(_ctx(folder), _captured(samples), log=lambda m: None)
+    figures = proof.judge(capture_context(folder), _captured(samples), log=lambda m: None)
     assert figures["head_check"]["agreement"] >= 0.95, figures
     errs = figures["aux_check"]["relative_l2"]
     assert set(errs) == {1, 2}
@@ -150,13 +102,13 @@ def _aux_zeros(s):
 def test_each_planted_wrong_capture_is_refused_naming_the_layer(target, corrupt, names):
     folder, samples = target
     with pytest.raises(CaptureError, match=names):
-        proof.judge(_ctx(folder), _captured(samples, corrupt), log=lambda m: None)
+        proof.judge(capture_context(folder), _captured(samples, corrupt), log=lambda m: None)
 
 
 def test_another_targets_states_are_refused(target):
     folder, samples = target
     with pytest.raises(CaptureError) as err:
-        proof.judge(_ctx(folder), _captured(samples, other=True), log=lambda m: None)
+        proof.judge(capture_context(folder), _captured(samples, other=True), log=lambda m: None)
     text = str(err.value)
     assert "layer 1: the captured stream is" in text and "layer 2: the captured stream is" in text, text
     assert f"layer {LAYERS} (the last layer's output)" in text, text
@@ -164,7 +116,7 @@ def test_another_targets_states_are_refused(target):
 
 def test_a_target_that_cannot_be_rebuilt_is_refused_unless_the_config_accepts_it_unproven(target):
     folder, samples = target
-    ctx = {**_ctx(folder), "quantized": True}
+    ctx = {**capture_context(folder), "quantized": True}
     with pytest.raises(CaptureError, match=r"aux layers \[1, 2\] cannot be proven: the checkpoint is quantized"):
         proof.judge(ctx, _captured(samples), log=lambda m: None)
     said: list[str] = []
@@ -179,7 +131,7 @@ def budget_for_layer_1(target, monkeypatch):
     """RECOMPUTE_MAX_PARAMS set between the prefix aux id 1 needs (streams 0..2: embedding, 3 layers, head) and the
     one id 2 needs (streams 0..3): the tiny target stands for an 8B target whose L//2 and L-3 are past the budget."""
     folder, _ = target
-    counts = proof._prefix_params(proof.text_config_of(_ctx(folder)), 3)
+    counts = proof._prefix_params(proof.text_config_of(capture_context(folder)), 3)
     assert counts[2] < counts[3]
     monkeypatch.setattr(proof, "RECOMPUTE_MAX_PARAMS", (counts[2] + counts[3]) // 2)
     monkeypatch.setattr(proof, "_PLANS", {})
@@ -189,13 +141,13 @@ def budget_for_layer_1(target, monkeypatch):
 
 def test_the_shallow_aux_id_is_proven_when_the_deep_ones_prefix_is_past_the_budget(target, budget_for_layer_1):
     folder, samples = target
-    plan = proof.plan_for(_ctx(folder))
+    plan = proof.plan_for(capture_context(folder))
     assert (plan.layers, plan.proven, plan.unproven) == (2, [1], [2]), plan
     assert "first 4 layers and head hold" in plan.reason and "the proof rebuilds at most" in plan.reason, plan
     with pytest.raises(CaptureError, match=r"aux layers \[2\] cannot be proven: the proof rebuilds at most") as err:
-        proof.judge(_ctx(folder), _captured(samples), log=lambda m: None)
+        proof.judge(capture_context(folder), _captured(samples), log=lambda m: None)
     assert "extraction.unproven_aux_layers: warn" in str(err.value)
-    figures = proof.judge({**_ctx(folder), proof.AUX_POLICY: "warn"}, _captured(samples), log=lambda m: None)
+    figures = proof.judge({**capture_context(folder), proof.AUX_POLICY: "warn"}, _captured(samples), log=lambda m: None)
     aux = figures["aux_check"]
     assert set(aux["relative_l2"]) == {1} and aux["relative_l2"][1]["own"] < 0.02, aux
     assert aux["recomputed_layers"] == 2 and aux["unproven"] == [2], aux
@@ -233,7 +185,9 @@ def test_a_wrong_capture_at_the_proven_id_is_refused_though_the_deep_ones_are_ac
 ):
     folder, samples = target
     with pytest.raises(CaptureError, match=r"layer 1: .*from the one entering layer 2") as err:
-        proof.judge({**_ctx(folder), proof.AUX_POLICY: "warn"}, _captured(samples, _id_1_off_by_one), log=print)
+        proof.judge(
+            {**capture_context(folder), proof.AUX_POLICY: "warn"}, _captured(samples, _id_1_off_by_one), log=print
+        )
     assert "layer 2:" not in str(err.value)  # past the budget: not judged, recorded unproven
 
 
@@ -259,7 +213,7 @@ def test_too_few_greedy_positions_refuse_rather_than_pass(target):
     folder, samples = target
     short = [(hs[: p + 1], ids[: p + 1], p) for hs, ids, p in _captured(samples)]  # one answer token each
     with pytest.raises(CaptureError, match="only 3 greedy positions"):
-        proof.judge(_ctx(folder), short, log=lambda m: None)
+        proof.judge(capture_context(folder), short, log=lambda m: None)
 
 
 def test_a_stale_shard_is_refused_though_the_first_shard_was_stale_too(tmp_path, target):
@@ -272,7 +226,7 @@ def test_a_stale_shard_is_refused_though_the_first_shard_was_stale_too(tmp_path,
     source = run.prepare
     rows = [ids for _, _, ids, _ in samples]
     Dataset.from_dict({"input_ids": rows}).save_to_disk(str(source / "dataset"))
-    atomic_write_json(run.extract / FOLDER / CONTEXT, _ctx(folder))
+    atomic_write_json(run.extract / FOLDER / CONTEXT, capture_context(folder))
     shards = [Shard(0, 0, 1, "a", 0), Shard(1, 1, PROMPTS, "b", 0)]
     sample_path(run.hidden_states, 0).parent.mkdir(parents=True, exist_ok=True)
     for i, (own, _, ids, _) in enumerate(samples):
@@ -325,7 +279,7 @@ class _Server:
         return SimpleNamespace(status_code=200, json=lambda: {"choices": [{"token_ids": answer}]})
 
     def extract(self, ids, timeout_s):
-        s = _streams(self.model, ids)
+        s = residual_stream(self.model, ids)
         s = self.corrupt(s) if self.corrupt else s
         path = self.staging / f"{len(list(self.staging.iterdir()))}.safetensors"
         save_file(
@@ -356,14 +310,24 @@ def test_the_server_proves_its_capture_once_and_records_it(tmp_path, target):
     server = _Server(folder, staging)
     state = {"pid": 1, "started_at": 1.0, "ready_at": 2.0, "fingerprint": "f"}
     said: list[str] = []
-    figures = prove_server(_ctx(folder), _data(tmp_path), tmp_path / "capture", state, server, 128, log=said.append)
+    figures = prove_server(
+        capture_context(folder), _data(tmp_path), tmp_path / "capture", state, server, 128, log=said.append
+    )
     assert figures["passed"] and server.greedy == proof.PROOF_ROWS
     assert read_json(tmp_path / "capture" / proof.PROOF)["aux_check"]["relative_l2"]
     assert not list(staging.iterdir())  # each file read back and removed, with its lock
     assert "capture proved in" in said[-1]
-    prove_server(_ctx(folder), _data(tmp_path), tmp_path / "capture", state, server, 128, log=said.append)
+    prove_server(capture_context(folder), _data(tmp_path), tmp_path / "capture", state, server, 128, log=said.append)
     assert server.greedy == proof.PROOF_ROWS and "already" in said[-1]  # the same server process: not asked again
-    prove_server(_ctx(folder), _data(tmp_path), tmp_path / "capture", {**state, "pid": 2}, server, 128, log=said.append)
+    prove_server(
+        capture_context(folder),
+        _data(tmp_path),
+        tmp_path / "capture",
+        {**state, "pid": 2},
+        server,
+        128,
+        log=said.append,
+    )
     assert server.greedy == 2 * proof.PROOF_ROWS  # a new server is proved again
 
 
@@ -375,7 +339,9 @@ def test_a_server_whose_capture_is_wrong_is_refused_and_recorded(tmp_path, targe
     staging.mkdir()
     server = _Server(folder, staging, _aux_off_by_one)
     with pytest.raises(CaptureError, match="layer 1: "):
-        prove_server(_ctx(folder), _data(tmp_path), tmp_path / "capture", None, server, 128, log=lambda m: None)
+        prove_server(
+            capture_context(folder), _data(tmp_path), tmp_path / "capture", None, server, 128, log=lambda m: None
+        )
     recorded = read_json(tmp_path / "capture" / proof.PROOF)
     assert recorded["passed"] is False and "layer 1: " in recorded["reason"]
 
