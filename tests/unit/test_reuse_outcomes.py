@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from conftest import config_dict
+from test_extract_resume import REPORT
 from test_extract_unit import HIDDEN, LAYERS, FakeClient
 from test_identity import SPECIAL, changed_value, leaves
 
@@ -47,21 +48,6 @@ from eyrie.stages.regenerate.shard import shard_paths
 from eyrie.stages.train.trainer import train_key, untrained_key
 from eyrie.stages.vocab import vocab_key
 from eyrie.vllm.spec import ServerSpec
-
-REPORT = PreflightReport(
-    "LlamaForCausalLM",
-    None,
-    "native",
-    "",
-    None,
-    num_layers=8,
-    hidden_size=HIDDEN,
-    vocab_size=512,
-    aux_layer_ids=[1, 2, 3],
-    captured_layer_ids=[1, 2, 3, 4][:LAYERS],
-    vllm_version="x",
-    max_model_len=512,
-)
 
 # The decisions a run takes, each with the declared stages whose keys it compares (its own) and the decisions whose
 # keys its key is made of. `server.outputs@trained` / `@current`: what the server serving that drafter computes.
