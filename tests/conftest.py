@@ -192,6 +192,11 @@ def config_dict(
     return data
 
 
+def eyrie_run(config, run, until: str = "evaluate") -> list[str]:
+    """`eyrie run` as a user types it, through this interpreter (`python -m flows.cli`)."""
+    return [sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-dir", str(run), "--until", until]
+
+
 def write_config(path: Path, target: Path, tiny: str | None = None, **kw):
     """Write a YAML config for `target` + small data to `path`; returns (path, the validated PipelineConfig)."""
     from eyrie.config import parse_config

@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import requests
-from conftest import REPO, register_server_folder, stop_server, write_config
+from conftest import REPO, eyrie_run, register_server_folder, stop_server, write_config
 
 from eyrie.errors import RunFolderError
 from eyrie.run.files import read_json
@@ -28,18 +27,7 @@ SECRET = "eyrie-test-secret-5f3a9c"  # the extraction server's API key in the fi
 
 def flow(config: Path, run: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flows.cli",
-            "run",
-            "--config",
-            str(config),
-            "--run-dir",
-            str(run),
-            "--until",
-            "extract",
-        ],
+        eyrie_run(config, run, "extract"),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -142,18 +130,7 @@ def test_second_run_on_a_folder_in_use_is_refused(tmp_path, tiny_llama):
     run = RunFolder(tmp_path / "run")
     with run.lock():
         out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "flows.cli",
-                "run",
-                "--config",
-                str(config),
-                "--run-dir",
-                str(run.root),
-                "--until",
-                "prepare",
-            ],
+            eyrie_run(config, run.root, "prepare"),
             cwd=REPO,
             capture_output=True,
             text=True,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import REPO, register_server_folder, stop_server, write_config
+from conftest import REPO, eyrie_run, register_server_folder, stop_server, write_config
 
 from eyrie.run.folder import RunFolder
 from eyrie.stages.extract.checks import load_checked
@@ -34,18 +34,7 @@ NUM_SHARDS = NUM_SAMPLES // SHARD_SIZE
 
 def flow_cmd(config: Path, run: Path) -> list[str]:
     # Through extraction only: the later stages have their own tests (test_pipeline.py).
-    return [
-        sys.executable,
-        "-m",
-        "flows.cli",
-        "run",
-        "--config",
-        str(config),
-        "--run-dir",
-        str(run),
-        "--until",
-        "extract",
-    ]
+    return eyrie_run(config, run, "extract")
 
 
 def run_flow(config: Path, run: Path, timeout: float) -> subprocess.CompletedProcess:

@@ -20,7 +20,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,7 +27,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import DEMO_DATA, REPO, VLLM_SERVER_ARGS, HubDatasetRepo, build_tiny_target, register_server_folder
+from conftest import (
+    DEMO_DATA,
+    REPO,
+    VLLM_SERVER_ARGS,
+    HubDatasetRepo,
+    build_tiny_target,
+    eyrie_run,
+    register_server_folder,
+)
 
 from eyrie.run.files import read_json
 from eyrie.stages.prepare import load_shards
@@ -53,7 +60,7 @@ FINISHED = (
 
 def run_flow(config: Path, run: Path, until: str = "evaluate", faults: str | None = None) -> subprocess.Popen:
     """Start a run as a user does; its output goes to a file beside the run folder (`proc.log`)."""
-    cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-dir", str(run), "--until", until]
+    cmd = eyrie_run(config, run, until)
     env = dict(os.environ, EYRIE_FAULTS=faults) if faults else None
     log = run.parent / f"flow-{time.monotonic_ns()}.log"
     with open(log, "wb") as f:

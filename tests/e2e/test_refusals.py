@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, build_tiny_target, write_config
+from conftest import REPO, build_tiny_target, eyrie_run, write_config
 from safetensors.torch import load_file, save_file
 
 from eyrie.target.tiny.tokenizer import build_tokenizer
@@ -92,7 +91,7 @@ REFUSALS = {
 def _eyrie_run(config: Path, run: Path) -> subprocess.CompletedProcess:
     """`eyrie run` as a user types it; it must fail as a usage error (exit 2)."""
     out = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-dir", str(run)],
+        eyrie_run(config, run),
         cwd=REPO,
         capture_output=True,
         text=True,

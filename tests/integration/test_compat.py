@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import REPO, build_tiny_target, register_server_folder, write_config
+from conftest import REPO, build_tiny_target, eyrie_run, register_server_folder, write_config
 from safetensors.torch import load_file
 
 from eyrie.config import TargetConfig
@@ -52,7 +51,7 @@ def test_whole_pipeline_through_the_compatibility_layer(tmp_path, kind, arch):
     run = tmp_path / "run"
     for folder in (run / "extract", run / "export" / "server-trained"):
         register_server_folder(folder)
-    cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--run-dir", str(run)]
+    cmd = eyrie_run(config, run)
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1700)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
 
