@@ -22,6 +22,9 @@ and trains on that node with `train.devices` GPUs, exports and evaluates (and pr
 run does not complete, naming it and its state. Cancelling the parent cancels the node runs it started that are
 still going (`cancel_node_runs`).
 
+The parent's flow run holds one progress artifact per stage over all the nodes' shares ("N of M shards", rows/s,
+time left), counted from the manifests the nodes write into the shared run folder (`SharesDone`).
+
 The parent runs from a queue of its own (`control`): on a GPU node's queue it would hold that node's only slot while
 waiting for the node's share.
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import fcntl
 import time
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 from prefect import flow, get_run_logger
@@ -41,12 +45,14 @@ from eyrie.errors import ExtractionError, EyrieError, RegenerationError
 from eyrie.run.folder import RunFolder
 from eyrie.run.lock import SHARES_LOCK
 from eyrie.stages.extract import ExtractionPlan
+from eyrie.stages.extract.manifest import shard_complete
 from eyrie.stages.preflight import PreflightReport
-from eyrie.stages.prepare import load_shards
+from eyrie.stages.prepare import Shard, load_shards
 from eyrie.stages.regenerate import RegenerationPlan, extraction_source
 from flows.opening import open_run
 from flows.regenerate import assemble
 from tasks.preflight import preflight_task
+from tasks.progress import StageProgress
 
 NODE_DEPLOYMENT = "eyrie-extract/node"
 REGENERATE_NODE_DEPLOYMENT = "eyrie-regenerate/node"
@@ -125,7 +131,14 @@ def extract_fanout_flow(
             plan = RegenerationPlan(config, run, PreflightReport(**report))
             shares = split_shards([s.name for s in plan.pending()], queues)
             params = {"config": config.model_dump(mode="json"), "run_dir": str(run.root), "report": report}
-            finished = _fan_out(regenerate_deployment, "regenerate", shares, {**params, "keep_server": True}, log)
+            finished = _fan_out(
+                regenerate_deployment,
+                "regenerate",
+                shares,
+                {**params, "keep_server": True},
+                log,
+                SharesDone(plan.shards, shares, plan.is_complete),
+            )
             _check_nodes(finished, shares, RegenerationError)
             nodes["regenerate"] = _node_outcomes(finished, shares)
             kept = list(shares)
@@ -141,7 +154,13 @@ def extract_fanout_flow(
         for q in kept:
             shares.setdefault(q, [])  # an empty share: the node stops the server it kept up
         params = {"config": config.model_dump(mode="json"), "run_dir": str(run.root), "report": report}
-        finished = _fan_out(deployment, "extract", shares, params, log)
+
+        # A node's shard is done once its manifest holds under the plan's key and its files are there (a stat each,
+        # once per shard; nothing is re-hashed from here).
+        def written(shard: Shard, plan: ExtractionPlan = plan) -> bool:
+            return shard_complete(plan.manifest_path(shard), plan.keys[shard.name], run.hidden_states, False)
+
+        finished = _fan_out(deployment, "extract", shares, params, log, SharesDone(plan.shards, shares, written))
         _check_nodes(finished, shares, ExtractionError)
         missing = [s.name for s in plan.shards if not plan.is_complete(s, rehash)]
         if missing:
@@ -181,8 +200,42 @@ def extract_fanout_flow(
     return {**outcome, "pipeline": {"flow_run": str(done.id), "queue": queues[0], "until": until}}
 
 
-def _fan_out(deployment: str, stage: str, shares: dict[str, list[str]], params: dict, log) -> dict:
-    """One run of `deployment` per queue with its share; waits until every one is final."""
+class SharesDone:
+    """The parent's own progress over every node's share: one progress artifact ("N of M shards", rows/s, time
+    left) on the parent's flow run, counted from the run folder, which every node writes into: a shard is done once
+    `done(shard)` holds (its manifest, under the plan's key). Checked at each poll, for the shards not done yet."""
+
+    def __init__(
+        self, shards: Iterable[Shard], shares: dict[str, list[str]], done: Callable[[Shard], bool], artifacts=True
+    ):
+        self.shards = list(shards)
+        self.waiting = {name for names in shares.values() for name in names}
+        self.done = done
+        self.progress: StageProgress | None = None
+        self.artifacts = artifacts
+
+    def start(self, stage: str) -> None:
+        self.progress = StageProgress(stage, self.shards, set(self.waiting), artifacts=self.artifacts)
+
+    def poll(self) -> None:
+        assert self.progress is not None
+        for shard in self.shards:
+            if shard.name in self.waiting and self.done(shard):
+                self.waiting.discard(shard.name)
+                self.progress.finish(shard.name)
+        self.progress.publish()
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.poll()
+            self.progress.close()
+
+
+def _fan_out(
+    deployment: str, stage: str, shares: dict[str, list[str]], params: dict, log, done: SharesDone | None = None
+) -> dict:
+    """One run of `deployment` per queue with its share; waits until every one is final, counting the shards done
+    (`done`) meanwhile."""
     log.info(f"{stage}: " + (", ".join(f"{len(names)} shards on {q}" for q, names in shares.items()) or "nothing"))
     name = params["config"]["name"]
     children = {
@@ -195,7 +248,13 @@ def _fan_out(deployment: str, stage: str, shares: dict[str, list[str]], params: 
         )
         for q, names in shares.items()
     }
-    return _wait(children, log)
+    if done is None:
+        return _wait(children, log)
+    done.start(stage)
+    try:
+        return _wait(children, log, done.poll)
+    finally:
+        done.close()
 
 
 def _check_nodes(finished: dict, shares: dict[str, list[str]], error: type[EyrieError]) -> None:
@@ -254,8 +313,8 @@ def _wait_shares_released(run: RunFolder, log, timeout_s: float = SHARES_RELEASE
                 time.sleep(0.5)
 
 
-def _wait(children: dict, log) -> dict:
-    """Poll the node runs until each is final; log each change of state."""
+def _wait(children: dict, log, on_poll: Callable[[], None] | None = None) -> dict:
+    """Poll the node runs until each is final; log each change of state; `on_poll` after each poll."""
     seen: dict[str, str] = {}
     with get_client(sync_client=True) as client:
         while True:
@@ -264,6 +323,8 @@ def _wait(children: dict, log) -> dict:
                 if seen.get(q) != fr.state.name:
                     seen[q] = fr.state.name
                     log.info(f"{fr.name} on {q}: {fr.state.name}")
+            if on_poll is not None:
+                on_poll()
             if all(fr.state.is_final() for fr in runs.values()):
                 return runs
             time.sleep(POLL_S)

@@ -188,3 +188,32 @@ def test_adding_a_node_is_one_line(tmp_path):
             assert after == before
     assert main(["--check-node", "gpu-node-3", "--prefect-file", str(grown)]) == 0
     assert main(["--check-node", "gpu-node-3"]) == 1
+
+
+def test_the_fan_out_parent_counts_every_nodes_shards_from_the_run_folder():
+    from eyrie.stages.prepare import Shard
+    from flows.fanout import SharesDone
+
+    shards = [Shard(i, 10 * i, 10 * i + 10, f"shard-{i:05d}", 0) for i in range(4)]
+    on_disk = {"shard-00000"}  # complete before the parent began: not in any share
+    shares = {"gpu-a": ["shard-00001", "shard-00002"], "gpu-b": ["shard-00003"]}
+    checked: list[str] = []
+
+    def done(shard):
+        checked.append(shard.name)
+        return shard.name in on_disk
+
+    parent = SharesDone(shards, shares, done, artifacts=False)
+    parent.start("extract")
+    parent.poll()
+    assert parent.progress.text().startswith("extract: 1 of 4 shards, 10 of 40 rows")
+    assert "shard-00000" not in checked  # only the shards the nodes were sent are looked at
+    on_disk |= {"shard-00001", "shard-00003"}  # two nodes' manifests written
+    parent.poll()
+    assert parent.progress.text().startswith("extract: 3 of 4 shards, 30 of 40 rows")
+    checked.clear()
+    parent.poll()
+    assert checked == ["shard-00002"]  # a shard seen done is not checked again
+    on_disk.add("shard-00002")
+    parent.close()  # the last count, as the nodes left the folder
+    assert parent.progress.percent() == 100.0 and "4 of 4 shards" in parent.progress.text()
