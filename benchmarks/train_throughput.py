@@ -21,7 +21,7 @@ this builds a synthetic run folder in the layout Eyrie's stages write, then meas
           process, `bare-nan` being the bare step as measured up to 2026-12-01.
   eyrie   the command `eyrie.stages.train.trainer.training_command()` builds from the Kimi preset pointed at the
   synthetic target,
-          run as Eyrie runs it (a subprocess with EYRIE_TRAIN_DEVICE), reading the hidden-state files; tokens/s
+          run as Eyrie runs it (a subprocess with its trainer-options.json), reading the hidden-state files; tokens/s
           between logged steps after warm-up (real tokens, as speculators counts them), the time from launch to
           the first step and where it went, GPU utilisation, clocks and CPU load sampled alongside. The same argv
           goes through `_bench_entry` (`--exact`: the command itself), whose hooks change nothing the trainer
@@ -29,7 +29,7 @@ this builds a synthetic run folder in the layout Eyrie's stages write, then meas
           host time per step and collector pauses every 25 steps, and with `--profile START,STEPS` a
           torch.profiler window analysed by `analyse_trace` (GPU busy and idle, kernel time by kind, host syncs,
           the largest idle gaps and what the training thread did meanwhile; the trace comes back gzipped).
-          `--off NAME` turns off one of eyrie.stages.train.entry's GPU switches (GPU_FEED, SYNC_FREE_METRICS, ...),
+          `--off NAME` turns off one of train.speed's choices (gpu_feed, sync_free_metrics, ...),
           `--on NAME` turns one on (DEFERRED_MASK_COMPILE, ONE_KV_LENGTH, EAGER_ROTARY, ONE_POINTWISE_CONFIG, ...),
           `--cold` empties the compile caches first; the measurement also gives how busy the cores were from launch
           to the first step (`startup_cpu_busy`).
@@ -196,10 +196,8 @@ def main() -> None:
     p.add_argument("--inmem", action="store_true", help="the trainer fed one batch from memory (no loader)")
     p.add_argument("--exact", action="store_true", help="Eyrie's command itself, without _bench_entry's hooks")
     p.add_argument("--profile", default="", help="START,STEPS: a torch.profiler window from step START")
-    p.add_argument(
-        "--off", action="append", default=[], help="an eyrie.stages.train.entry switch to turn off (GPU_FEED, ...)"
-    )
-    p.add_argument("--on", action="append", default=[], help="a switch to turn on (DEFERRED_MASK_COMPILE, ...)")
+    p.add_argument("--off", action="append", default=[], help="a train.speed choice to turn off (gpu_feed, ...)")
+    p.add_argument("--on", action="append", default=[], help="a train.speed choice to turn on (one_kv_length, ...)")
     p.add_argument(
         "--cold",
         action="store_true",

@@ -277,6 +277,85 @@ class VocabConfig(_Section):
     draft_vocab_size: int = Field(32000, ge=1, description="Capped at the target's vocabulary size.")
 
 
+class TrainSpeedConfig(_Section):
+    """How the trainer runs on GPUs: each choice trades start-up time against time per step, or costs nothing and
+    saves time. None changes what is learned beyond rounding; none applies on CPU. Figures: one H200 at Kimi-K2.5
+    width (docs/stages/train.md, Start-up and Speed)."""
+
+    gpu_feed: bool = Field(
+        True,
+        description="Batches copied to the GPU ahead of their step, on a stream of their own (~4.3 ms a step of "
+        "PCIe copy otherwise spent with the GPU idle). No start-up cost.",
+    )
+    feed_ahead: int = Field(
+        2, ge=1, description="With gpu_feed: batches on the GPU, or being copied there, ahead of the step."
+    )
+    pinned_loader: bool = Field(True, description="With gpu_feed: the loaders pin batches before they are copied.")
+    fp8_on_gpu: bool = Field(
+        True, description="With gpu_feed: fp8 hidden-state files reach the GPU as fp8 and are decoded there."
+    )
+    quiet_progress: bool = Field(
+        True, description="No progress bar in the trainer (its refresh thread competes with the step's launches)."
+    )
+    build_on_gpu: bool = Field(
+        True,
+        description="A fresh drafter is built on its GPU: saves ~16 s of each launch's start (its weights "
+        "initialised on the CPU, then moved). No per-step cost.",
+    )
+    forkserver_workers: bool = Field(
+        True,
+        description="Loader workers forked from a server started first thing: the first batch 2-3 s after the "
+        "loaders are built instead of 18-20 s. No per-step cost.",
+    )
+    sync_free_metrics: bool = Field(
+        True,
+        description="Accuracy counts and loss scalars made without synchronising the GPU: ~25.4k to ~31.5k "
+        "tokens/s. No start-up cost.",
+    )
+    clip_in_adamw: bool = Field(
+        True, description="The gradient clip applied by fused AdamW as it reads the gradients (one pass less)."
+    )
+    bf16_weights: bool = Field(
+        True,
+        description="One process: forward and backward on bfloat16 copies of the float32 weights, made once a step "
+        "(~10 ms of a 130 ms step). Not under DDP.",
+    )
+    deferred_mask_compile: bool = Field(
+        True,
+        description="Start-up: the first step builds the block mask eagerly while a background thread compiles its "
+        "builder: 13-16 s off the first step from a cold compile cache, tokens/s unchanged.",
+    )
+    one_kv_length: bool | Literal["auto"] = Field(
+        "auto",
+        description="Start-up: every TTT step's attention at one padded key length, one compile for all: ~20 s off "
+        "the first step from a cold compile cache, for 2.5-3% of tokens/s for the whole run. auto: on only when "
+        "the run's expected training time (below) is shorter than what it saves pays back (~12 min).",
+    )
+    eager_rotary: bool = Field(
+        True,
+        description="Start-up: the rotary tables made eagerly, no frame compiled for them: 3.0-4.9 s off a cold "
+        "first step, no measured per-step cost.",
+    )
+    one_pointwise_config: bool | Literal["auto"] = Field(
+        "auto",
+        description="Start-up: Inductor compiles one launch config per pointwise kernel instead of autotuning "
+        "2-6: ~7 s off a cold first step, for ~0.5% of tokens/s. auto: on only for a run expected to train "
+        "less than ~23 min. With the others on, the four start-up choices together: first step 46 s against 84 s "
+        "off, at 0.947 against 0.965 of the bare step (1.8%).",
+    )
+    warm_compile_workers: bool = Field(
+        False,
+        description="Start-up: Inductor's compile workers started before the heavy imports; no gain measured.",
+    )
+    assumed_tokens_per_s: float = Field(
+        32000,
+        gt=0,
+        description="For the auto choices: the training rate (tokens/s per GPU) assumed until this drafter's "
+        "trainer has measured its own (a resume uses the measured one). Expected training time: the steps left x "
+        "train.max_seq_len / this rate.",
+    )
+
+
 class TrainConfig(_Section):
     epochs: int = Field(3, ge=1, description="Epochs to train (the most, with stop_on_plateau).")
     lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
@@ -345,6 +424,11 @@ class TrainConfig(_Section):
         "$EYRIE_ONLINE_TMPFS) deleted once read, so nothing is kept on disk, at the price of one target forward "
         "pass per sample per epoch. The server and the trainer must share that tmpfs (one machine). Resumes "
         "like offline: from speculators' newest whole checkpoint, in the same data order.",
+    )
+    speed: TrainSpeedConfig = Field(
+        default_factory=TrainSpeedConfig,
+        description="GPU speed choices: each one's start-up saving and per-step cost (below); the trainer gets them "
+        "in its run folder's trainer-options.json.",
     )
 
 

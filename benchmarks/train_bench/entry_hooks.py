@@ -3,6 +3,7 @@ host time per step, a profiler window)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -26,6 +27,7 @@ def _memory_loaders(
     num_target_layers,
     preprocess,
     train_data_ratio=0.9,
+    gpu_feed=True,
     **_,
 ):
     """speculators' loaders replaced by one collated, pinned batch served from memory (same model, optimizer,
@@ -36,7 +38,7 @@ def _memory_loaders(
     from datasets import load_from_disk
     from speculators.train.data import CollateFn
 
-    from eyrie.stages.train.patches import feed, switches
+    from eyrie.stages.train.patches import feed
 
     class MemoryLoader:
         batch_sampler = None
@@ -49,9 +51,7 @@ def _memory_loaders(
 
         def __iter__(self):
             batches = (dict(self.batch) for _ in range(self.n))
-            if (
-                switches.GPU_FEED and torch.cuda.is_available()
-            ):  # as eyrie.stages.train.entry feeds speculators' loaders
+            if gpu_feed and torch.cuda.is_available():  # as eyrie.stages.train.entry feeds speculators' loaders
                 return feed._copied_ahead(batches, torch.device("cuda", 0))
             return batches
 
@@ -98,21 +98,19 @@ def _bench_entry(argv: list[str]) -> None:
     opts = json.loads(os.environ.pop("EYRIE_BENCH", "{}"))
     _mark("entry")
     import eyrie.stages.train.entry as entry  # light: its imports come inside main()
-    from eyrie.stages.train.patches import switches, workers
+    from eyrie.stages.train.options import OPTIONS_FLAG, TrainerOptions
+    from eyrie.stages.train.patches import workers
 
-    for name in opts.get("off", []):
-        assert isinstance(getattr(switches, name), bool), name
-        setattr(switches, name, False)
-    for name in opts.get("on", []):
-        assert isinstance(getattr(switches, name), bool), name
-        setattr(switches, name, True)
-    if switches.FORKSERVER_WORKERS and os.environ.get("EYRIE_TRAIN_DEVICE") != "cpu":
+    # the options file cmd_eyrie wrote (its --off/--on applied there), read as main() will read it
+    options = TrainerOptions.from_dict(json.loads(Path(argv[argv.index(OPTIONS_FLAG) + 1]).read_text()))
+    switches = options.switches
+    if switches.forkserver_workers and options.device != "cpu":
         workers._start_worker_server()  # where main() starts it, before the heavy imports (again there: a no-op)
-    if os.environ.get("EYRIE_TRAIN_DEVICE") != "cpu":
+    if options.device != "cpu":
         # as main() does before its imports: importing speculators sets TORCHINDUCTOR_CACHE_DIR to /tmp's default
         # when it is unset, and main()'s own call after the imports below would then leave it there
         entry._compile_cache_beside(entry._option(argv, "--save-path"))
-        if switches.WARM_COMPILE_WORKERS:  # where main() starts them, before the heavy imports (again there: a no-op)
+        if switches.warm_compile_workers:  # where main() starts them, before the heavy imports (again: a no-op)
             from eyrie.stages.train.patches.compile import _warm_compile_workers
 
             _warm_compile_workers()
@@ -124,7 +122,7 @@ def _bench_entry(argv: list[str]) -> None:
 
     _mark("speculators imported")
     if opts.get("inmem"):
-        cli.create_train_val_loaders = _memory_loaders
+        cli.create_train_val_loaders = functools.partial(_memory_loaders, gpu_feed=switches.gpu_feed)
 
     def timed(owner, attr: str, name: str) -> None:
         fn = getattr(owner, attr)

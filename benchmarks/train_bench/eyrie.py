@@ -83,11 +83,29 @@ def startup_cpu(sampler: GpuSampler, t0: float, t1: float, every_s: float = 2.0)
     return out
 
 
+def switched(cmd: list[str], off: list[str], on: list[str]) -> None:
+    """The trainer's options file (its --eyrie-options) with the train.speed choices `off` turned off and `on` turned
+    on (names as train.speed's fields; the upper-case names of earlier results are accepted)."""
+    from eyrie.stages.train.options import OPTIONS_FLAG, TrainerOptions
+
+    path = Path(cmd[cmd.index(OPTIONS_FLAG) + 1])
+    options = TrainerOptions.from_dict(json.loads(path.read_text()))
+    values = options.switches.to_dict()
+    for names, value in ((off, False), (on, True)):
+        for name in names:
+            if not isinstance(values.get(name.lower()), bool):
+                raise SystemExit(f"{name} is no on/off choice of train.speed: {sorted(values)}")
+            values[name.lower()] = value
+    options = TrainerOptions.from_dict({**options.to_dict(), "speed": values})
+    options.write(path)
+
+
 def cmd_eyrie(args, optimizer: str | None = None) -> dict:
     optimizer = optimizer or args.optimizer
     root = Path(args.root)
     cmd, save_path, info = eyrie_command(args, root, optimizer)
-    env = dict(os.environ, EYRIE_TRAIN_DEVICE=info["device"], PYTHONUNBUFFERED="1", COLUMNS="2000")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="2000")
+    switched(cmd, args.off, getattr(args, "on", []))
     if not args.exact:  # the same argv through eyrie.stages.train.entry.main, with _bench_entry's measuring hooks
         i = cmd.index("eyrie.stages.train.entry")
         cmd = [cmd[0], str(SCRIPT), "_bench_entry", *cmd[i + 1 :]]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -21,20 +22,21 @@ def cmd_loader(args) -> dict:
     from speculators.train import dataloader
     from speculators.train.config import TrainConfig
 
-    from eyrie.stages.train.patches import gpu, switches
+    from eyrie.stages.train.options import OPTIONS_FLAG, TrainerOptions
+    from eyrie.stages.train.patches import gpu
 
     d = dims(args)
     cmd, _, _ = eyrie_command(args, Path(args.root), args.optimizer)
     argv = cmd[cmd.index("eyrie.stages.train.entry") + 1 :]
-    for own in ("--eyrie-verifier-weights", "--eyrie-metrics"):  # the entry's own options
+    options = TrainerOptions.from_dict(json.loads(Path(argv[argv.index(OPTIONS_FLAG) + 1]).read_text()))
+    switches = options.switches.without(*(n.lower() for n in args.off))
+    for own in ("--eyrie-verifier-weights", "--eyrie-metrics", OPTIONS_FLAG):  # the entry's own options
         if own in argv:
             del argv[argv.index(own) : argv.index(own) + 2]
     a = argparse.Namespace(**TrainConfig.resolve(argv).flatten())
-    for name in args.off:
-        setattr(switches, name, False)
     cuda = torch.cuda.is_available()
     if cuda:
-        gpu._gpu_speedups()
+        gpu._gpu_speedups(switches)
     transfer = HiddenStatesBackend.registry[a.hidden_states_backend].from_train_args(a, a.data_path)
     t0 = time.perf_counter()
     train, _ = dataloader.create_train_val_loaders(

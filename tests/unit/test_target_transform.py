@@ -69,7 +69,6 @@ def speculators_restored(monkeypatch):
 
     monkeypatch.setattr(loading, "load_model_layers", loading.load_model_layers)
     monkeypatch.setattr(Eagle3DraftModel, "load_verifier_weights", Eagle3DraftModel.load_verifier_weights)
-    monkeypatch.delenv("EYRIE_TARGET_TRANSFORM", raising=False)
 
 
 def _drafter(path, t2d, d2t, device="cpu"):
@@ -187,23 +186,19 @@ def test_the_labels_are_the_targets_own_distribution(targets, family, device, sp
         assert torch.equal(state[name], plain_state[name]), name
 
 
-def test_a_switch_off_leaves_speculators_labels(targets, speculators_restored, monkeypatch):
-    """EYRIE_TARGET_TRANSFORM=0 (train.target_transform: false): the labels are speculators' own."""
-    from speculators.models.eagle3.core import Eagle3DraftModel
+def test_the_switch_off_is_read_from_the_options_file_and_leaves_speculators_labels(tmp_path):
+    """train.target_transform: false reaches the trainer in its options file (no environment variable), and the
+    entry installs the labels' transform only when it is on."""
+    import inspect
 
-    from eyrie.stages.train.patches.target_transform import TargetNorm, _apply_target_transform
-    from eyrie.stages.train.patches.verifier import _load_verifier_weights_by
-    from eyrie.target.metadata import resolve_borrowed_weights
+    from eyrie.stages.train import entry
+    from eyrie.stages.train.options import OPTIONS_FLAG, TrainerOptions, pop_options
 
-    path = targets["gpt-neox"]
-    cfg = json.loads((path / "config.json").read_text())
-    _load_verifier_weights_by(resolve_borrowed_weights(TargetConfig(model=str(path)), cfg).speculators_names())
-    monkeypatch.setenv("EYRIE_TARGET_TRANSFORM", "0")
-    load = Eagle3DraftModel.load_verifier_weights
-    _apply_target_transform()
-    assert Eagle3DraftModel.load_verifier_weights is load
-    _, t2d, d2t = _vocab(path)
-    assert not isinstance(_drafter(path, t2d, d2t).verifier_norm, TargetNorm)
+    path = TrainerOptions(device="cpu", target_transform=False).write(tmp_path / "trainer-options.json")
+    argv = ["--epochs", "1", OPTIONS_FLAG, str(path)]
+    assert pop_options(argv).target_transform is False and argv == ["--epochs", "1"]
+    assert pop_options([]).target_transform is True
+    assert "if options.target_transform:" in inspect.getsource(entry.main)
 
 
 def test_a_tensor_the_labels_need_missing_from_the_checkpoint_is_named(targets, tmp_path, speculators_restored):
@@ -225,9 +220,9 @@ def test_a_tensor_the_labels_need_missing_from_the_checkpoint_is_named(targets, 
     _load_verifier_weights_by(resolve_borrowed_weights(TargetConfig(model=str(path)), cfg).speculators_names())
     _, t2d, d2t = _vocab(path)
     drafter = _drafter(path, t2d, d2t)
-    with pytest.raises(ValueError, match=r"`lm_head.bias`.*EYRIE_TARGET_TRANSFORM=0"):
+    with pytest.raises(ValueError, match=r"`lm_head.bias`.*train.target_transform: false"):
         apply_target_transform(drafter, path)
-    with pytest.raises(ValueError, match=r"not a local folder with a config.json.*EYRIE_TARGET_TRANSFORM=0"):
+    with pytest.raises(ValueError, match=r"not a local folder with a config.json.*train.target_transform: false"):
         apply_target_transform(drafter, "some-org/some-model")  # a hub id: Eyrie gives the trainer a local snapshot
 
 

@@ -48,10 +48,64 @@ def _resolved(cmd: list[str]) -> dict:
     from speculators.train.config import TrainConfig
 
     argv = cmd[cmd.index("eyrie.stages.train.entry") + 1 :]
-    for own in ("--eyrie-verifier-weights", "--eyrie-metrics"):  # the entry consumes these itself
+    for own in ("--eyrie-verifier-weights", "--eyrie-metrics", "--eyrie-options"):  # the entry consumes these itself
         i = argv.index(own)
         del argv[i : i + 2]
     return TrainConfig.resolve(argv).flatten()
+
+
+def _options(cmd: list[str]) -> dict:
+    return json.loads(Path(_value(cmd, "--eyrie-options")).read_text())
+
+
+def test_the_trainer_gets_its_device_labels_and_speed_choices_in_a_file_not_the_environment(tmp_path):
+    """The device, train.target_transform and train.speed reach the trainer in the run folder's
+    trainer-options.json (`--eyrie-options`); its environment holds no EYRIE_ variable of the trainer's."""
+    from eyrie.stages.train.command import trainer_environment
+    from eyrie.stages.train.options import TrainerOptions
+
+    cmd = _command(tmp_path, "cuda", target_transform=False, speed={"gpu_feed": False, "one_kv_length": True})
+    options = _options(cmd)
+    assert Path(_value(cmd, "--eyrie-options")) == tmp_path / "run" / "train" / "k" / "trainer-options.json"
+    assert options["device"] == "cuda" and options["target_transform"] is False
+    assert options["speed"]["gpu_feed"] is False and options["speed"]["one_kv_length"] is True
+    assert TrainerOptions.from_dict(options).switches.gpu_feed is False
+    assert _options(_command(tmp_path, "cpu"))["device"] == "cpu"
+    config = parse_config(config_dict(tmp_path / "target"))
+    assert not [k for k in trainer_environment(config, "cuda", online=False) if k.startswith("EYRIE_TRAIN")]
+    with pytest.raises(ValueError, match="ONE_KV_LENGHT is no switch"):
+        TrainerOptions.from_dict({**options, "speed": {"ONE_KV_LENGHT": False}})
+
+
+def test_auto_start_up_choices_follow_the_expected_training_time(tmp_path):
+    """`auto`: a choice that saves seconds once and costs a share of every step is on for a short run, off for a run
+    of hours; a resume decides by the steps left at the rate the trainer measured; an explicit value wins."""
+    from eyrie.config import TrainConfig
+    from eyrie.stages.train.patches.switches import STARTUP_TRADES, decide, expected_training_s
+    from eyrie.stages.train.progress import METRICS
+    from eyrie.stages.train.trainer import launch_switches
+
+    speed = TrainConfig().speed
+    short, hours = decide(speed, 60.0), decide(speed, 3 * 3600.0)
+    assert short.one_kv_length and short.one_pointwise_config
+    assert not hours.one_kv_length and not hours.one_pointwise_config
+    assert hours.deferred_mask_compile and hours.eager_rotary  # no per-step cost: on whatever the length
+    assert decide(speed, None).one_kv_length  # length unknown: the start-up wins
+    for name, (saves, costs) in STARTUP_TRADES.items():
+        assert getattr(decide(speed, 0.9 * saves / costs), name)
+        assert not getattr(decide(speed, 1.1 * saves / costs), name)
+    assert decide(TrainConfig(speed={"one_kv_length": True}).speed, 1e6).one_kv_length
+    assert expected_training_s(100, 4096, None, 32000) == 100 * 4096 / 32000
+    # 3 epochs of 1,000 steps of 4096 tokens at the assumed 32k tokens/s: ~6.4 min (on); of 20,000: ~2 h (off)
+    train = TrainConfig(max_seq_len=4096)
+    work = tmp_path / "work"
+    work.mkdir()
+    assert launch_switches(train, 1000, 0, work / METRICS).one_kv_length
+    assert not launch_switches(train, 20000, 0, work / METRICS).one_kv_length
+    # a resume 10 steps short of the end is short, and a slow measured rate makes 1,000 steps long
+    assert launch_switches(train, 20000, 3 * 20000 - 10, work / METRICS).one_kv_length
+    (work / METRICS).write_text("".join(json.dumps({"profile/tokens_per_s": v}) + "\n" for v in (500, 400, 450)))
+    assert not launch_switches(train, 1000, 0, work / METRICS).one_kv_length
 
 
 def test_defaults_are_adamw_and_sparse_logging(tmp_path):

@@ -13,6 +13,8 @@ from eyrie.errors import EyrieError
 from eyrie.run.environment import child_environment
 from eyrie.stages.train.data import TrainingData
 from eyrie.stages.train.online import online_args
+from eyrie.stages.train.options import OPTIONS, OPTIONS_FLAG, TrainerOptions
+from eyrie.stages.train.patches.switches import Switches, decide
 from eyrie.stages.train.progress import METRICS, METRICS_FLAG
 from eyrie.target.drafter import draft_layer_config
 
@@ -69,6 +71,7 @@ def training_command(
     warm_start: Path | None = None,
     dry_run: bool = False,
     server_url: str | None = None,
+    switches: Switches | None = None,
 ) -> list[str]:
     """The trainer's command line. `data.target_facts` is what preflight decided about the target
     (`PreflightReport.target_facts`): the checkpoint names of the tensors the drafter borrows, which
@@ -77,7 +80,11 @@ def training_command(
     `server_url`: online hidden states (eyrie.stages.train.online) from the extraction server there; `hidden_dir` is
     then the
     server's tmpfs storage path. Without it the trainer reads files from `hidden_dir` and a missing one is an
-    error."""
+    error.
+
+    `switches`: train.speed resolved for this launch (`eyrie.stages.train.patches.switches.decide`; default: for a
+    run of unknown length). They, the device and train.target_transform go to the trainer in
+    `<save_path's folder>/trainer-options.json` (`--eyrie-options`)."""
     t = config.train
     if device == "cuda" and t.devices > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={t.devices}"]
@@ -157,6 +164,12 @@ def training_command(
         args += ["--draft-config", str(draft)]
     if t.loggers and not dry_run:  # one name per drafter: a resumed training continues its MLflow run, its events
         args += ["--run-name", f"{config.name}-{save_path.parent.name[:8]}"]
+    options = TrainerOptions(
+        device="cuda" if device == "cuda" else "cpu",
+        target_transform=t.target_transform,
+        switches=switches or decide(t.speed, None),
+    )
+    args += [OPTIONS_FLAG, str(options.write(save_path.parent / OPTIONS))]
     if dry_run:
         args.append("--dry-run")
     else:  # the metrics the flow's watcher and `eyrie status` read (eyrie/stages/train/progress.py)
@@ -219,19 +232,15 @@ def trainer_environment(
     config: PipelineConfig, device: str, online: bool, log_dir: Path | None = None
 ) -> dict[str, str]:
     """The trainer's environment: an allow-list of the flow's (eyrie/run/environment.py: no Prefect key, no hub
-    token), the device, whether the labels apply the target's own transform, online the variable
-    extraction.api_key_env names (its client reads the server's key there), and train.loggers' variables
-    (`logger_environment`, their files under `log_dir`)."""
+    token), online the variable extraction.api_key_env names (its client reads the server's key there), and
+    train.loggers' variables (`logger_environment`, their files under `log_dir`). The device and every other choice
+    reach the trainer in its options file (`training_command`), not here."""
     key_env = [config.extraction.api_key_env] if online and config.extraction.api_key_env else []
     loggers, logger_vars = logger_environment(config.train.loggers, log_dir or Path("logs"))
     return child_environment(
         {
             **loggers,
-            "EYRIE_TRAIN_DEVICE": device,
             "PYTHONUNBUFFERED": "1",
-            # train.target_transform: the labels made with the target's own transform, or speculators' own
-            # (eyrie/stages/train/patches/target_transform.py reads it)
-            "EYRIE_TARGET_TRANSFORM": "1" if config.train.target_transform else "0",
         },
         passed=key_env + logger_vars,
     )

@@ -1,20 +1,20 @@
 """`python -m eyrie.stages.train.entry ARGS` or `torchrun ... -m eyrie.stages.train.entry ARGS`: speculators' EAGLE-3
 trainer.
 
-On GPUs this is speculators' own entry point. With EYRIE_TRAIN_DEVICE=cpu it first patches the places where
-speculators 0.9.0 assumes an accelerator (the device it moves the model and batches to and resumes onto, pinned
-loader memory, `torch.accelerator.synchronize`, and the autocast device type), so the demo and CI train the same
-way a GPU node does. On GPUs it changes only what costs time: AdamW runs fused and applies the gradient clip itself,
-no step synchronises the GPU except logged ones (the trainer's counters, the model's accuracy counts and loss
-scalars are made without waiting), batches are copied to the GPU ahead of their step on a stream of their own, the
-progress bar is off, a fresh drafter is initialised on its GPU, data-loader workers (which only read files) are
-forked from a server started first thing, never initialising CUDA, and on one GPU forward and backward run on
-bfloat16 copies of the float32 weights made once a step (float32 master weights, gradients and optimizer state).
-Each lives in a module of eyrie/stages/train/patches/ behind a switch in patches/switches.py (GPU_FEED, ...), which
-benchmarks/train_throughput.py turns off (`--off NAME`) to measure it; $EYRIE_TRAIN_SWITCHES_OFF turns any off in a
-run. The start-up switches, on: DEFERRED_MASK_COMPILE (the first step builds the block mask eagerly, a background
-thread compiles its builder), ONE_KV_LENGTH, EAGER_ROTARY and ONE_POINTWISE_CONFIG (patches/startup.py); and
-WARM_COMPILE_WORKERS, off (docs/stages/train.md, Start-up).
+ARGS are speculators' own, plus Eyrie's: `--eyrie-options PATH` (the run folder's trainer-options.json,
+eyrie/stages/train/options.py: cpu or cuda, train.target_transform, and train.speed's choices resolved for this
+launch), `--eyrie-metrics`, `--eyrie-verifier-weights`, `--eyrie-plateau` and the online flags.
+
+On CPU it first patches the places where speculators 0.9.0 assumes an accelerator (the device it moves the model and
+batches to and resumes onto, pinned loader memory, `torch.accelerator.synchronize`, and the autocast device type), so
+the demo and CI train the same way a GPU node does. On GPUs it changes only what costs time, each behind a choice of
+train.speed (patches/switches.py): AdamW runs fused and applies the gradient clip itself, no step synchronises the
+GPU except logged ones, batches are copied to the GPU ahead of their step on a stream of their own, the progress bar
+is off, a fresh drafter is initialised on its GPU, data-loader workers are forked from a server started first thing,
+and on one GPU forward and backward run on bfloat16 copies of the float32 weights made once a step; the start-up
+choices (deferred_mask_compile, one_kv_length, eager_rotary, one_pointwise_config, warm_compile_workers) trade the
+cold start against tokens/s (docs/stages/train.md, Start-up). benchmarks/train_throughput.py turns any off
+(`--off NAME`) to measure it.
 torch.compile's cache goes beside the run's checkpoints, so a retry or resume finds its kernels compiled. Every save
 keeps the whole checkpoint it overwrites until the new one is whole (eyrie/stages/train/checkpoints.py).
 """
@@ -25,7 +25,7 @@ import json
 import os
 import sys
 
-from eyrie.stages.train.patches import switches
+from eyrie.stages.train.options import pop_options
 from eyrie.stages.train.patches.build import _train_in_float32
 from eyrie.stages.train.patches.cpu import _run_on_cpu
 from eyrie.stages.train.patches.gpu import _gpu_speedups
@@ -77,13 +77,14 @@ def _online_hidden_states(argv: list[str]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    switches.off_by_environment()
+    options = pop_options(argv)  # --eyrie-options: the device, the labels' transform, train.speed (options.py)
+    switches = options.switches
     record_metrics(argv)  # --eyrie-metrics: speculators' metric records also to a file the flow watches
-    if os.environ.get("EYRIE_TRAIN_DEVICE") != "cpu":
-        if switches.FORKSERVER_WORKERS:
+    if options.device != "cpu":
+        if switches.forkserver_workers:
             _start_worker_server()
         _compile_cache_beside(_option(argv, "--save-path"))
-        if switches.WARM_COMPILE_WORKERS:
+        if switches.warm_compile_workers:
             from eyrie.stages.train.patches.compile import _warm_compile_workers
 
             _warm_compile_workers()
@@ -101,12 +102,12 @@ def main(argv: list[str]) -> None:
 
     pack_reader.install()  # ... and reads packed storage (extraction.storage: packed); the GPU's install keeps it
     _online_hidden_states(argv)
-    if os.environ.get("EYRIE_TRAIN_DEVICE") == "cpu":
+    if options.device == "cpu":
         _run_on_cpu()
     else:
-        _gpu_speedups()
-    # the labels made with the target's own transform (EYRIE_TARGET_TRANSFORM, train.target_transform)
-    _apply_target_transform("--trust-remote-code" in argv)
+        _gpu_speedups(switches)
+    if options.target_transform:  # the labels made with the target's own transform (train.target_transform)
+        _apply_target_transform("--trust-remote-code" in argv)
     from speculators.train.cli import main as train
     from speculators.train.config import TrainConfig
 

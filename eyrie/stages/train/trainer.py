@@ -134,6 +134,22 @@ def resume_notes(train: TrainConfig, work: Path, device: str) -> list[str]:
     return notes
 
 
+def launch_switches(train: TrainConfig, spe: int, global_step: int, metrics: Path):
+    """train.speed resolved for this launch (`eyrie.stages.train.patches.switches.decide`): its `auto` choices by
+    the training time left, the steps left (one rank's) at the rate this drafter's earlier launches measured (the
+    median of their logged steps' tokens/s, in `metrics`), or at train.speed.assumed_tokens_per_s before any did."""
+    import statistics
+
+    from eyrie.stages.train.patches.switches import decide, expected_training_s
+
+    rows = read_rows(metrics)[0]
+    speeds = [r["profile/tokens_per_s"] for r in rows if isinstance(r.get("profile/tokens_per_s"), (int, float))]
+    speeds = [v for v in speeds if v > 0]
+    rate = statistics.median(speeds) if speeds else None
+    left = spe * train.epochs - global_step
+    return decide(train.speed, expected_training_s(left, train.max_seq_len, rate, train.speed.assumed_tokens_per_s))
+
+
 def steps_per_epoch(seq_lens: list[int], total_seq_len: int, train_ratio: float) -> int:
     """Approximate packed batches per epoch (speculators packs samples up to total_seq_len tokens)."""
     n = int(len(seq_lens) * train_ratio)
@@ -186,15 +202,6 @@ def run_training(
         dropped = clean(data.hidden_dir)  # requests a killed trainer left in flight: nobody will read them
         if dropped[0]:
             log(f"removed {dropped[0]} unread hidden-state files ({dropped[1]} bytes) left by an earlier trainer")
-    cmd = training_command(
-        config,
-        data,
-        save_path,
-        freq,
-        device,
-        warm_start,
-        server_url=server_url if online else None,
-    )
     # speculators saves `interrupted/` on SIGTERM but never resumes from it (it resumes from the newest numbered
     # checkpoint, as Eyrie reports); left there, it only draws a warning on every later launch.
     shutil.rmtree(save_path / "interrupted", ignore_errors=True)
@@ -208,6 +215,17 @@ def run_training(
             config.train, out_dir, key, save_path, device, work / "train.log", resumed_from, data.data_dir, notes
         )
     state = read_json(resumed_from / "training_state.json") if resumed_from else None
+    switches = launch_switches(config.train, spe, (state or {}).get("global_step") or 0, work / METRICS)
+    cmd = training_command(
+        config,
+        data,
+        save_path,
+        freq,
+        device,
+        warm_start,
+        server_url=server_url if online else None,
+        switches=switches,
+    )
     log(
         f"training on {device} ({spe} steps/epoch, checkpoint every {freq:g} epoch)"
         + (f"; resuming from {resumed_from} (global step {state and state.get('global_step')})" if resumed_from else "")
@@ -312,7 +330,7 @@ def untrained_drafter(config: PipelineConfig, out_dir: Path, key: str, data: Tra
     shutil.rmtree(staging, ignore_errors=True)
     # Initialising needs no accelerator: always on CPU, one process.
     cmd = training_command(config, data, staging, 1.0, "cpu", dry_run=True)
-    r = subprocess.run(cmd, capture_output=True, text=True, env=child_environment({"EYRIE_TRAIN_DEVICE": "cpu"}))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=child_environment({}))
     if r.returncode != 0:
         raise EyrieError(f"could not initialise the untrained drafter:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
     os.replace(staging, path)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 
-from eyrie.stages.train.patches import switches
+from eyrie.stages.train.patches.switches import Switches
 
 
-def _copied_ahead(batches, device):
+def _copied_ahead(batches, device, ahead: int = 2, fp8_on_gpu: bool = True):
     """Iterate `batches` (a data loader's iterator) with every tensor already on `device`. A thread takes each batch
-    from the loader and copies it on a CUDA stream of its own, up to FEED_AHEAD batches ahead; the step's stream
-    waits for that copy alone (an event), and each tensor is marked as used by the step's stream so its memory is
-    not reused before the step is done with it."""
+    from the loader and copies it on a CUDA stream of its own, up to `ahead` batches ahead (train.speed.feed_ahead);
+    the step's stream waits for that copy alone (an event), and each tensor is marked as used by the step's stream so
+    its memory is not reused before the step is done with it."""
     import queue
     import threading
 
@@ -20,7 +20,7 @@ def _copied_ahead(batches, device):
     from eyrie.hidden_states.gpu_decode import decode_batch
 
     copy_stream = torch.cuda.Stream(device)
-    ready = queue.Queue(maxsize=switches.FEED_AHEAD)  # type: ignore[var-annotated]
+    ready = queue.Queue(maxsize=ahead)  # type: ignore[var-annotated]
     stop = threading.Event()
     done = object()
 
@@ -42,7 +42,7 @@ def _copied_ahead(batches, device):
                         k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                         for k, v in batch.items()
                     }
-                    if switches.FP8_ON_GPU:
+                    if fp8_on_gpu:
                         moved = decode_batch(moved)
                     copied = torch.cuda.Event()
                     copied.record(copy_stream)
@@ -72,7 +72,7 @@ def _copied_ahead(batches, device):
         thread.join(timeout=60)  # the thread ends once the batch it is waiting for arrives
 
 
-def _feed_the_gpu_ahead() -> None:
+def _feed_the_gpu_ahead(switches: Switches | None = None) -> None:
     """speculators copies each batch to the GPU inside the step (`.to(non_blocking=True)` from pinned memory, on
     the step's own stream), so the ~235 MB of hidden states a packed Kimi-K2.5 batch holds crosses PCIe while the
     GPU computes nothing (4.3 ms a step on an H200), and a batch late from the loader stalls the step. Its
@@ -81,13 +81,16 @@ def _feed_the_gpu_ahead() -> None:
     import torch
     from speculators.train import dataloader
 
+    switches = switches or Switches()
+
     class GpuFedLoader(dataloader.DataLoader):  # type: ignore[name-defined,misc]
         def __init__(self, *args, **kwargs):
-            if not switches.PINNED_LOADER:
+            if not switches.pinned_loader:
                 kwargs["pin_memory"] = False
             super().__init__(*args, **kwargs)
 
         def __iter__(self):
-            return _copied_ahead(super().__iter__(), torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            return _copied_ahead(super().__iter__(), device, switches.feed_ahead, switches.fp8_on_gpu)
 
     dataloader.DataLoader = GpuFedLoader

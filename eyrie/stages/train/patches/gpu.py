@@ -1,11 +1,11 @@
-"""speculators on GPUs: only what costs time changes, each change behind a switch (switches.py)."""
+"""speculators on GPUs: only what costs time changes, each change behind a switch (switches.py, train.speed)."""
 
 from __future__ import annotations
 
-from eyrie.stages.train.patches import switches
+from eyrie.stages.train.patches.switches import Switches
 
 
-def _gpu_speedups() -> None:
+def _gpu_speedups(switches: Switches | None = None) -> None:
     import torch
     from speculators.train import dataloader, trainer
 
@@ -17,6 +17,7 @@ def _gpu_speedups() -> None:
     from eyrie.stages.train.patches.workers import _fork_workers_from_a_server, _worker_init
     from eyrie.stages.train.patches.working_weights import _bf16_working_weights
 
+    switches = switches or Switches()
     dataloader._worker_init_fn = _worker_init  # looked up when the loaders are built
 
     build = trainer.build_optimizers
@@ -59,39 +60,39 @@ def _gpu_speedups() -> None:
 
     trainer.torch = _Torch("torch")
 
-    if switches.CLIP_IN_ADAMW:
+    if switches.clip_in_adamw:
         _clip_inside_fused_adamw()
-    if switches.GPU_FEED:
-        _feed_the_gpu_ahead()
-        if switches.FP8_ON_GPU:
+    if switches.gpu_feed:
+        _feed_the_gpu_ahead(switches)
+        if switches.fp8_on_gpu:
             from eyrie.hidden_states import gpu_decode
 
             gpu_decode.install()
-    if switches.QUIET_PROGRESS:
+    if switches.quiet_progress:
         # speculators draws a rich progress bar (tqdm.rich) over every loader on rank 0: a refresh thread competing
         # for the GIL with the thread that launches the step's kernels, for a bar that lands in a log file as noise.
         # Loss, tokens/s and the step phases are logged every --log-freq steps anyway.
         trainer.tqdm = lambda iterable, *args, **kwargs: iterable
-    if switches.BUILD_ON_GPU:
+    if switches.build_on_gpu:
         _build_on_gpu()
-    if switches.FORKSERVER_WORKERS:
+    if switches.forkserver_workers:
         _fork_workers_from_a_server()
-    if switches.SYNC_FREE_METRICS:
+    if switches.sync_free_metrics:
         _accuracy_without_sync()
         _loss_scalars_without_sync()
-    if switches.BF16_WEIGHTS:
+    if switches.bf16_weights:
         _bf16_working_weights()
-    if switches.DEFERRED_MASK_COMPILE:
+    if switches.deferred_mask_compile:
         _block_mask_compiled_after_the_first_step()
-    if switches.EAGER_ROTARY:
+    if switches.eager_rotary:
         from eyrie.stages.train.patches.startup import _rotary_tables_eager
 
         _rotary_tables_eager()
-    if switches.ONE_POINTWISE_CONFIG:
+    if switches.one_pointwise_config:
         from eyrie.stages.train.patches.startup import _one_pointwise_config
 
         _one_pointwise_config()
-    if switches.ONE_KV_LENGTH:  # last: it wraps the forward and mask builder the patches above put in place
+    if switches.one_kv_length:  # last: it wraps the forward and mask builder the patches above put in place
         from eyrie.stages.train.patches.one_kv_length import _one_kv_length
 
         _one_kv_length()

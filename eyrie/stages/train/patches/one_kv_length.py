@@ -104,7 +104,7 @@ def _one_kv_length() -> None:
             if filled > total:
                 raise RuntimeError(
                     f"eyrie: the padded cache holds {total} positions but the TTT steps wrote {filled}; "
-                    "turn the ONE_KV_LENGTH switch off (eyrie.stages.train.patches.switches) and report it"
+                    "set train.speed.one_kv_length: false and report it"
                 )
             return _padded(keys, total), _padded(values, total)
 

@@ -1,61 +1,86 @@
-"""The GPU changes' switches: each is on for GPU training; benchmarks/train_throughput.py turns them off
-(`--off NAME`) to measure what each buys."""
+"""The GPU trainer's speed choices (`train.speed`, eyrie.config.TrainSpeedConfig) resolved for one launch: `Switches`,
+decided by the flow (`decide`, from the run's expected training time) and handed to the trainer in its run folder's
+trainer-options.json (eyrie.stages.train.options); benchmarks/train_throughput.py turns any off (`--off NAME`) to
+measure what it buys.
+
+The start-up choices and their measured trades (one H200 at Kimi-K2.5 width, from a cold compile cache,
+docs/stages/train.md, Start-up): with deferred_mask_compile, one_kv_length, eager_rotary and one_pointwise_config on,
+the first step came 44.1-55.2 s after launch at 0.929-0.936 of the bare step (2026-12-03), 94.7 s with all four off.
+one_kv_length saves ~20 s once for 2.5-3% of tokens/s; one_pointwise_config ~7 s once for ~0.5%; the other two cost
+no tokens/s measurably. `auto` turns a choice with a per-step cost on only when the run's expected training time
+times that cost is less than the start-up it saves.
+"""
 
 from __future__ import annotations
 
-GPU_FEED = True
-QUIET_PROGRESS = True
-BUILD_ON_GPU = True
-FORKSERVER_WORKERS = True
-PINNED_LOADER = True  # with GPU_FEED: the loader pins batches (its pin-memory thread) before they are copied
-SYNC_FREE_METRICS = True
-CLIP_IN_ADAMW = True
-BF16_WEIGHTS = True  # forward and backward on bfloat16 copies of the float32 weights, made once a step
-FP8_ON_GPU = True  # with GPU_FEED: fp8 hidden-state files reach the GPU as fp8 and are decoded there (gpu_decode.py)
-FEED_AHEAD = 2  # batches on the GPU, or being copied there, ahead of the step that takes them
-# The start-up switches. With DEFERRED_MASK_COMPILE, ONE_KV_LENGTH, EAGER_ROTARY and ONE_POINTWISE_CONFIG on, the
-# first step from a cold compile cache on one H200 at Kimi-K2.5 width came 55.2, 44.1, 45.3 (bf16) and 44.7 s (fp8)
-# after launch on two machines, and 49.3 s as the defaults on a third, at 0.929-0.936 of the bare step, with the
-# image's bytecode compiled (2026-12-03; 56.5-66.7 s before, when every trainer compiled torch's compiler from
-# source); 94.7 s with all four off. So they are on. ONE_KV_LENGTH costs 2.5-3% of tokens/s for about 20 s of the
-# start: a run of more than ~15 minutes of training loses more GPU time to it than it saves, so
-# EYRIE_TRAIN_SWITCHES_OFF=ONE_KV_LENGTH turns it off (any switch of this module, comma-separated;
-# `off_by_environment`). docs/stages/train.md, Start-up, has each one's figures.
-# The block mask built eagerly until a background thread has compiled its builder (patches/compile.py), FX tracing
-# made per-thread so that thread cannot race the training thread (no crash in 12 cold runs on an H200); tokens/s
-# unchanged with it alone (33,552 vs 33,331, an earlier call)
-DEFERRED_MASK_COMPILE = True
-# every TTT step's attention at one padded key length, one compile for all (one_kv_length.py): about 20 s of the cold
-# start, for 2.5-3% of tokens/s (0.929-0.953 of the bare step against 0.963-0.969 without it)
-ONE_KV_LENGTH = True
-# Inductor's compile workers started before the heavy imports instead of at the first compiled frame (compile.py):
-# off, no gain measured (first step 68.8 / 70.2 s with it, 67.7 s without, fp8, same machine)
-WARM_COMPILE_WORKERS = False
-# the rotary embedding's cos/sin tables made eagerly, no frame compiled for them (startup.py): that frame was 3.0-4.9 s
-# of a cold first step's compiling, for a table of microseconds a step
-EAGER_ROTARY = True
-# Inductor compiles one launch config per pointwise Triton kernel (its untuned heuristic) instead of autotuning 2-6,
-# each compiled and timed at the first launch (startup.py). With EAGER_ROTARY, on top of the two above: compiling
-# 31.5 s against 41.6 s and the first step 56.5 s against 63.9 s in the same call; 0.926-0.928 of the bare step
-# against 0.932 (another call)
-ONE_POINTWISE_CONFIG = True
+import dataclasses
+from dataclasses import dataclass
 
-OFF_ENV = "EYRIE_TRAIN_SWITCHES_OFF"
+# choice -> (seconds it saves once, at the cold start; share of tokens/s it costs for the whole run)
+STARTUP_TRADES: dict[str, tuple[float, float]] = {
+    "one_kv_length": (20.0, 0.0275),
+    "one_pointwise_config": (7.0, 0.005),
+}
 
 
-def off_by_environment(environ=None) -> list[str]:
-    """Turn off the switches $EYRIE_TRAIN_SWITCHES_OFF names (comma-separated); the names turned off. A name that is
-    no switch of this module is refused, so a typo is not a switch silently left on."""
-    import os
+@dataclass(frozen=True)
+class Switches:
+    """One launch's choices, resolved (no `auto`): the fields of train.speed less assumed_tokens_per_s."""
 
-    value = (os.environ if environ is None else environ).get(OFF_ENV, "")
-    names = [n.strip() for n in value.split(",") if n.strip()]
-    known = {k for k, v in globals().items() if k.isupper() and isinstance(v, bool)}
-    unknown = sorted(set(names) - known)
-    if unknown:
-        raise SystemExit(
-            f"{OFF_ENV} names {', '.join(unknown)}, which is no switch; the switches: {', '.join(sorted(known))}"
-        )
-    for name in names:
-        globals()[name] = False
-    return names
+    gpu_feed: bool = True
+    feed_ahead: int = 2
+    pinned_loader: bool = True
+    fp8_on_gpu: bool = True
+    quiet_progress: bool = True
+    build_on_gpu: bool = True
+    forkserver_workers: bool = True
+    sync_free_metrics: bool = True
+    clip_in_adamw: bool = True
+    bf16_weights: bool = True
+    deferred_mask_compile: bool = True
+    one_kv_length: bool = True
+    eager_rotary: bool = True
+    one_pointwise_config: bool = True
+    warm_compile_workers: bool = False
+
+    @classmethod
+    def from_dict(cls, values: dict) -> Switches:
+        """From trainer-options.json; a name that is no switch is refused (a typo is not a switch left as is)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(
+                f"{', '.join(unknown)} is no switch of the trainer; the switches: {', '.join(sorted(names))}"
+            )
+        return cls(**values)
+
+    def without(self, *names: str) -> Switches:
+        """These switches off (benchmarks/train_throughput.py's `--off`); an unknown name is refused."""
+        return dataclasses.replace(self, **{n: False for n in names}) if names else self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def auto_on(name: str, expected_s: float | None) -> bool:
+    """Whether `auto` turns the start-up choice `name` on for a run expected to train `expected_s` seconds: on when
+    what it costs over the run is less than what it saves once, or when the length is unknown."""
+    saves, costs = STARTUP_TRADES[name]
+    return expected_s is None or expected_s * costs < saves
+
+
+def decide(speed, expected_s: float | None) -> Switches:
+    """`speed` (a TrainSpeedConfig) resolved for a run expected to train `expected_s` seconds (None: unknown)."""
+    values = {}
+    for field in dataclasses.fields(Switches):
+        value = getattr(speed, field.name)
+        values[field.name] = auto_on(field.name, expected_s) if value == "auto" else value
+    return Switches(**values)
+
+
+def expected_training_s(
+    steps_left: int, max_seq_len: int, tokens_per_s: float | None, assumed_tokens_per_s: float
+) -> float:
+    """Seconds of training left: `steps_left` packed steps of `max_seq_len` tokens at the rate this drafter's trainer
+    measured (`tokens_per_s`), or at the assumed one before it has."""
+    return max(0, steps_left) * max_seq_len / (tokens_per_s or assumed_tokens_per_s)

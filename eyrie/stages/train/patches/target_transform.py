@@ -23,20 +23,19 @@ The embedding scale is not applied: vLLM's EAGLE-3 drafter embeds tokens with an
 shared embedding; the scale lives in the target's forward), so the unscaled table in training is what serving
 feeds the drafter.
 
-`EYRIE_TARGET_TRANSFORM=0` in the trainer's environment leaves speculators' labels as they are
-(`train.target_transform: false`, eyrie/stages/train/command.py).
+`train.target_transform: false` (the trainer's options file, eyrie/stages/train/options.py) leaves speculators'
+labels as they are.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
-ENV = "EYRIE_TARGET_TRANSFORM"
+OFF = "train.target_transform: false"
 
 
 class TargetNorm(nn.Module):
@@ -98,8 +97,8 @@ def _read(
         if key is None:
             raise ValueError(
                 f"the target's labels need its tensor `{name}`, which the checkpoint in {path} does not hold "
-                f"(looked for it and for one tensor sharing its dotted tail); set {ENV}=0 "
-                "(train.target_transform: false) to train with speculators' labels"
+                f"(looked for it and for one tensor sharing its dotted tail); set {OFF} "
+                "to train with speculators' labels"
             )
         if not files[key].is_file():
             raise ValueError(
@@ -122,8 +121,7 @@ def apply_target_transform(model, verifier: str | Path, trust_remote_code: bool 
     if not (path / "config.json").is_file():
         raise ValueError(
             f"the drafter's verifier {verifier} is not a local folder with a config.json, so the labels cannot be "
-            f"made with the target's own transform; give the trainer the target's folder, or set {ENV}=0 "
-            "(train.target_transform: false)"
+            f"made with the target's own transform; give the trainer the target's folder, or set {OFF}"
         )
     target = TargetConfig(model=str(path), trust_remote_code=trust_remote_code)
     meta = _meta_model(target, json.loads((path / "config.json").read_text()))
@@ -166,9 +164,8 @@ def apply_target_transform(model, verifier: str | Path, trust_remote_code: bool 
 
 def _apply_target_transform(trust_remote_code: bool = False) -> None:
     """speculators' Eagle3DraftModel, each time it loads its verifier's weights (a fresh drafter, a warm start, a
-    resume), then makes its labels the target's own (`apply_target_transform`), unless EYRIE_TARGET_TRANSFORM=0."""
-    if os.environ.get(ENV) == "0":
-        return
+    resume), then makes its labels the target's own (`apply_target_transform`). The entry calls it only with
+    train.target_transform on."""
     from speculators.models.eagle3.core import Eagle3DraftModel
 
     load = Eagle3DraftModel.load_verifier_weights
