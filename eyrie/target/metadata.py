@@ -21,7 +21,7 @@ from pathlib import Path
 from eyrie.config import TargetConfig
 from eyrie.errors import ConfigError, DataError
 from eyrie.run.files import sha256_json
-from eyrie.run.identity import STAGES, drafter_identity, folder_identity, key, sampled_fingerprint
+from eyrie.run.identity import STAGES, drafter_identity, folder_identity, key
 from eyrie.target.hub import hub_commit
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -150,11 +150,6 @@ def mask_token_id(tokenizer, vocab_size: int) -> int | None:
     return next(
         (t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) if t is not None), None
     )
-
-
-def weights_fingerprint(path: Path) -> str:
-    """One weight file's identity without reading it all (`eyrie.run.identity.sampled_fingerprint`)."""
-    return sampled_fingerprint(path)
 
 
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
