@@ -15,6 +15,8 @@ from prefect.states import Completed, State
 
 from eyrie.config import PipelineConfig
 from eyrie.errors import EyrieError
+from eyrie.ops.tracking import check as check_tracking
+from eyrie.ops.tracking import enabled as tracking_enabled
 from eyrie.run.files import read_json, sha256_json
 from eyrie.run.folder import RunFolder
 from eyrie.run.manifest import finished_manifest
@@ -45,6 +47,7 @@ from tasks.export import ExportJob, export_task
 from tasks.preflight import preflight_task
 from tasks.promote import promote_task
 from tasks.serving import start_server_task, stop_server_task, stop_unused_servers_task
+from tasks.tracking import track_run_task
 from tasks.train import TrainingData, TrainJob, UntrainedJob, train_task, untrained_drafter_task
 from tasks.vocab import vocab_task
 
@@ -54,6 +57,7 @@ from tasks.vocab import vocab_task
 def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = "evaluate") -> dict:
     """Run every stage up to and including `until` (evaluate: the whole pipeline)."""
     log = get_run_logger()
+    check_tracking(config.tracking)  # a tracker that is on can export, said before any stage runs
     run = RunFolder(run_dir)
     run.ensure()
     with run.lock(), own_process_group(run):
@@ -261,6 +265,14 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
             *evaluation.get("warnings", []),  # a drafter not clearly better than its baseline (issue 25 item 2)
         ],
     }
+    if tracking_enabled(config.tracking):  # to MLflow / W&B (eyrie.ops.tracking); one that fails: a run warning
+        gap, draft_tokens, measured = (
+            evaluation["train_serve_gap"],
+            evaluation.get("draft_tokens"),
+            evaluation.get("markdown", []),
+        )
+        markdown = _summary_markdown(config, outputs, summary, gap, draft_tokens, measured)
+        outputs["warnings"] += track_run_task(config, str(run.root), outputs, markdown)
     for warning in outputs["warnings"]:
         log.warning(warning)
     create_markdown_artifact(
