@@ -16,8 +16,8 @@ run exports (`collect`):
 - artifacts: the exported drafter folder (config and weights), the summary (markdown and JSON), the config as YAML,
   and the run's manifests and training metrics file.
 
-One finished run is one tracked run: the run is known by its identity (the run folder and the keys of what it
-trained, exported and evaluated, `identity`), kept as a tag. An export finds the tracked run of that identity and
+One finished run is one tracked run: the run is known by its identity (the keys of what it trained, exported and
+evaluated, `identity`), kept as a tag. An export finds the tracked run of that identity and
 does nothing when it is complete, continues it when an earlier export was cut short, and starts one only when there
 is none, so re-running a finished run does not duplicate it. `<run>/tracking.json` records where each run went.
 
@@ -193,11 +193,11 @@ def evaluation_metrics(run: RunFolder) -> list[tuple[str, float, int, int]]:
 
 
 def identity(run: RunFolder) -> str:
-    """One finished run: its folder and the keys of what it trained, exported and evaluated."""
+    """One finished run: the keys of what it trained, exported and evaluated (a moved run folder keeps it; two
+    folders with the same keys hold interchangeable drafters and evaluations, the keys' promise)."""
     evaluation = read_json(run.manifest("evaluate")) or {}
     return sha256_json(
         [
-            str(run.root),
             (read_json(run.manifest("train")) or {}).get("key"),
             (read_json(run.manifest("export")) or {}).get("key"),
             sorted((label, r.get("key")) for label, r in (evaluation.get("results") or {}).items()),

@@ -265,6 +265,10 @@ def test_a_rerun_of_the_same_run_makes_no_second_tracked_run(tmp_path, store, mo
     assert len(client.get_metric_history(again.info.run_id, "train/loss")) == 2  # each point once
     assert "drafter/model.safetensors" in _artifacts(client, again.info.run_id)
 
+    # A moved run folder is the same run.
+    moved = RunFolder(shutil.move(run.root, tmp_path / "moved"))
+    assert track(moved, config, OUTPUTS, SUMMARY).notes == third.notes
+    run = moved
     # Another drafter trained in the same folder is another tracked run.
     atomic_write_json(run.manifest("export"), {"stage": "export", "key": "another", "drafter": "drafter"})
     track(run, config, OUTPUTS, SUMMARY)
@@ -329,3 +333,85 @@ def test_mlflow_on_without_a_tracking_uri_is_refused_before_the_run(tmp_path, mo
         check(config.tracking)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.internal:5000")
     check(config.tracking)
+
+
+class _FakeWandb:
+    """What `eyrie.ops.tracking.export_wandb` calls of the wandb package, recorded: the mapping from a run folder
+    to W&B's calls is what is checked here (W&B's own client is not in the test extra)."""
+
+    def __init__(self):
+        self.inits: list[dict] = []
+        self.logged: list[tuple[int, dict]] = []
+        self.summary: dict = {}
+        self.artifacts: list = []
+        self.finished = 0
+        self.fail: Exception | None = None
+
+    def init(self, **kwargs):
+        if self.fail:
+            raise self.fail
+        self.inits.append(kwargs)
+        fake = self
+
+        class Run:
+            url = f"https://wandb.example/runs/{kwargs['id']}"
+            summary = self.summary
+
+            def log(self, data, step):
+                fake.logged.append((step, data))
+
+            def log_artifact(self, artifact):
+                fake.artifacts.append(artifact)
+
+            def finish(self):
+                fake.finished += 1
+
+        return Run()
+
+    class Artifact:
+        def __init__(self, name, type):
+            self.name, self.type, self.dirs, self.files = name, type, [], []
+
+        def add_dir(self, path):
+            self.dirs.append(sorted(p.relative_to(path).as_posix() for p in Path(path).rglob("*") if p.is_file()))
+
+        def add_file(self, path, name):
+            self.files.append(name)
+
+
+def test_wandb_gets_the_same_run_once_as_one_resumable_run(tmp_path, monkeypatch):
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    run = finished_run(tmp_path / "run")
+    config = config_for(tmp_path, wandb=True, wandb_project="drafters", run_name="weekly")
+    tracked = track(run, config, OUTPUTS, SUMMARY)
+    ident = tracking.identity(run)
+    assert tracked.warnings == [] and tracked.notes == [f"wandb: exported as run {ident}"]
+    [init] = fake.inits
+    assert (init["project"], init["name"], init["id"], init["resume"]) == ("drafters", "weekly", ident, "allow")
+    assert init["config"]["config"]["train.lr"] == "0.0003" and init["notes"] == SUMMARY
+    assert init["config"]["provenance"]["eyrie.target.revision"] == REVISION
+    steps = [step for step, _ in fake.logged]
+    assert steps == sorted(steps) == [0, 22, 30, 44]  # W&B's history only grows: in step order
+    assert (
+        dict(fake.logged)[30]["train/loss"] == 0.3 and dict(fake.logged)[44]["val/predicted_acceptance_length"] == 3.14
+    )
+    assert not [k for _, row in fake.logged for k in row if k.startswith("eval/")]  # in the summary instead
+    assert fake.summary["eval/trained/acceptance_length"] == 3.209 and fake.summary["warnings"] == 1
+    model, summary = fake.artifacts
+    assert model.type == "model" and model.dirs == [["config.json", "model.safetensors"]]
+    assert summary.type == "run-summary" and "run/train/metrics.jsonl" in summary.files
+    assert sorted(summary.dirs[0]) == ["summary/config.yaml", "summary/outputs.json", "summary/summary.md"]
+    assert fake.finished == 1
+    assert json.loads((run.root / RECORD).read_text())["wandb"]["run_id"] == ident
+
+    # Again: recorded complete, nothing sent.
+    assert track(run, config, OUTPUTS, SUMMARY).notes == [
+        f"wandb: this run was already exported (run {ident}); nothing sent again"
+    ]
+    assert len(fake.inits) == 1
+    # A refused login is a warning of the finished run.
+    (run.root / RECORD).unlink()
+    fake.fail = PermissionError("api key refused")
+    [warning] = track(run, config, OUTPUTS, SUMMARY).warnings
+    assert warning.startswith("run tracking: this run was not exported to W&B (api key refused)")
