@@ -12,14 +12,17 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prefect import flow
 
-from eyrie.config import parse_config
+from eyrie.config import PipelineConfig, parse_config
 from eyrie.errors import ConfigError
 from eyrie.ops import tracking
 from eyrie.ops.tracking import IDENTITY_TAG, RECORD, check, enabled, track
 from eyrie.run.files import atomic_write_json
 from eyrie.run.folder import RunFolder
 from eyrie.stages.train.progress import METRICS, MetricsFile
+from flows.pipeline import completion
+from tasks.tracking import track_run_task
 
 TRAIN_KEY = "37a2bed29fbcc94a70be4804"
 REVISION = "0123456789abcdef0123456789abcdef01234567"
@@ -415,3 +418,24 @@ def test_wandb_gets_the_same_run_once_as_one_resumable_run(tmp_path, monkeypatch
     fake.fail = PermissionError("api key refused")
     [warning] = track(run, config, OUTPUTS, SUMMARY).warnings
     assert warning.startswith("run tracking: this run was not exported to W&B (api key refused)")
+
+
+@flow(name="eyrie-tracking-probe")
+def _finished_flow(config: PipelineConfig, run_dir: str, summary: str):
+    """The pipeline's last lines: the export task's warnings join the run's before its completion."""
+    outputs = {"run_dir": run_dir, "warnings": list(OUTPUTS["warnings"])}
+    outputs["warnings"] += track_run_task(config, run_dir, outputs, summary)
+    return completion(outputs)
+
+
+@pytest.mark.usefixtures("flow_api")
+def test_in_the_flow_a_tracker_that_is_down_leaves_the_run_completed_with_the_warning(tmp_path):
+    run = finished_run(tmp_path / "run")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = config_for(tmp_path, mlflow=True, mlflow_tracking_uri=f"http://127.0.0.1:{port}")
+    state = _finished_flow(config, str(run.root), SUMMARY, return_state=True)
+    assert state.is_completed() and state.message.startswith("Completed with 2 warning(s)")
+    [warning] = state.result()["warnings"][1:]
+    assert warning.startswith(f"run tracking: this run was not exported to MLflow at http://127.0.0.1:{port}")
