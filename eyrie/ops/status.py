@@ -144,12 +144,16 @@ def _shard_seconds(folder) -> tuple[int, float]:
 
 
 def stage_times(run: RunFolder) -> dict[str, str]:
-    """Time per stage, where the run folder records it: the shards' own seconds (extraction's and regeneration's,
-    summed over shards, so workers in parallel add up), the trainer's time since its launch, and each server's
-    start."""
+    """Time per stage, where the run folder records it, in the stages' order: a stage's own seconds in its manifest
+    (the last time it ran), the shards' own seconds (extraction's and regeneration's, summed over shards, so workers
+    in parallel add up), and the trainer's time since its launch."""
     from eyrie.stages.train.progress import TRAINER, trainer_running
 
     out = {}
+    for stage in RUN_FOLDER_STAGES:
+        seconds = (read_json(run.manifest(stage)) or {}).get("seconds")
+        if isinstance(seconds, (int, float)):
+            out[stage] = _duration(seconds)
     for stage, folder in (("regenerate", run.stage("regenerate") / "shards"), ("extract", run.shard_manifests)):
         n, seconds = _shard_seconds(folder)
         if n:
@@ -162,7 +166,7 @@ def stage_times(run: RunFolder) -> dict[str, str]:
                 out["train"] = f"{_duration(time.time() - plan['started_at'])} since the trainer's launch"
             elif isinstance(plan.get("seconds"), (int, float)):
                 out["train"] = f"{_duration(plan['seconds'])} (the last launch)"
-    return out
+    return {stage: out[stage] for stage in RUN_FOLDER_STAGES if stage in out}
 
 
 def _duration(seconds: float) -> str:

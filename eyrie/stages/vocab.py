@@ -7,6 +7,7 @@ speculators' own `build_vocab_mappings_from_distribution` (most frequent first, 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from eyrie.errors import ConfigError
@@ -46,6 +47,7 @@ def build_vocab(
 
     if manifest := finished_manifest(out_dir / "manifest.json", key):
         return manifest
+    started = time.monotonic()
     if draft_vocab_size > target_vocab_size:
         raise ConfigError(
             f"vocab.draft_vocab_size {draft_vocab_size} is larger than the target's vocabulary "
@@ -74,6 +76,7 @@ def build_vocab(
         "loss_token_coverage": round(kept / total, 6) if total else None,
         "from_drafter": str(base) if base else None,
         "files": list_files(out_dir, (d2t_path, t2d_path)),
+        "seconds": round(time.monotonic() - started, 1),  # the stage's own time (`eyrie status`)
     }
     fault_point("vocab.before-manifest")
     atomic_write_json(out_dir / "manifest.json", manifest)

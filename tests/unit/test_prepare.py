@@ -257,12 +257,14 @@ def test_prepare_is_deterministic_and_keyed(tmp_path, target):
     assert key == prepare_key(target, data)
     m1 = prepare(target, data, tmp_path / "a", key=key)
     m2 = prepare(target, data, tmp_path / "b")
+    took = m1.pop("seconds")
+    assert took >= 0 and m2.pop("seconds") >= 0  # each run's own time (`eyrie status`)
     assert m1 == m2 and m1["num_samples"] == 20 and m1["key"] == key
     assert (tmp_path / "a" / "shards.json").read_bytes() == (tmp_path / "b" / "shards.json").read_bytes()
     assert load_dataset_rows(tmp_path / "a", 0, 20) == load_dataset_rows(tmp_path / "b", 0, 20)
     # A finished stage with the same key is reused as is.
     before = (tmp_path / "a" / "manifest.json").stat().st_mtime_ns
-    assert prepare(target, data, tmp_path / "a", key=key) == m1
+    assert prepare(target, data, tmp_path / "a", key=key) == {**m1, "seconds": took}
     assert (tmp_path / "a" / "manifest.json").stat().st_mtime_ns == before
     # What is read and how it is cut are part of the key.
     assert prepare_key(target, _data(DEMO_DATA, max_samples=20, shard_size=4)) != key

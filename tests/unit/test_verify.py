@@ -236,3 +236,13 @@ def test_verify_takes_a_rotted_checkpoint_out_of_the_next_runs_resume(run, capsy
     assert newest_whole_checkpoint(ckpts) == first
     assert SingleGPUCheckpointer(ckpts).previous_epoch == 0  # speculators' own choice agrees
     assert main(["verify", "--run-dir", str(run.root)]) == 0  # nothing vouches for the rotted file any more
+
+
+def test_status_gives_each_stages_time_in_the_stages_order(run):
+    manifest = read_json(run.manifest("vocab"))
+    atomic_write_json(run.manifest("vocab"), {**manifest, "seconds": 4.2})
+    times = run_status(run)["times"]
+    assert list(times) == ["extract", "vocab"] and times["vocab"] == "4 s", times
+    assert times["extract"].endswith("of shard work over 2 shards")
+    text = format_status(run_status(run))
+    assert re.search(r"time per stage:\n  extract .*\n  vocab +4 s", text), text

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +53,7 @@ def prepare(target: TargetConfig, data: DataConfig, out_dir: Path, key: str | No
     key = key or prepare_key(target, data)
     if manifest := finished_manifest(out_dir / "manifest.json", key):
         return manifest
-
+    started = time.monotonic()
     tokenizer = load_tokenizer(target)
     stats = PrepareStats()
     ids, masks, eval_rows, lines = [], [], [], []
@@ -107,6 +108,7 @@ def prepare(target: TargetConfig, data: DataConfig, out_dir: Path, key: str | No
         "vocab_size": len(tokenizer),
         "stats": stats.as_dict(),
         "files": list_files(staging, files_under(staging)),
+        "seconds": round(time.monotonic() - started, 1),  # the stage's own time (`eyrie status`)
     }
     atomic_write_json(staging / "manifest.json", manifest)
     fault_point("prepare.before-publish")
