@@ -32,6 +32,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -62,6 +63,8 @@ PACKAGES = {
 }
 MLFLOW_BATCH = {"metrics": 1000, "params": 100, "tags": 100}  # MLflow's own limits per log_batch
 PARAM_CHARS = 6000  # MLflow's longest parameter value
+NOTE_CHARS = 5000  # the run's description (a tag), within every MLflow server's tag limit
+NAME_CHARACTERS = re.compile(r"[^/\w.\- ]")  # what MLflow refuses in a parameter's or metric's name
 PROBE_TIMEOUT_S = 10.0
 
 
@@ -341,6 +344,19 @@ def collect(
 # MLflow
 
 
+def mlflow_name(key: str) -> str:
+    """A parameter's or metric's name as MLflow takes it: a character it refuses becomes `_`."""
+    return NAME_CHARACTERS.sub("_", key)
+
+
+def note(markdown: str) -> str:
+    """The run summary as the run's description: whole when it fits, else its beginning and where the rest is."""
+    if len(markdown) <= NOTE_CHARS:
+        return markdown
+    tail = "\n\n... (the whole summary: the artifact `summary/summary.md`)"
+    return markdown[: NOTE_CHARS - len(tail)] + tail
+
+
 def _batches(items: list, size: int) -> Iterable[list]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
@@ -414,17 +430,17 @@ def export_mlflow(export: RunExport, tracking: TrackingConfig) -> dict:
             experiment_id, run_name=export.name, tags={IDENTITY_TAG: export.identity}
         ).info.run_id
     try:
-        params = [Param(k, v) for k, v in export.params.items()]
+        params = [Param(mlflow_name(k), v) for k, v in export.params.items()]
         tags = [RunTag(k, v) for k, v in export.tags.items()]
         if export.description:  # the run's description in MLflow's UI
-            tags.append(RunTag("mlflow.note.content", export.description))
+            tags.append(RunTag("mlflow.note.content", note(export.description)))
         for batch in _batches(params, MLFLOW_BATCH["params"]):
             client.log_batch(run_id, params=batch)
         for batch in _batches(tags, MLFLOW_BATCH["tags"]):
             client.log_batch(run_id, tags=batch)
         # The times are the data's own: an export continued after a cut logs the same points again, which the
         # store keeps once.
-        metrics = [Metric(k, v, ts, step) for k, v, step, ts in export.metrics]
+        metrics = [Metric(mlflow_name(k), v, ts, step) for k, v, step, ts in export.metrics]
         for batch in _batches(metrics, MLFLOW_BATCH["metrics"]):
             client.log_batch(run_id, metrics=batch)
         with tempfile.TemporaryDirectory(prefix="eyrie-tracking-") as tmp:

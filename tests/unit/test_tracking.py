@@ -278,6 +278,21 @@ def test_a_rerun_of_the_same_run_makes_no_second_tracked_run(tmp_path, store, mo
     assert len(_runs(store)) == 2
 
 
+def test_a_long_summary_and_a_name_mlflow_refuses_do_not_stop_the_export(tmp_path, store):
+    run = finished_run(tmp_path / "run")
+    _log_metrics(run.train / TRAIN_KEY / METRICS, [(50, {"profile": {"p@50_ms": 12.5}})])
+    config = config_for(tmp_path, mlflow=True, mlflow_tracking_uri=store)
+    long = SUMMARY + "\n" + "| prompt set | category | acceptance |\n" * 400  # a report of many sets and categories
+    assert track(run, config, OUTPUTS, long).warnings == []
+    [mlrun] = _runs(store)
+    assert mlrun.data.metrics["profile/p_50_ms"] == 12.5
+    description = mlrun.data.tags["mlflow.note.content"]
+    assert description.startswith(SUMMARY) and description.endswith("the artifact `summary/summary.md`)")
+    client = _client(store)
+    whole = Path(client.download_artifacts(mlrun.info.run_id, "summary/summary.md", str(tmp_path / "dl")))
+    assert whole.read_text() == long + "\n"
+
+
 def test_a_tracking_server_that_is_down_is_a_warning_saying_what_to_run(tmp_path, store, capsys):
     run = finished_run(tmp_path / "run")
     with socket.socket() as s:  # a port nothing listens on
