@@ -568,7 +568,7 @@ def track(
             out.notes.append(f"{name}: exported as run {result['run_id']}")
         out.runs[name] = result
         record[name] = result
-    if out.runs:
+    if out.runs and record != read_json(run.root / RECORD):  # unchanged: the run folder is left as it is
         atomic_write_json(run.root / RECORD, record)
     return out
 

@@ -260,7 +260,9 @@ def test_a_rerun_of_the_same_run_makes_no_second_tracked_run(tmp_path, store, mo
     # The rerun completes that run; the next finds it complete and sends nothing.
     second = track(run, config, OUTPUTS, SUMMARY)
     assert second.warnings == [] and second.notes == [f"mlflow: exported as run {mlrun.info.run_id}"]
+    recorded = (run.root / RECORD).stat().st_mtime_ns
     third = track(run, config, OUTPUTS, SUMMARY)
+    assert (run.root / RECORD).stat().st_mtime_ns == recorded  # nothing new: the run folder left as it is
     assert third.notes == [f"mlflow: this run was already exported (run {mlrun.info.run_id}); nothing sent again"]
     [again] = _runs(store)
     assert again.info.run_id == mlrun.info.run_id and again.info.status == "FINISHED"
