@@ -25,7 +25,12 @@ KEEP = ("config.json", "model.safetensors", "config.py")
 
 
 def flags_vllm_reads() -> set[str]:
-    """The speculators config keys the installed vLLM's EAGLE-3 config adapter reads."""
+    """The speculators config keys the EAGLE-3 config adapter of the vLLM that serves reads: this environment's, or
+    asked of the interpreter $EYRIE_VLLM_PYTHON names (`eyrie.run.vllm_python.probe`), never imported here then."""
+    from eyrie.run.vllm_python import one_environment, probe
+
+    if not one_environment():
+        return set(probe("drafter_flags")["flags"])
     from vllm.transformers_utils.configs.speculators import algos
 
     return set(re.findall(r'config_dict\.get\(\s*"(\w+)"', Path(algos.__file__).read_text()))

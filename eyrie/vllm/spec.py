@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +14,8 @@ from eyrie.config import is_loopback
 from eyrie.errors import ExtractionError
 from eyrie.hidden_states.encoding import ENV as HIDDEN_STATES_DTYPE_ENV
 from eyrie.run.environment import child_environment
+from eyrie.run.vllm_python import vllm_cpu_build as run_vllm_cpu_build
+from eyrie.run.vllm_python import vllm_python
 from eyrie.vllm.plugin import CONNECTOR_NAME
 from eyrie.vllm.plugin.auth import MIDDLEWARE as AUTH_MIDDLEWARE
 
@@ -149,8 +150,10 @@ class ServerSpec:
         return key
 
     def command(self, port: int) -> list[str]:
-        # `python -m` because the `vllm` console script fails under the vllm-cpu distribution name.
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.arguments(port)]
+        """The server's command line, run by the interpreter that runs vLLM ($EYRIE_VLLM_PYTHON, else this one:
+        `eyrie.run.vllm_python`). `python -m` because the `vllm` console script fails under the vllm-cpu
+        distribution name."""
+        return [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", *self.arguments(port)]
 
     def arguments(self, port: int) -> list[str]:
         """The server's arguments, as `vllm serve` parses them (preflight parses them with the installed vLLM)."""
@@ -247,16 +250,9 @@ class ServingSpec(ServerSpec):
 
 
 def vllm_cpu_build() -> bool:
-    """The installed vLLM is its CPU build: the `vllm-cpu` distribution, or a source build versioned `+cpu`."""
-    from importlib import metadata
-
-    for name in ("vllm-cpu", "vllm"):
-        try:
-            version = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-        return name == "vllm-cpu" or "+cpu" in version
-    return False
+    """The vLLM that runs the servers is its CPU build: the `vllm-cpu` distribution, or a source build versioned
+    `+cpu`, in the environment of the interpreter that runs them (`eyrie.run.vllm_python`)."""
+    return run_vllm_cpu_build()
 
 
 def free_port(host: str) -> int:

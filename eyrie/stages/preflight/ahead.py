@@ -37,8 +37,11 @@ def _import_all() -> None:
 
 
 def import_ahead() -> None:
-    """Start importing preflight's modules in a daemon thread (once)."""
-    if "thread" not in _STATE:
+    """Start importing preflight's modules in a daemon thread (once); nothing when vLLM runs in another environment
+    ($EYRIE_VLLM_PYTHON: preflight asks it through a probe, and this process never imports vLLM)."""
+    from eyrie.run.vllm_python import one_environment
+
+    if "thread" not in _STATE and one_environment():
         _STATE["thread"] = thread = threading.Thread(target=_import_all, name="eyrie-preflight-imports", daemon=True)
         thread.start()
 

@@ -18,6 +18,14 @@ from eyrie.errors import ConfigError, PreflightError
 from eyrie.hidden_states.encoding import check_config as check_hidden_states_dtype
 from eyrie.hidden_states.proof import aux_refusal, recurrent_state_refusal
 from eyrie.run.folder import RunFolder
+from eyrie.run.vllm_python import (
+    VllmEnvironmentError,
+    check_vllm_environment,
+    one_environment,
+    probe,
+    vllm_python,
+    vllm_version,
+)
 from eyrie.stages.evaluate import evaluation_sets, template_variant_warnings, template_variants
 from eyrie.stages.preflight.ahead import wait_for_imports_ahead
 from eyrie.stages.preflight.installed_vllm import (
@@ -168,6 +176,52 @@ def check_target(config: PipelineConfig, serve: bool) -> PreflightReport:
     return report
 
 
+def check_target_through_probe(config: PipelineConfig, serve: bool) -> PreflightReport:
+    """`check_target` run by the interpreter that runs vLLM (`EYRIE_VLLM_PYTHON`, another environment than this
+    one), so this process never imports vLLM: the same checks on the vLLM the servers will run."""
+    answer = probe("check_target", {"config": config.model_dump(mode="json"), "serve": serve})
+    return PreflightReport(**answer["report"])
+
+
+def unchecked_report(config: PipelineConfig, failures: list[str]) -> PreflightReport:
+    """The report when the interpreter that runs vLLM cannot be asked (`check_vllm_environment`'s `failures`): the
+    target was not checked, and no verdict is kept."""
+    reason = f"not checked: the vLLM of {vllm_python()} cannot run Eyrie's servers"
+    return PreflightReport(
+        "?",
+        None,
+        "unsupported",
+        reason,
+        None,
+        0,
+        0,
+        0,
+        [],
+        [],
+        vllm_version() or "none",
+        config.max_model_len,
+        failures=list(failures),
+    )
+
+
+def target_verdict(config: PipelineConfig, run_dir: Path, serve: bool) -> PreflightReport:
+    """The verdict on the target, vLLM and the config: the passing one kept in `run_dir` under the same key, else
+    checked (in this process with one environment, else by the vLLM interpreter) and kept when it passes."""
+    key = verdict_key(config, serve)
+    report = load_verdict(run_dir, key)
+    if report is None and not serve:  # a verdict that checked serving too holds for a run that does not serve
+        report = load_verdict(run_dir, verdict_key(config, serve=True))
+    if report is not None:
+        return report
+    try:
+        report = check_target(config, serve) if one_environment() else check_target_through_probe(config, serve)
+    except VllmEnvironmentError as err:  # the probe failed there: its error is the verdict
+        return unchecked_report(config, [str(err)])
+    if not report.failures:
+        save_verdict(run_dir, key, report)
+    return report
+
+
 def run_preflight(
     config: PipelineConfig,
     run_dir: Path,
@@ -184,14 +238,11 @@ def run_preflight(
     The verdict on the target, vLLM and the config is a keyed result: a run folder holding a passing verdict under
     the same key (`eyrie.stages.preflight.verdict`) reuses it and imports no vLLM. The node's checks run every time."""
     wait_for_imports_ahead()  # vLLM may be being imported already (ahead.py): never two importers at once
-    key = verdict_key(config, serve)
-    report = load_verdict(run_dir, key)
-    if report is None and not serve:  # a verdict that checked serving too holds for a run that does not serve
-        report = load_verdict(run_dir, verdict_key(config, serve=True))
-    if report is None:
-        report = check_target(config, serve)
-        if not report.failures:
-            save_verdict(run_dir, key, report)
+    environment_failures = check_vllm_environment()  # the interpreter that runs vLLM: nothing else is asked of it
+    if environment_failures:
+        report = unchecked_report(config, environment_failures)
+    else:
+        report = target_verdict(config, run_dir, serve)
     failures = list(report.failures)
     report.revisions = {"target": config.target.revision, "data": config.data.revision}
     report.hidden_states = config.train.hidden_states
@@ -213,7 +264,7 @@ def run_preflight(
     failures += check_online_tmpfs(
         config.train, config.data, config.extraction, run_dir, len(report.captured_layer_ids), hidden
     )
-    if config.promotion.dir and config.promotion.warm_start:
+    if config.promotion.dir and config.promotion.warm_start and report.captured_layer_ids:
         current = current_version(Path(config.promotion.dir))
         if current is not None:
             failures += check_base(current, verifier_name(config.target.model), config.vocab.draft_vocab_size, aux_ids)

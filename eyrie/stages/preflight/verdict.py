@@ -23,6 +23,7 @@ from eyrie.config import PipelineConfig
 from eyrie.run.files import atomic_write_json, read_json, sha256_file, sha256_json
 from eyrie.run.folder import STAMP
 from eyrie.run.identity import VERDICTS, key
+from eyrie.run.vllm_python import one_environment, vllm_environment
 from eyrie.stages.preflight.report import PreflightReport
 from eyrie.target.metadata import file_identity
 
@@ -30,6 +31,8 @@ VERDICT = "preflight-verdict.json"
 # The variables the checks read (eyrie.stages.preflight.target: the compatibility layer's switch; the test hook that
 # hides a class's EAGLE-3 interface; installed_vllm: vLLM's model-runner switch, which the servers inherit).
 ENVIRONMENT = ("EYRIE_EAGLE3_COMPAT", "EYRIE_TEST_HIDE_EAGLE3", "VLLM_USE_V2_MODEL_RUNNER")
+# What the verdict holds of the vLLM interpreter's environment when it is not this one (eyrie.run.vllm_env_facts).
+VLLM_ENVIRONMENT_FACTS = ("python", "vllm", "vllm_distribution", "cpu_build", "libraries", "eyrie_source")
 # The code whose decisions the verdict records: a change of any of it checks again.
 _EYRIE = Path(__file__).resolve().parents[2]
 CHECK_SOURCES = (
@@ -61,7 +64,10 @@ def verdict_key(config: PipelineConfig, serve: bool) -> str:
     """The verdict's key: the whole config, since its declaration (`VERDICTS["preflight"]`) keys whole sections."""
     decl = VERDICTS["preflight"]
     files = {kind: file_identity(kind, config.target) for kind in decl.files}
-    environment = {name: os.environ.get(name) for name in ENVIRONMENT}
+    environment: dict = {name: os.environ.get(name) for name in ENVIRONMENT}
+    if not one_environment():  # the checks run in the vLLM interpreter's environment: what it holds counts
+        facts = vllm_environment()
+        environment["vllm_environment"] = {k: facts.get(k) for k in VLLM_ENVIRONMENT_FACTS}
     return key("preflight", config, files, serve=serve, checks=checks_identity(), environment=environment)
 
 
