@@ -22,12 +22,14 @@ from eyrie.run.folder import RunFolder
 from eyrie.run.manifest import finished_manifest
 from eyrie.stages import UNTIL
 from eyrie.stages.evaluate import (
+    VALIDATION,
     draft_tokens_key,
     evaluate_key,
     evaluation_sets,
     gap_sentence,
     gap_warning,
     template_variants,
+    validation_prompts,
 )
 from eyrie.stages.export import export_key
 from eyrie.stages.extract import online_plan
@@ -192,6 +194,11 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
         results = []
         sweep = config.evaluate.sweep_draft_tokens
         sets, variants = evaluation_sets(config), template_variants(config)  # read before any server starts
+        # The validation conversations' own prompts, served apart: what the train/serve gap compares validation with.
+        own = validation_prompts(
+            data_dir, run.prepare / "conversations.jsonl", config.train.val_fraction, config.evaluate.num_prompts
+        )
+        sets = {**sets, VALIDATION: own} if own else sets
         for label, drafter, server_dir, identity in drafters:
             served = replace(spec, drafter=str(drafter)).output_identity()
             key = evaluate_key(config, label, identity, prompts, served, sets)
@@ -327,6 +334,21 @@ def _gap_flag(row: dict, gap: dict) -> str:
     return ""
 
 
+def _gap_table(gap: dict) -> list[str]:
+    """The gap's rows; the held-out prompts' acceptance beside, when the gap was served on the validation prompts."""
+    beside = any("held_out" in r for r in gap["rows"])
+    head = "| position | validation | served | gap |" + (" held-out prompts |" if beside else "")
+    return [
+        head,
+        "|---|---|---|---|" + ("---|" if beside else ""),
+        *(
+            f"| {r['position']} | {r['validation']} | {r['served']} | {r['gap']}{_gap_flag(r, gap)} |"
+            + (f" {r.get('held_out', '-')} |" if beside else "")
+            for r in gap["rows"]
+        ),
+    ]
+
+
 def _draft_token_markdown(report: dict | None) -> list[str]:
     if not report:
         return []
@@ -371,12 +393,7 @@ def _summary_markdown(
             "",
             gap_sentence(gap),  # said from the rows and flags of the table below
             "",
-            "| position | validation | served | gap |",
-            "|---|---|---|---|",
-            *(
-                f"| {r['position']} | {r['validation']} | {r['served']} | {r['gap']}{_gap_flag(r, gap)} |"
-                for r in gap["rows"]
-            ),
+            *_gap_table(gap),
             "",
             *(measured or []),
             *_draft_token_markdown(draft_tokens),

@@ -46,7 +46,7 @@ from eyrie.stages.evaluate.draft_tokens import (
     plot_draft_tokens,
     throughput_rows,
 )
-from eyrie.stages.evaluate.gap import gap_sentence, gap_warning, train_serve_gap
+from eyrie.stages.evaluate.gap import gap_sentence, gap_warning, measured_gap, train_serve_gap
 from eyrie.stages.evaluate.intervals import (
     CLEARLY_BETTER_Z,
     FLOOR,
@@ -65,7 +65,14 @@ from eyrie.stages.evaluate.schedule import (
     best_k_per_concurrency,
     vllm_has_batch_size_schedule,
 )
-from eyrie.stages.evaluate.sets import HELD_OUT, by_category, evaluation_sets, prompt_rows
+from eyrie.stages.evaluate.sets import (
+    HELD_OUT,
+    VALIDATION,
+    by_category,
+    evaluation_sets,
+    prompt_rows,
+    validation_prompts,
+)
 from eyrie.stages.evaluate.variants import (
     TemplateVariant,
     template_variant_warnings,
@@ -78,6 +85,7 @@ __all__ = [
     "CLEARLY_BETTER_Z",
     "FLOOR",
     "HELD_OUT",
+    "VALIDATION",
     "PER_REQUEST_METRICS",
     "SCHEDULE_FIELD",
     "TemplateVariant",
@@ -103,6 +111,7 @@ __all__ = [
     "mean_estimate",
     "measure",
     "measure_throughput",
+    "measured_gap",
     "paired_difference",
     "plot_draft_tokens",
     "prompt_rows",
@@ -118,6 +127,7 @@ __all__ = [
     "train_serve_gap",
     "training_variants",
     "variant_coverage",
+    "validation_prompts",
     "variant_set_name",
     "vllm_has_batch_size_schedule",
     "vllm_has_per_request_metrics",

@@ -12,6 +12,11 @@ from eyrie.stages.evaluate.intervals import request_statistics
 # reported apart, per prompt category where the file has one.
 
 HELD_OUT = "held-out"
+# The prompts of the conversations the trainer validates on, served apart: the train/serve gap compares validation
+# with vLLM's acceptance on these, the same conversations (eyrie.stages.evaluate.gap). The held-out prompts are
+# another population: split by a hash of each prompt, a prompt repeated in the data lands whole on one side, and a
+# kind of prompt can be held out entirely (the demo's "Name three colors.").
+VALIDATION = "train-validation"
 
 
 def prompt_rows(path: Path, name: str, category_field: str = "category", limit: int | None = None) -> list[dict]:
@@ -65,7 +70,7 @@ def evaluation_sets(config, root: Path | None = None) -> dict[str, list[dict]]:
 
     out: dict[str, list[dict]] = {}
     for s in getattr(config.evaluate, "prompt_sets", None) or []:
-        if s.name == HELD_OUT or s.name in out:
+        if s.name in (HELD_OUT, VALIDATION) or s.name in out:
             raise ConfigError(f"evaluate.prompt_sets: the name {s.name!r} is taken; give each set a name of its own")
         path = Path(s.path)
         if not path.is_absolute() and root is not None:
@@ -83,3 +88,27 @@ def by_category(requests: list[dict], categories: list[str | None]) -> dict[str,
     for r, c in zip(requests, categories, strict=True):
         groups.setdefault(c if c is not None else "(none)", []).append(r)
     return {c: request_statistics(rs) for c, rs in sorted(groups.items())}
+
+
+def validation_prompts(data_dir: Path, conversations: Path, val_fraction: float, limit: int) -> list[dict]:
+    """The prompts of the conversations the trainer validates on (the last `val_fraction` of the rows of
+    `data_dir/dataset`, split as speculators splits them: `int(len * (1 - val_fraction))`), each cut before its first
+    assistant turn, at most `limit`, as the rows of a named evaluation set; `conversations`: the conversations
+    row-aligned with that dataset (prepare's `conversations.jsonl`). Empty when there is no validation split or the
+    conversations do not line up with the dataset's rows (regeneration lost some): the gap then falls back to the
+    held-out prompts."""
+    from eyrie.stages.evaluate.coverage import _seq_lens
+
+    seq_lens = _seq_lens(Path(data_dir) / "dataset")
+    if not seq_lens or val_fraction <= 0 or not Path(conversations).is_file():
+        return []
+    lines = [line for line in Path(conversations).read_text().splitlines() if line.strip()]
+    if len(lines) != len(seq_lens):
+        return []
+    out = []
+    for line in lines[int(len(seq_lens) * (1 - val_fraction)) :][:limit]:
+        messages = json.loads(line)["messages"]
+        first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+        if first:
+            out.append({"messages": messages[:first], "category": None})
+    return out
