@@ -1,7 +1,12 @@
 """Count the attributes of other packages (speculators, torch, hs_connectors, transformers) that the train entry's
-code replaces at run time: every assignment `name.attr... = value` (and `setattr(name, ...)`) whose root `name` was
-imported from one of those packages, in the files the entry runs (eyrie/stages/train and the hidden-state readers it
-installs). Run: `.venv/bin/python benchmarks/train_swaps.py [--list]`."""
+code replaces at run time: every assignment `name.attr... = value` (and `setattr(name, ...)`, and a registry entry
+`X.registry[k] = ...`) whose root `name` was imported from one of those packages, in the files the entry runs
+(eyrie/stages/train). Run:
+`.venv/bin/python benchmarks/train_swaps.py [--list]`.
+
+48 at the commit that added this script (the entry then also called eyrie/hidden_states/pack_reader.py's and
+gpu_decode.py's `install()`, 4 of them, counted with `FILES + HIDDEN_STATES`); the entry composed from speculators'
+parts calls neither: its loaders pick those readers directly (eyrie/stages/train/loaders.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +16,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FOREIGN = ("speculators", "torch", "hs_connectors", "transformers")
-FILES = [
-    *sorted((ROOT / "eyrie/stages/train").rglob("*.py")),
-    ROOT / "eyrie/hidden_states/pack_reader.py",
-    ROOT / "eyrie/hidden_states/gpu_decode.py",
-    ROOT / "eyrie/hidden_states/encoding.py",
-]
+FILES = sorted((ROOT / "eyrie/stages/train").rglob("*.py"))
+HIDDEN_STATES = [ROOT / "eyrie/hidden_states/pack_reader.py", ROOT / "eyrie/hidden_states/gpu_decode.py"]
 
 
 def _foreign_names(tree: ast.AST) -> set[str]:
@@ -63,7 +64,7 @@ def swaps(files=FILES) -> list[str]:
 
 
 if __name__ == "__main__":
-    found = swaps()
+    found = swaps(FILES + HIDDEN_STATES if "--with-installers" in sys.argv else FILES)
     if "--list" in sys.argv:
         print("\n".join(found))
     print(len(found))

@@ -3,7 +3,6 @@ host time per step, a profiler window)."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import time
@@ -121,8 +120,23 @@ def _bench_entry(argv: list[str]) -> None:
     from speculators.train import cli, trainer
 
     _mark("speculators imported")
-    if opts.get("inmem"):
-        cli.create_train_val_loaders = functools.partial(_memory_loaders, gpu_feed=switches.gpu_feed)
+    from eyrie.stages.train import loaders
+
+    if opts.get("inmem"):  # eyrie.stages.train.entry.train imports train_val_loaders when it runs
+
+        def memory_loaders(args, hidden_size, num_target_layers, preprocess, **_):
+            return _memory_loaders(
+                data_path=args.data_path,
+                total_seq_len=args.total_seq_len,
+                hidden_states_dtype=getattr(torch, args.hidden_states_dtype),
+                hidden_size=hidden_size,
+                num_target_layers=num_target_layers,
+                preprocess=preprocess,
+                train_data_ratio=args.train_data_ratio,
+                gpu_feed=switches.gpu_feed,
+            )
+
+        loaders.train_val_loaders = memory_loaders  # type: ignore[assignment]
 
     def timed(owner, attr: str, name: str) -> None:
         fn = getattr(owner, attr)
@@ -137,9 +151,9 @@ def _bench_entry(argv: list[str]) -> None:
         setattr(owner, attr, wrapper)
 
     timed(cli, "parse_vocab_mappings", "vocab")
-    timed(cli, "build_draft_model", "build")  # inside eyrie's wrappers (GPU device, float32), which main() adds
+    timed(cli, "build_draft_model", "build")  # inside entry.build_drafter (GPU device, float32)
     timed(Eagle3DraftModel, "load_verifier_weights", "verifier weights")
-    timed(cli, "create_train_val_loaders", "loaders")
+    timed(loaders, "train_val_loaders", "loaders")
     timed(trainer.Trainer, "__init__", "trainer init")
     cuda = torch.cuda.is_available()
     profile = opts.get("profile")

@@ -17,13 +17,11 @@ def cmd_loader(args) -> dict:
     files, collating and (with GPU_FEED) the copy to the GPU can deliver on their own."""
 
     import torch
-    from hs_connectors import HiddenStatesBackend
     from speculators.models.eagle3.data import shift_batch
-    from speculators.train import dataloader
     from speculators.train.config import TrainConfig
 
+    from eyrie.stages.train.loaders import train_val_loaders
     from eyrie.stages.train.options import OPTIONS_FLAG, TrainerOptions
-    from eyrie.stages.train.patches import gpu
 
     d = dims(args)
     cmd, _, _ = eyrie_command(args, Path(args.root), args.optimizer)
@@ -35,29 +33,14 @@ def cmd_loader(args) -> dict:
             del argv[argv.index(own) : argv.index(own) + 2]
     a = argparse.Namespace(**TrainConfig.resolve(argv).flatten())
     cuda = torch.cuda.is_available()
-    if cuda:
-        gpu._gpu_speedups(switches)
-    transfer = HiddenStatesBackend.registry[a.hidden_states_backend].from_train_args(a, a.data_path)
     t0 = time.perf_counter()
-    train, _ = dataloader.create_train_val_loaders(
-        data_path=a.data_path,
-        total_seq_len=a.total_seq_len,
-        hidden_states_dtype=getattr(torch, a.hidden_states_dtype),
-        transfer=transfer,
-        vllm_endpoint=a.vllm_endpoint,
-        on_missing=a.on_missing,
-        verifier_name_or_path=a.verifier_name_or_path,
-        request_timeout=a.request_timeout,
-        max_retries=a.max_retries,
-        generation_validation_retries=a.generation_validation_retries,
-        max_consecutive_generation_failures=a.max_consecutive_generation_failures,
+    train, _ = train_val_loaders(  # the entry's own loaders (eyrie/stages/train/loaders.py)
+        a,
         hidden_size=d["hidden"],
         num_target_layers=len(d["aux"]),
-        num_workers=a.num_workers,
-        prefetch_factor=a.prefetch_factor,
         preprocess=shift_batch,
-        train_data_ratio=a.train_data_ratio,
-        seed=a.seed,
+        switches=switches if cuda else None,
+        device="cuda" if cuda else "cpu",
     )
     sampler = GpuSampler()
     sampler.start()

@@ -1,5 +1,6 @@
-"""The multi-GPU (DDP) training path, checked on CPU with gloo: two ranks of speculators' trainer under torchrun,
-through Eyrie's train entry's patches, each on its half of a global batch, make the update one process makes on
+"""The multi-GPU (DDP) training path, checked on CPU with gloo: two ranks of the train entry's trainer
+(`EyrieTrainer`, speculators' Trainer subclassed) under torchrun, with the entry's CPU set-up, each on its half of a
+global batch, make the update one process makes on
 the whole batch (the mean of the two halves' losses), step for step. Issue 24 item 4, issue 23 item 4.
 
 This file is also the ranks' program: `torchrun --nproc-per-node 2 tests/integration/test_ddp.py OUT MODE`.
@@ -79,15 +80,18 @@ def _trainer_config(save_path: Path, dtype):
 
 
 def _rank_main(out: Path) -> None:
-    """One rank: Eyrie's CPU patches and speculators' own distributed set-up under torchrun, then two trainers on
-    this rank's halves of the global batches, rank 0 writing each one's weights: `fp32` as the entry trains on CPU
-    (float32 weights), then `bf16` with the GPU path's patches as well (`_gpu_speedups`: the trainer's view of
-    torch, sync-free metrics, the BF16_WEIGHTS hooks) and bfloat16 autocast, which is how DDP trains on GPUs."""
+    """One rank: the train entry's CPU set-up (`_run_on_cpu`) and speculators' own distributed set-up under
+    torchrun, then two of the entry's trainers (`EyrieTrainer`) on this rank's halves of the global batches, rank 0
+    writing each one's weights: `fp32` as the entry trains on CPU (float32 weights, no GPU choices), then `bf16`
+    with the GPU path's choices as well (train.speed: the trainer's view of torch, fused-AdamW clip, sync-free
+    counters, bf16_weights, and the drafter's own, `_drafter_speedups`) and bfloat16 autocast, which is how DDP
+    trains on GPUs."""
     import torch
 
-    from eyrie.stages.train.patches import cpu, gpu, switches, working_weights
+    from eyrie.stages.train.eyrie_trainer import EyrieTrainer
+    from eyrie.stages.train.patches import cpu, gpu, working_weights
+    from eyrie.stages.train.patches.switches import Switches
 
-    os.environ["EYRIE_TRAIN_DEVICE"] = "cpu"
     torch.set_num_threads(1)
     cpu._run_on_cpu()
     from speculators.train import distributed
@@ -98,15 +102,16 @@ def _rank_main(out: Path) -> None:
     rank = distributed.get_rank()
     for mode in MODES:
         dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+        switches = None
         if mode == "bf16":  # less what concerns the loader and the model's build, which this program makes itself
-            switches.GPU_FEED = switches.BUILD_ON_GPU = switches.FORKSERVER_WORKERS = False
-            gpu._gpu_speedups()
-        from speculators.train.trainer import Trainer
-
-        trainer = Trainer(
+            switches = Switches(gpu_feed=False, build_on_gpu=False, forkserver_workers=False)
+            gpu._drafter_speedups(switches)
+        trainer = EyrieTrainer(
             tiny_eagle3(),
             _trainer_config(out / mode / "checkpoints", dtype),
             _Loader([_batch(s, rank, dtype) for s in range(STEPS)]),
+            device="cpu",
+            switches=switches,
         )
         assert isinstance(trainer.model, torch.nn.parallel.DistributedDataParallel)
         trainer.train_epoch(0)
@@ -157,7 +162,6 @@ def ddp_weights(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
     out = tmp_path_factory.mktemp("ddp")
     env = {
         **os.environ,
-        "EYRIE_TRAIN_DEVICE": "cpu",
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(REPO),
         "MASTER_ADDR": "127.0.0.1",
@@ -201,7 +205,8 @@ def test_ddp_on_two_gloo_ranks_makes_the_one_process_update_of_the_global_batch(
 
 @pytest.mark.slow
 def test_ddp_with_the_gpu_patches_trains_float32_weights_under_autocast_like_one_process(ddp_weights):
-    """The GPU path's patches (`_gpu_speedups`) under DDP: BF16_WEIGHTS' working copies are for one process only,
+    """The GPU path's choices (train.speed, `EyrieTrainer` and `_drafter_speedups`) under DDP: bf16_weights'
+    working copies are for one process only,
     so DDP trains float32 weights under bfloat16 autocast, and its update is the one process's update of the same
     global batch under the same autocast; both ranks agree."""
     import torch

@@ -1,4 +1,4 @@
-"""The start-up cuts of eyrie/stages/train/patches/startup.py: a drafter made after `_rotary_tables_eager` gives
+"""The start-up cuts of eyrie/stages/train/patches/startup.py: a drafter given `rotary_eager` gives
 the same tables, draft tokens, loss and gradients as before, its rotary embedding is run eagerly inside a compiled
 forward (no frame of its own), and `_one_pointwise_config` only turns off Inductor's pointwise autotuning."""
 
@@ -46,14 +46,13 @@ def _step(model, batch):
 
 
 def test_eager_rotary_changes_nothing_but_compilation(stock_init):
-    from eyrie.stages.train.patches.startup import _rotary_tables_eager
+    from eyrie.stages.train.patches.startup import rotary_eager
 
     stock = tiny_eagle3()
     batch = _batch()
     ref = _step(stock, batch)
-    _rotary_tables_eager()
-    _rotary_tables_eager()  # once only
     patched = tiny_eagle3()
+    rotary_eager(patched)  # this drafter's alone
     assert patched.rotary_emb.forward is not stock.rotary_emb.forward
     x, pos = torch.randn(1, 40, 64), torch.arange(40)[None]
     for a, b in zip(stock.rotary_emb(x, pos), patched.rotary_emb(x, pos), strict=True):
@@ -71,7 +70,7 @@ def test_eager_rotary_runs_outside_the_compiled_forward(stock_init, monkeypatch,
     embedding; with the patch it runs eagerly, never while Dynamo compiles."""
     from speculators.models.eagle3.model_definitions import model_classes
 
-    from eyrie.stages.train.patches.startup import _rotary_tables_eager
+    from eyrie.stages.train.patches.startup import rotary_eager
 
     rotary = model_classes["llama"].rotary_emb_class
     forward, seen = rotary.forward, []
@@ -81,9 +80,9 @@ def test_eager_rotary_runs_outside_the_compiled_forward(stock_init, monkeypatch,
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(rotary, "forward", watched)
-    if eager:
-        _rotary_tables_eager()
     model = tiny_eagle3()
+    if eager:
+        rotary_eager(model)
     torch._dynamo.reset()
     try:
         compiled = torch.compile(type(model).forward, backend="eager")

@@ -148,7 +148,7 @@ def _vocab(path):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_labels_are_the_targets_own_distribution(targets, family, device, speculators_restored, monkeypatch):
-    from eyrie.stages.train.patches.target_transform import _apply_target_transform
+    from eyrie.stages.train.patches.target_transform import apply_target_transform
     from eyrie.stages.train.patches.verifier import _load_verifier_weights_by
     from eyrie.target.labels import label_report
     from eyrie.target.metadata import resolve_borrowed_weights
@@ -164,8 +164,8 @@ def test_the_labels_are_the_targets_own_distribution(targets, family, device, sp
 
     before = _drafter(path, t2d, d2t, device)
     plain = _labels(before, h, ids, monkeypatch)
-    _apply_target_transform()
     drafter = _drafter(path, t2d, d2t, device)
+    apply_target_transform(drafter, path)  # as the entry's build applies it (train.target_transform on)
     patched = _labels(drafter, h, ids, monkeypatch)
 
     got = torch.softmax(patched, dim=-1)
@@ -198,7 +198,7 @@ def test_the_switch_off_is_read_from_the_options_file_and_leaves_speculators_lab
     argv = ["--epochs", "1", OPTIONS_FLAG, str(path)]
     assert pop_options(argv).target_transform is False and argv == ["--epochs", "1"]
     assert pop_options([]).target_transform is True
-    assert "if options.target_transform:" in inspect.getsource(entry.main)
+    assert "if options.target_transform:" in inspect.getsource(entry.build_drafter)
 
 
 def test_a_tensor_the_labels_need_missing_from_the_checkpoint_is_named(targets, tmp_path, speculators_restored):

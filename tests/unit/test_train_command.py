@@ -196,36 +196,28 @@ def test_worker_init_is_picklable_by_name_and_touches_no_accelerator(monkeypatch
     assert called == [("threads", 1)]
 
 
-def _keep_what_gpu_speedups_replaces(monkeypatch) -> None:
-    from speculators.models.eagle3 import core, metrics
-    from speculators.train import cli, dataloader, trainer
-
-    for owner, name in (
-        (dataloader, "_worker_init_fn"),
-        (dataloader, "DataLoader"),
-        (trainer, "build_optimizers"),
-        (trainer, "torch"),
-        (trainer, "tqdm"),
-        (trainer.Trainer, "_optimizers_step"),
-        (trainer.Trainer, "setup_model"),
-        (trainer.Trainer, "maybe_save_checkpoint"),
-        (cli, "build_draft_model"),
-        (metrics, "compute_accuracy_single_step"),
-        (core.Eagle3DraftModel, "forward"),
-        (core.Eagle3DraftModel, "_build_attn_mask"),
-    ):
-        monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test
-
-
-def test_gpu_speedups_leave_cpu_tensors_and_optimizers_alone(monkeypatch):
+def _keep_what_the_trainer_view_replaces(monkeypatch) -> None:
     import torch
-    from speculators.train import dataloader, trainer
+    from speculators.train import trainer
 
-    from eyrie.stages.train.patches import gpu, workers
+    for name in ("torch", "tqdm"):
+        monkeypatch.setattr(trainer, name, getattr(trainer, name))  # restored after the test
+    if not torch.accelerator.is_available():  # the step timer's, as the entry's CPU patch makes it (patches/cpu.py)
+        monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: None)
 
-    _keep_what_gpu_speedups_replaces(monkeypatch)
-    gpu._gpu_speedups()
-    assert dataloader._worker_init_fn is workers._worker_init
+
+def test_the_trainer_view_leaves_cpu_tensors_and_optimizers_alone(monkeypatch):
+    import types
+
+    import torch
+    from speculators.train import trainer
+    from speculators.train.optimizers import build_optimizers
+
+    from eyrie.stages.train.eyrie_trainer import _fuse_adamw, _install_trainer_view
+    from eyrie.stages.train.patches.switches import Switches
+
+    _keep_what_the_trainer_view_replaces(monkeypatch)
+    _install_trainer_view(Switches(), types.SimpleNamespace())
     view = trainer.torch
     assert view.autocast is torch.autocast and view.nn.Linear is torch.nn.Linear and view.float32 is torch.float32
     assert view.nn.utils.get_total_norm is torch.nn.utils.get_total_norm
@@ -242,12 +234,14 @@ def test_gpu_speedups_leave_cpu_tensors_and_optimizers_alone(monkeypatch):
         optimizer, lr, weight_decay = "adamw", 1e-3, 0.01
         muon_lr, muon_momentum, muon_weight_decay, muon_ns_steps, muon_adjust_lr_fn = 1e-3, 0.95, 0.1, 5, "original"
 
-    model = torch.nn.Linear(4, 4)
-    (opt,) = trainer.build_optimizers(model, Config)
+    (opt,) = build_optimizers(torch.nn.Linear(4, 4), Config)
+    _fuse_adamw(opt)
     assert type(opt) is torch.optim.AdamW and not opt.param_groups[0]["fused"]  # CPU parameters: unchanged
     Config.optimizer = "muon"
-    opts = trainer.build_optimizers(torch.nn.Sequential(torch.nn.Linear(4, 4)), Config)
-    assert [type(o).__name__ for o in opts] == ["Muon", "AdamW"]
+    opts = build_optimizers(torch.nn.Sequential(torch.nn.Linear(4, 4)), Config)
+    for o in opts:
+        _fuse_adamw(o)
+    assert [type(o).__name__ for o in opts] == ["Muon", "AdamW"] and not opts[1].defaults.get("fused")
 
 
 def test_accuracy_counts_without_sync_are_speculators_counts(monkeypatch):
@@ -276,15 +270,17 @@ def test_accuracy_counts_without_sync_are_speculators_counts(monkeypatch):
 
 def test_clip_handed_to_fused_adamw_makes_the_same_update(monkeypatch):
     import copy
-    import types
 
     import torch
     from speculators.train import trainer
 
-    from eyrie.stages.train.patches import gpu
+    from eyrie.stages.train.eyrie_trainer import EyrieTrainer, _install_trainer_view
+    from eyrie.stages.train.patches.switches import Switches
 
-    _keep_what_gpu_speedups_replaces(monkeypatch)
-    gpu._gpu_speedups()  # the trainer's view of torch, then the clip handed to the optimizer
+    _keep_what_the_trainer_view_replaces(monkeypatch)
+    running = EyrieTrainer.__new__(EyrieTrainer)  # its clip and step alone, without a model or loaders
+    running.switches, running._pending_clip, running.optimizers = Switches(), [], []
+    _install_trainer_view(Switches(), running)  # the trainer's view of torch: the clip through the running trainer
     for grad_scale, fused in ((100.0, True), (1e-3, True), (100.0, False)):  # clipped, not clipped, not fused
         torch.manual_seed(0)
         plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
@@ -299,7 +295,8 @@ def test_clip_handed_to_fused_adamw_makes_the_same_update(monkeypatch):
             want = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
             opt_plain.step()
             got = trainer.torch.nn.utils.clip_grad_norm_(folded.parameters(), 1.0)
-            trainer.Trainer._optimizers_step(types.SimpleNamespace(optimizers=[opt_folded]))
+            running.optimizers = [opt_folded]
+            EyrieTrainer._optimizers_step(running)
             assert torch.allclose(want, got) and not hasattr(opt_folded, "grad_scale")
         for a, b in zip(plain.parameters(), folded.parameters()):
             assert torch.allclose(a, b, rtol=0, atol=1e-6)
@@ -411,44 +408,124 @@ def test_bf16_working_weights_train_like_float32_weights_under_autocast(monkeypa
     assert all(p.dtype == torch.float32 for p in working.parameters())
 
 
-def test_bf16_working_weights_are_put_back_before_clip_step_and_save(monkeypatch):
-    import types
+class _Loader:
+    """What the trainer asks of its loader: a length, a batch sampler (none here) and the batches."""
 
+    batch_sampler = None
+
+    def __init__(self, batches: list[dict]) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter([dict(b) for b in self.batches])
+
+
+def _eyrie_trainer(tmp_path, switches, dtype, steps: int = 2, **kwargs):
     import torch
-    from speculators.train import trainer
+    from speculators.train.trainer import TrainerConfig
 
-    from eyrie.stages.train.patches import gpu, working_weights
+    from eyrie.stages.train.eyrie_trainer import EyrieTrainer
 
-    _keep_what_gpu_speedups_replaces(monkeypatch)
-    monkeypatch.setattr(working_weights, "_WORKING", [])
-    calls = []
-    monkeypatch.setattr(trainer.Trainer, "setup_model", lambda self: calls.append("setup"))
-    monkeypatch.setattr(trainer.Trainer, "maybe_save_checkpoint", lambda self, *a, **k: calls.append("save"))
-    gpu._gpu_speedups()
+    model, batch = _tiny_eagle3()
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(steps):
+        b = batch(g)
+        call = {k: b.pop(k) for k in ("ttt_steps", "loss_config")}
+        batches.append({**{k: v.to(dtype) if v.is_floating_point() else v for k, v in b.items()}, "error_records": 0})
+    config = TrainerConfig(
+        num_epochs=1,
+        save_path=str(tmp_path / "checkpoints"),
+        lr=1e-3,
+        train_call_kwargs=call,
+        val_call_kwargs=call,
+        scheduler_type="none",
+        hidden_states_dtype=dtype,
+        log_freq=1,
+    )
+    return EyrieTrainer(
+        model, config, _Loader(batches), _Loader(batches[:1]), device="cpu", switches=switches, **kwargs
+    )
 
-    def trainer_with(distributed: bool):
-        model = torch.nn.Linear(4, 4)
-        config = types.SimpleNamespace(hidden_states_dtype=torch.bfloat16)
-        return types.SimpleNamespace(model=model, is_distributed=distributed, config=config, optimizers=[])
 
-    trainer.Trainer.setup_model(trainer_with(True))  # DDP and FSDP are left as they are
-    assert calls == ["setup"] and working_weights._WORKING == []
-    one = trainer_with(False)
-    trainer.Trainer.setup_model(one)
+def test_bf16_working_weights_are_put_back_before_clip_step_and_save(monkeypatch, tmp_path):
+    """EyrieTrainer with bf16_weights on one process: forward and backward on bfloat16 copies, and the clip, the
+    optimizer step and every checkpoint see float32 weights and gradients."""
+    import torch
+
+    from eyrie.stages.train.patches import working_weights
+    from eyrie.stages.train.patches.switches import Switches
+
+    _keep_what_the_trainer_view_replaces(monkeypatch)
+    trainer = _eyrie_trainer(tmp_path, Switches(), torch.bfloat16)
     (weights,) = working_weights._WORKING
-    one.model(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()
-    assert one.model.weight.dtype == torch.bfloat16 and weights.working
-    trainer.torch.nn.utils.clip_grad_norm_(one.model.parameters(), 1.0)
-    assert one.model.weight.dtype == torch.float32 and one.model.weight.grad.dtype == torch.float32
-    for put_back in (
-        lambda: trainer.Trainer._optimizers_step(one),
-        lambda: trainer.Trainer.maybe_save_checkpoint(one, 0),
-    ):
-        one.model(torch.randn(2, 4, dtype=torch.bfloat16))
-        assert weights.working
-        put_back()
-        assert not weights.working and one.model.weight.dtype == torch.float32
-    assert calls == ["setup", "setup", "save"]
+    seen = []
+    trainer.model.register_forward_pre_hook(lambda m, a: seen.append({p.dtype for p in m.parameters()}))
+    steps = []
+    step = trainer._optimizers_step
+
+    def watched():
+        steps.append(
+            {p.dtype for p in trainer.model.parameters()}
+            | {p.grad.dtype for p in trainer.model.parameters() if p.grad is not None}
+        )
+        return step()
+
+    trainer._optimizers_step = watched
+    trainer.train_epoch(0)
+    assert seen and all(s == {torch.bfloat16} for s in seen)  # the forward ran on bfloat16 weights alone
+    assert steps == [{torch.float32}] * 2  # the step saw float32 weights and gradients
+    trainer.model(
+        **{k: v for k, v in trainer.train_loader.batches[0].items() if k != "error_records"},
+        **trainer.config.train_call_kwargs,
+    )
+    assert weights.working
+    trainer.maybe_save_checkpoint(0)
+    assert not weights.working
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    # under DDP or FSDP (or without bf16_weights) there are no working copies
+    _eyrie_trainer(tmp_path / "off", Switches(bf16_weights=False), torch.bfloat16)
+    assert working_weights._WORKING == []
+
+
+def test_the_saved_checkpoint_is_speculators_own_and_loads_with_speculators(monkeypatch, tmp_path):
+    """EyrieTrainer's checkpoints are speculators' format: its own loader reads the saved drafter back with the
+    trained weights, and the folder holds what speculators writes (weights, config, optimizer, training state)."""
+    import torch
+    from safetensors.torch import load_file
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.train import checkpointer as checkpointer_module
+    from speculators.train.checkpointer import SingleGPUCheckpointer
+
+    from eyrie.stages.train.checkpoints import is_whole
+    from eyrie.stages.train.patches.switches import Switches
+
+    _keep_what_the_trainer_view_replaces(monkeypatch)
+    trainer = _eyrie_trainer(tmp_path, Switches(), torch.float32)
+    trainer.train_epoch(0)
+    trainer.maybe_save_checkpoint(0)
+    folder = tmp_path / "checkpoints" / "0"
+    assert is_whole(folder)
+    assert {"model.safetensors", "config.json", "optimizer_state_dict.pt", "training_state.json"} <= {
+        p.name for p in folder.iterdir()
+    }
+    # speculators' own readers: its config class, and its checkpointer's weights loader (what its resume uses)
+    config = Eagle3SpeculatorConfig.from_pretrained(str(folder))
+    assert config.transformer_layer_config.hidden_size == trainer.model.config.transformer_layer_config.hidden_size
+    loaded = tiny_eagle3()
+    monkeypatch.setattr(checkpointer_module, "get_current_device", lambda: "cpu")  # as patches/cpu.py does on CPU
+    checkpointer = SingleGPUCheckpointer(str(tmp_path / "checkpoints"))
+    assert checkpointer.previous_epoch == 0
+    checkpointer.load_model_state_dict(loaded, float_dtype=torch.float32)
+    saved = trainer.model.state_dict()
+    on_disk = load_file(str(folder / "model.safetensors"))
+    assert on_disk and all(not k.startswith("verifier_") or k == "verifier_lm_head.weight" for k in on_disk)
+    for name, tensor in on_disk.items():  # read back as written, and written as trained (to the file's rounding)
+        assert torch.equal(loaded.state_dict()[name].float(), tensor.float()), name
+        assert torch.allclose(tensor.float(), saved[name].float(), rtol=1e-2, atol=1e-3), name
 
 
 def test_compile_cache_goes_beside_the_run_unless_set(monkeypatch, tmp_path):

@@ -25,14 +25,8 @@ import json
 import os
 import sys
 
-from eyrie.stages.train.options import pop_options
-from eyrie.stages.train.patches.build import _train_in_float32
-from eyrie.stages.train.patches.cpu import _run_on_cpu
-from eyrie.stages.train.patches.gpu import _gpu_speedups
-from eyrie.stages.train.patches.plateau import PlateauReached, _record_validation
-from eyrie.stages.train.patches.saving import _keep_the_last_whole_checkpoint
-from eyrie.stages.train.patches.target_transform import _apply_target_transform
-from eyrie.stages.train.patches.verifier import _load_verifier_weights_by
+from eyrie.stages.train.options import TrainerOptions, pop_options
+from eyrie.stages.train.patches.plateau import PlateauReached
 from eyrie.stages.train.patches.workers import _start_worker_server
 from eyrie.stages.train.progress import record_metrics
 
@@ -61,19 +55,151 @@ def _pop_option(argv: list[str], name: str) -> str | None:
     return value
 
 
-def _online_hidden_states(argv: list[str]) -> None:
-    """`--eyrie-online` (train.hidden_states: online, eyrie/stages/train/online.py): speculators' generate path builds
-    the loaders'
-    datasets, asking Eyrie's extraction server by its served name and API key (eyrie/stages/train/online_dataset.py)."""
+def _online_hidden_states(argv: list[str]) -> tuple[str | None, int] | None:
+    """`--eyrie-online` (train.hidden_states: online, eyrie/stages/train/online.py), taken out of `argv`: the
+    loaders' datasets ask Eyrie's extraction server by its served name and API key
+    (eyrie/stages/train/online_dataset.py). Returns (the API key's variable, requests in flight), or None."""
     from eyrie.stages.train.online import API_KEY_ENV_FLAG, CONCURRENCY_FLAG, ONLINE_FLAG
 
     key_env = _pop_option(argv, API_KEY_ENV_FLAG)
     concurrency = _pop_option(argv, CONCURRENCY_FLAG)
-    if ONLINE_FLAG in argv:
-        argv.remove(ONLINE_FLAG)
-        from eyrie.stages.train.online_dataset import install
+    if ONLINE_FLAG not in argv:
+        return None
+    argv.remove(ONLINE_FLAG)
+    return key_env, int(concurrency or 8)
 
-        install(key_env, int(concurrency or 8))
+
+def build_drafter(args, model_class, t2d, d2t, draft_vocab_size, options: TrainerOptions, verifier_names):
+    """speculators' drafter build (`cli.build_draft_model`: fresh, from a config, or a warm start), with: the
+    target's embedding, norm and head loaded by the checkpoint's own names (preflight resolved them:
+    patches/verifier.py), a fresh drafter built on its GPU (build_on_gpu: its weights initialised there, not on the
+    CPU and then moved), float32 weights to train (a warm start loads as exported, bfloat16), and the labels made
+    with the target's own transform (train.target_transform, patches/target_transform.py)."""
+    import contextlib
+
+    import torch
+    from speculators.train import cli
+
+    from eyrie.stages.train.patches.verifier import _load_verifier_weights_by
+
+    if verifier_names:
+        _load_verifier_weights_by(verifier_names)
+    s = options.switches
+    on_gpu = options.device != "cpu" and s.build_on_gpu and not getattr(args, "from_pretrained", None)
+    import os
+
+    place = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_gpu else contextlib.nullcontext()
+    with place:
+        model = cli.build_draft_model(args, model_class, t2d, d2t, draft_vocab_size).float()
+    if options.target_transform:
+        from eyrie.stages.train.patches.target_transform import apply_target_transform
+
+        verifier = model.config.speculators_config.verifier.name_or_path
+        apply_target_transform(model, verifier, getattr(args, "trust_remote_code", False))
+    if options.device != "cpu" and s.eager_rotary:
+        from eyrie.stages.train.patches.startup import rotary_eager
+
+        rotary_eager(model)
+    return model
+
+
+def train(cfg, options: TrainerOptions, plateau=None, verifier_names=None, online=None) -> None:
+    """speculators' `cli.main` for EAGLE-3, composed from its parts: its seed, loggers, distributed set-up, vocab
+    mappings and drafter build (`build_drafter`), Eyrie's loaders (eyrie/stages/train/loaders.py) and
+    `EyrieTrainer` (eyrie/stages/train/eyrie_trainer.py). The checkpoints are speculators' own; a `--dry-run` saves
+    the initialised drafter as speculators' does. tests/unit/test_train_patch_guards.py fails when `cli.main`
+    changes in speculators, so the composition is checked again."""
+    import argparse
+    import gc
+
+    import torch
+    from speculators.model import SpeculatorModel
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train import cli
+    from speculators.train.distributed import get_rank, maybe_destroy_distributed, maybe_setup_distributed
+    from speculators.train.logger import log_run_config, setup_metric_logger, setup_root_logger
+    from speculators.train.trainer import TrainerConfig
+
+    from eyrie.stages.train.eyrie_trainer import EyrieTrainer
+    from eyrie.stages.train.loaders import train_val_loaders
+
+    args = argparse.Namespace(**cfg.flatten())
+    if args.speculator_type != "eagle3" or args.fsdp_shard:
+        raise SystemExit(
+            f"eyrie: the trainer trains EAGLE-3 drafters without FSDP; asked for {args.speculator_type}"
+            + (" with --fsdp-shard" if args.fsdp_shard else "")
+        )
+    cli.set_seed(args.seed, args.deterministic_cuda)
+    setup_root_logger()
+    setup_metric_logger(loggers=args.logger, run_name=args.run_name, output_dir=args.log_dir)
+    maybe_setup_distributed()
+    log_run_config(cfg)
+    if not args.draft_mrope_full_head_hack:
+        from speculators.models.eagle3.rotary_partial import install_partial_neox_rotary
+
+        install_partial_neox_rotary()
+    if get_rank() == 0:
+        cfg.save(args.save_path)
+    hidden_states_dtype = getattr(torch, args.hidden_states_dtype)
+    d2t, t2d, draft_vocab_size = cli.parse_vocab_mappings(args)
+    model_class = SpeculatorModel.registry[args.speculator_type]  # type: ignore[index]
+    model = build_drafter(args, model_class, t2d, d2t, draft_vocab_size, options, verifier_names)
+    if args.dry_run:  # the initialised drafter, saved as speculators' --dry-run saves it
+        model.to(hidden_states_dtype)
+        if get_rank() == 0:
+            model.save_pretrained(args.save_path)
+        maybe_destroy_distributed()
+        return
+    switches = options.switches if options.device != "cpu" else None
+    train_loader, val_loader = train_val_loaders(
+        args,
+        hidden_size=model.config.transformer_layer_config.hidden_size,
+        num_target_layers=len(model.target_layer_ids),
+        preprocess=shift_batch,
+        switches=switches,
+        device=options.device,
+        online=online,
+    )
+    train_call_kwargs, val_call_kwargs = model_class.get_trainer_kwargs(**vars(args))
+    config = TrainerConfig(
+        num_epochs=args.epochs,
+        save_path=args.save_path,
+        lr=args.lr,
+        resume_from_checkpoint=not args.no_resume_from_checkpoint,
+        train_call_kwargs=train_call_kwargs,
+        val_call_kwargs=val_call_kwargs,
+        optimizer=args.optimizer,
+        weight_decay=args.weight_decay,
+        muon_lr=args.muon_lr,
+        muon_momentum=args.muon_momentum,
+        muon_weight_decay=args.muon_weight_decay,
+        muon_ns_steps=args.muon_ns_steps,
+        muon_adjust_lr_fn=args.muon_adjust_lr_fn,
+        scheduler_type=args.scheduler_type,
+        scheduler_warmup_steps=args.scheduler_warmup_steps,
+        scheduler_warmup_ratio=args.scheduler_warmup_ratio,
+        scheduler_total_steps=args.scheduler_total_steps,
+        scheduler_num_cosine_cycles=args.scheduler_num_cosine_cycles,
+        checkpoint_freq=args.checkpoint_freq,
+        save_best=args.save_best,
+        hidden_states_dtype=hidden_states_dtype,
+        log_freq=args.log_freq,
+        fsdp_shard=args.fsdp_shard,
+        gradient_checkpointing=args.gradient_checkpointing,
+        max_steps=args.max_steps,
+    )
+    trainer = EyrieTrainer(
+        model, config, train_loader, val_loader, device=options.device, switches=switches, plateau=plateau
+    )
+    try:
+        trainer.run_training()
+    except PlateauReached as stop:
+        print(f"eyrie: {stop}; training stops here", flush=True)
+    del trainer, model
+    gc.collect()
+    if options.device != "cpu":
+        torch.cuda.empty_cache()
+    maybe_destroy_distributed()
 
 
 def main(argv: list[str]) -> None:
@@ -89,35 +215,28 @@ def main(argv: list[str]) -> None:
 
             _warm_compile_workers()
     names = _pop_option(argv, "--eyrie-verifier-weights")
-    if names:
-        _load_verifier_weights_by(json.loads(names))
-    _train_in_float32()
-    _keep_the_last_whole_checkpoint()
     plateau = _pop_option(argv, "--eyrie-plateau")  # "patience,min_delta"
-    _record_validation((int(plateau.split(",")[0]), float(plateau.split(",")[1])) if plateau else None)
     from eyrie.hidden_states.encoding import reader_arguments
 
     argv = reader_arguments(argv)  # speculators' fp8 backend: dequantizes fp8 files, reads bf16 ones unchanged
-    from eyrie.hidden_states import pack_reader
-
-    pack_reader.install()  # ... and reads packed storage (extraction.storage: packed); the GPU's install keeps it
-    _online_hidden_states(argv)
+    online = _online_hidden_states(argv)
     if options.device == "cpu":
+        from eyrie.stages.train.patches.cpu import _run_on_cpu
+
         _run_on_cpu()
     else:
-        _gpu_speedups(switches)
-    if options.target_transform:  # the labels made with the target's own transform (train.target_transform)
-        _apply_target_transform("--trust-remote-code" in argv)
-    from speculators.train.cli import main as train
+        from eyrie.stages.train.patches.gpu import _drafter_speedups
+
+        _drafter_speedups(switches)
     from speculators.train.config import TrainConfig
 
-    try:
-        train(TrainConfig.resolve(argv))
-    except PlateauReached as stop:
-        from speculators.train.distributed import maybe_destroy_distributed
-
-        print(f"eyrie: {stop}; training stops here", flush=True)
-        maybe_destroy_distributed()
+    train(
+        TrainConfig.resolve(argv),
+        options,
+        plateau=(int(plateau.split(",")[0]), float(plateau.split(",")[1])) if plateau else None,
+        verifier_names=json.loads(names) if names else None,
+        online=online,
+    )
 
 
 if __name__ == "__main__":

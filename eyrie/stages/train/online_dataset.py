@@ -95,12 +95,3 @@ class OnlineDataset(ArrowDataset):
             )
         self.transfer.setup()
         self.client = client
-
-
-def install(api_key_env: str | None, concurrency: int = 8) -> None:
-    """Make speculators' loaders build `OnlineDataset` instead of `ArrowDataset` (train and validation)."""
-    from speculators.train import dataloader
-
-    OnlineDataset.api_key_env = api_key_env
-    OnlineDataset.concurrency = concurrency
-    dataloader.ArrowDataset = OnlineDataset  # type: ignore[misc]

@@ -6,25 +6,16 @@ from eyrie.stages.train.patches.overlay import _Overlay
 
 
 def _run_on_cpu() -> None:
+    """What `EyrieTrainer(device="cpu")` cannot reach: the checkpointer's resume device, the step timer's
+    synchronisation on logged steps, and (under torchrun) speculators' distributed set-up."""
     import torch
-    from speculators.train import checkpointer, dataloader, trainer
+    from speculators.train import checkpointer
 
-    trainer.get_local_rank = lambda: "cpu"  # Trainer moves model and batches to `local_rank`
     checkpointer.get_current_device = lambda: "cpu"  # resume loads onto it ("cuda:0" without an accelerator)
-    loader = dataloader.DataLoader
-    dataloader.DataLoader = lambda *a, **k: loader(*a, **{**k, "pin_memory": False})  # pinning needs a device
     if torch.accelerator.is_available():
         return
-    torch.accelerator.synchronize = lambda *a, **k: None
+    torch.accelerator.synchronize = lambda *a, **k: None  # the step timer's, on logged steps; raises without one
     _distributed_on_cpu()
-    torch.accelerator.is_available = lambda: False
-    current = torch.accelerator.current_accelerator
-
-    def current_accelerator(check_available: bool = False):
-        # Trainer picks its autocast device type from here, defaulting to "cuda" when there is none.
-        return current(check_available=True) if check_available else torch.device("cpu")
-
-    torch.accelerator.current_accelerator = current_accelerator
 
 
 def _distributed_on_cpu() -> None:
@@ -37,6 +28,14 @@ def _distributed_on_cpu() -> None:
     from speculators.train import distributed
 
     torch.accelerator.set_device_index = lambda *a, **k: None
+    current = torch.accelerator.current_accelerator
+
+    def current_accelerator(check_available: bool = False):
+        # maybe_setup_distributed picks its backend from here (gloo for the CPU) and refuses None
+        return current(check_available=True) if check_available else torch.device("cpu")
+
+    torch.accelerator.current_accelerator = current_accelerator
+    torch.accelerator.is_available = lambda: False  # it asks current_accelerator(), which now names the CPU
 
     def init_process_group(*args, device_id=None, **kwargs):  # noqa: ARG001
         return dist.init_process_group(*args, **kwargs)

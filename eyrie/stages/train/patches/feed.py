@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
-from eyrie.stages.train.patches.switches import Switches
-
 
 def _copied_ahead(batches, device, ahead: int = 2, fp8_on_gpu: bool = True):
     """Iterate `batches` (a data loader's iterator) with every tensor already on `device`. A thread takes each batch
@@ -70,27 +66,3 @@ def _copied_ahead(batches, device, ahead: int = 2, fp8_on_gpu: bool = True):
     finally:
         stop.set()
         thread.join(timeout=60)  # the thread ends once the batch it is waiting for arrives
-
-
-def _feed_the_gpu_ahead(switches: Switches | None = None) -> None:
-    """speculators copies each batch to the GPU inside the step (`.to(non_blocking=True)` from pinned memory, on
-    the step's own stream), so the ~235 MB of hidden states a packed Kimi-K2.5 batch holds crosses PCIe while the
-    GPU computes nothing (4.3 ms a step on an H200), and a batch late from the loader stalls the step. Its
-    loaders here hand over batches already on the GPU, copied on a stream of their own while earlier steps run
-    (`_copied_ahead`); the trainer's own `.to()` then finds them there and does nothing."""
-    import torch
-    from speculators.train import dataloader
-
-    switches = switches or Switches()
-
-    class GpuFedLoader(dataloader.DataLoader):  # type: ignore[name-defined,misc]
-        def __init__(self, *args, **kwargs):
-            if not switches.pinned_loader:
-                kwargs["pin_memory"] = False
-            super().__init__(*args, **kwargs)
-
-        def __iter__(self):
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            return _copied_ahead(super().__iter__(), device, switches.feed_ahead, switches.fp8_on_gpu)
-
-    dataloader.DataLoader = GpuFedLoader

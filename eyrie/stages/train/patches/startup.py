@@ -15,28 +15,15 @@ before it runs. From a cold compile cache on an H200 at Kimi-K2.5 width two cost
 
 from __future__ import annotations
 
-import functools
 
-
-def _rotary_tables_eager() -> None:
-    """The drafter's rotary embedding runs eagerly (torch.compiler.disable on the instance's forward, set when a
-    drafter is made): no frame compiled for it. Same tables, up to the rounding of eager against Triton's cos/sin."""
+def rotary_eager(model) -> None:
+    """The drafter's rotary embedding runs eagerly (torch.compiler.disable on the instance's forward): no frame
+    compiled for it. Same tables, up to the rounding of eager against Triton's cos/sin."""
     import torch
-    from speculators.models.eagle3 import core
 
-    init = core.Eagle3DraftModel.__init__
-    if getattr(init, "_eyrie_rotary_eager", False):
-        return
-
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        rotary = getattr(self, "rotary_emb", None)
-        if isinstance(rotary, torch.nn.Module):
-            rotary.forward = torch.compiler.disable(rotary.forward)
-
-    __init__._eyrie_rotary_eager = True  # type: ignore[attr-defined]
-    core.Eagle3DraftModel.__init__ = __init__  # type: ignore[method-assign]
+    rotary = getattr(model, "rotary_emb", None)
+    if isinstance(rotary, torch.nn.Module):
+        rotary.forward = torch.compiler.disable(rotary.forward)
 
 
 def _one_pointwise_config() -> None:

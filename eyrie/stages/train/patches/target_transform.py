@@ -160,22 +160,3 @@ def apply_target_transform(model, verifier: str | Path, trust_remote_code: bool 
         else:
             log(f"eyrie: the labels still approximate the target: {a.message()}", flush=True)
     return plan
-
-
-def _apply_target_transform(trust_remote_code: bool = False) -> None:
-    """speculators' Eagle3DraftModel, each time it loads its verifier's weights (a fresh drafter, a warm start, a
-    resume), then makes its labels the target's own (`apply_target_transform`). The entry calls it only with
-    train.target_transform on."""
-    from speculators.models.eagle3.core import Eagle3DraftModel
-
-    load = Eagle3DraftModel.load_verifier_weights
-    if getattr(load, "eyrie_target_transform", False):
-        return
-
-    def load_verifier_weights(self):
-        load(self)
-        verifier = self.config.speculators_config.verifier.name_or_path
-        apply_target_transform(self, verifier, trust_remote_code)
-
-    load_verifier_weights.eyrie_target_transform = True  # type: ignore[attr-defined]
-    Eagle3DraftModel.load_verifier_weights = load_verifier_weights  # type: ignore[method-assign]

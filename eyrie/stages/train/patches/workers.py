@@ -41,21 +41,3 @@ def _start_worker_server() -> None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def _fork_workers_from_a_server() -> None:
-    """The loaders' workers come from `_start_worker_server`'s forkserver instead of `spawn`."""
-    import multiprocessing
-
-    from speculators.train import dataloader
-
-    base = dataloader.DataLoader
-
-    def loader(*args, **kwargs):
-        if kwargs.get("multiprocessing_context") == "spawn":
-            context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(_WORKER_SERVER_PRELOAD)
-            kwargs["multiprocessing_context"] = context
-        return base(*args, **kwargs)
-
-    dataloader.DataLoader = loader

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from eyrie.stages.train.patches.overlay import _Overlay
-
 
 class _WorkingWeights:
     """bfloat16 working copies of a model's float32 weights, the way FSDP2's mixed precision runs (param_dtype
@@ -63,56 +61,3 @@ _WORKING: list = []  # the _WorkingWeights of this process's model (one, or none
 def _to_master_weights() -> None:
     for w in _WORKING:
         w.to_master()
-
-
-def _bf16_working_weights() -> None:
-    """The trainer keeps float32 weights and runs each step under bfloat16 autocast: at Kimi-K2.5 width the casts
-    of weights and gradients and the float32 elementwise work they bring cost ~10 ms of an H200's 130 ms step
-    (weight copies, float32 gradient sums, float32 norms over the first layer's input). `_WorkingWeights` runs
-    forward and backward on bfloat16 copies made once a step instead, with float32 master weights, gradients and
-    optimizer state, on one GPU (DDP and FSDP are left as they are; speculators' FSDP path already runs this way
-    through its MixedPrecisionPolicy). The clip and the optimizer step see float32 weights and gradients; so does
-    every checkpoint.
-
-    Not under DDP, where they would be wrong rather than slow: DDP's reducer hooks each parameter's gradient
-    accumulator, and a `.data` of another dtype gives the parameter a new one, so no gradient would be averaged and
-    the ranks would drift apart without an error (measured with gloo on CPU: the two ranks' gradients differ after
-    the first step). DDP's own mixed precision (`mixed_precision=`, a private `_MixedPrecision` in torch 2.13)
-    needs streams and events, so it cannot be checked on CPU. Under DDP the trainer runs float32 weights under
-    autocast; tests/integration/test_ddp.py checks that update against one process's."""
-    import torch
-    from speculators.train import trainer
-
-    if trainer.torch is torch:  # only through the trainer's own view of torch (`_gpu_speedups`)
-        return
-    setup_model = trainer.Trainer.setup_model
-
-    def setup_model_(self):
-        setup_model(self)
-        dtype = self.config.hidden_states_dtype
-        one_process = not self.is_distributed and isinstance(self.model, torch.nn.Module)
-        _WORKING[:] = [_WorkingWeights(self.model, dtype)] if one_process and dtype != torch.float32 else []
-
-    clip = trainer.torch.nn.utils.clip_grad_norm_  # eyrie's (CLIP_IN_ADAMW) or torch's
-
-    def clip_grad_norm_(parameters, *args, **kwargs):
-        _to_master_weights()
-        return clip(parameters, *args, **kwargs)
-
-    step = trainer.Trainer._optimizers_step
-
-    def _optimizers_step(self):
-        _to_master_weights()
-        return step(self)
-
-    save = trainer.Trainer.maybe_save_checkpoint
-
-    def maybe_save_checkpoint(self, *args, **kwargs):
-        _to_master_weights()
-        return save(self, *args, **kwargs)
-
-    utils = _Overlay(torch.nn.utils, clip_grad_norm_=clip_grad_norm_)
-    trainer.torch.nn = _Overlay(torch.nn, utils=utils)
-    trainer.Trainer.setup_model = setup_model_
-    trainer.Trainer._optimizers_step = _optimizers_step
-    trainer.Trainer.maybe_save_checkpoint = maybe_save_checkpoint

@@ -1,0 +1,105 @@
+"""Each thing of speculators or torch that the train entry replaces, overrides or composes again is pinned here by
+the hash of its source as installed: a speculators (or torch) upgrade that changes one fails this test, naming it,
+instead of changing the trainer silently. When it fails, read the new source against the Eyrie code named beside
+it, adapt that code, then record the new hash.
+
+The source is read from the installed file (by the dotted path), not from the live object, so a patch another test
+left in this process does not hide a change."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+
+import pytest
+
+# dotted path -> (sha256 of its source, first 16 hex; the Eyrie code that depends on it)
+PINNED: dict[str, tuple[str, str]] = {
+    # composed again by eyrie.stages.train.entry.train / build_drafter and eyrie.stages.train.loaders
+    "speculators.train.cli.main": ("5f74150696b12633", "entry.train mirrors it for EAGLE-3"),
+    "speculators.train.cli.build_draft_model": ("ac6be11efba71645", "entry.build_drafter calls it"),
+    "speculators.train.dataloader._setup_dataloader": ("cc6f8b1422d2aeac", "loaders.make_loader mirrors it"),
+    "speculators.train.dataloader.create_train_val_loaders": ("905c713f5a193a14", "loaders.train_val_loaders"),
+    # overridden by EyrieTrainer (eyrie/stages/train/eyrie_trainer.py)
+    "speculators.train.trainer.Trainer.__init__": ("43460380b84f53d6", "EyrieTrainer.__init__/setup_trainer"),
+    "speculators.train.trainer.Trainer.setup_model": ("c245abb790911475", "EyrieTrainer.setup_model"),
+    "speculators.train.trainer.Trainer.setup_optimizer": ("a632bda4cb1e1500", "EyrieTrainer.setup_optimizer"),
+    "speculators.train.trainer.Trainer._optimizers_step": ("b90cd6e4f1e97d40", "EyrieTrainer._optimizers_step"),
+    "speculators.train.trainer.Trainer.maybe_save_checkpoint": ("587a694a7c01d07b", "whole checkpoints"),
+    "speculators.train.trainer.Trainer._save_training_state": ("937fd4895118f054", "the fault point"),
+    "speculators.train.trainer.Trainer.maybe_update_best": ("fcc394f5ce9ec1a0", "validation record, plateau"),
+    "speculators.train.trainer.Trainer.run_training": ("058928a81417e087", "PlateauReached ends it"),
+    # its module globals `torch` and `tqdm` replaced (eyrie_trainer._install_trainer_view)
+    "speculators.train.trainer.Trainer.train_epoch": ("508528826dbbd72e", "the trainer's view of torch, tqdm"),
+    # patches/cpu.py
+    "speculators.train.checkpointer.SingleGPUCheckpointer.load_model_state_dict": ("9bca89b14110ce61", "cpu"),
+    "speculators.train.distributed.maybe_setup_distributed": ("7b5f6228c3cd6b91", "cpu: gloo under torchrun"),
+    # patches/metrics.py, one_kv_length.py, compile.py (the drafter's forward and mask)
+    "speculators.models.eagle3.core.Eagle3DraftModel.forward": ("29c0bcfe6b6b6348", "metrics, one_kv_length"),
+    "speculators.models.eagle3.core.Eagle3DraftModel._build_attn_mask": ("7f54d513ba6b2106", "compile, one_kv"),
+    "speculators.models.metrics.compute_accuracy_single_step": ("1b3327e9a9781e97", "metrics"),
+    # patches/verifier.py, target_transform.py
+    "speculators.utils.loading.load_model_layers": ("f2a738b8793a5b47", "verifier: names by preflight"),
+    "speculators.models.eagle3.core.Eagle3DraftModel.load_verifier_weights": ("5ad63d62575ec7fc", "labels"),
+    # patches/compile.py: FX tracing made per thread
+    "torch.fx._symbolic_trace.Tracer.trace": ("168755fb810417e9", "compile._fx_tracing_per_thread"),
+    "torch.fx._symbolic_trace.is_fx_tracing": ("a9acf230e8733827", "compile: its __code__ replaced"),
+    "torch.fx._symbolic_trace.is_fx_symbolic_tracing": ("daf587e705936f44", "compile: its __code__ replaced"),
+    "torch.fx._symbolic_trace._Patcher.patch": ("3cdb8dd24c116b86", "compile: per-thread patches"),
+    "torch.fx._symbolic_trace._Patcher.patch_method": ("f474b955cd78aae4", "compile: per-thread patches"),
+}
+
+
+def installed_source(dotted: str) -> str:
+    """The source of the module-level function, class or method at `dotted`, read from the installed file."""
+    parts = dotted.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            spec = importlib.util.find_spec(".".join(parts[:cut]))
+        except ModuleNotFoundError:  # a class's name: a shorter path is the module
+            continue
+        if spec is not None and spec.origin:
+            break
+    else:
+        raise AssertionError(f"no module found for {dotted}")
+    text = open(spec.origin).read()
+    nodes: list = ast.parse(text).body
+    node = None
+    for name in parts[cut:]:
+        node = next(
+            (
+                n
+                for n in nodes
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name
+            ),
+            None,
+        )
+        assert node is not None, f"{dotted}: {name} is gone from {spec.origin}"
+        nodes = node.body
+    return ast.get_source_segment(text, node) or ""
+
+
+@pytest.mark.parametrize("dotted", sorted(PINNED))
+def test_what_the_trainer_replaces_or_composes_is_unchanged(dotted):
+    want, used_by = PINNED[dotted]
+    got = hashlib.sha256(installed_source(dotted).encode()).hexdigest()[:16]
+    assert got == want, (
+        f"{dotted} changed in the installed package (source hash {got}, pinned {want}); Eyrie's {used_by} "
+        "depends on it: check that code against the new source, then pin the new hash here"
+    )
+
+
+def test_the_swapped_attributes_are_counted_and_few():
+    """benchmarks/train_swaps.py counts the attributes of other packages the train entry's code replaces at run
+    time; every one is covered above, and their number only goes down."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from train_swaps import swaps
+
+    assert len(swaps()) <= MOST_SWAPS, "\n".join(swaps())
+
+
+MOST_SWAPS = 24
