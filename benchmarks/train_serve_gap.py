@@ -23,8 +23,11 @@ analyse  the trained drafter in torch (the checkpoint training shipped, float32)
   request whether C's histogram is vLLM's.
 
 What separates the figures: A vs B on the same rows, the labels against the tokens; B vs C, which starts count;
-C on validation rows vs C on served sequences, the population; C vs D on the served sequences, vLLM's numerics (its
-live hidden states and its drafter kernels) against the captured states and torch's drafter.
+C on validation rows vs C on served sequences, the population (`by_kind`: vLLM's and the simulation's acceptance per
+kind of prompt, with the training conversations of that kind); C vs D on the served sequences, vLLM's numerics (its
+live hidden states and its drafter kernels) against the captured states and torch's drafter, except at answer ends:
+vLLM counts drafts accepted past the stop token (`accepted_past_the_end`), which C, knowing no token past the
+answer, counts wrong.
 """
 
 from __future__ import annotations
@@ -314,6 +317,15 @@ def analyse(config, run_dir: Path, out: Path, checkpoint: Path | None = None) ->
         sim = fig["_hists"]
         fig["C_equals_D_requests"] = sum(a == b for a, b in zip(sim, vllm_hists, strict=True))
         fig["requests"] = len(vllm_hists)
+        # vLLM's counters count drafts accepted past the answer's stop token (verified whole, cut afterwards): a
+        # request whose counts produce more tokens (1 + drafts + accepted) than it answered.
+        past = [json.loads(line) for line in lines]
+        over = [1 + r["counts"]["drafts"] + r["counts"]["accepted"] - len(r["token_ids"]) for r in past]
+        fig["accepted_past_the_end"] = {
+            "requests": sum(o > 0 for o in over),
+            "tokens": sum(max(o, 0) for o in over),
+            "accepted": sum(r["counts"]["accepted"] for r in past),
+        }
         # Per kind of prompt (its first user turn's first two words, numbers dropped): vLLM's acceptance and the
         # simulation's, and whether the training data has that kind at all.
         trained_kinds = Counter(kind(r["messages"]) for r in _conversations(run_dir))
