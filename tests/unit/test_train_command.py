@@ -625,3 +625,21 @@ def test_a_failed_background_compile_leaves_the_eager_mask(monkeypatch, capsys):
     assert "compiled" not in deferred._STATE
     assert "not compiled (RuntimeError: no compiler here); it runs eagerly" in capsys.readouterr().out
     assert all(m.to_dense().equal(want) for m in masks)
+
+
+def test_eight_devices_launch_the_same_entry_under_torchrun(tmp_path):
+    """train.devices: 8 on cuda: torchrun with 8 processes per node runs the same entry with the same arguments as one
+    GPU (the options file included); on CPU one process whatever train.devices says."""
+    import sys
+
+    one = _command(tmp_path / "one", "cuda", devices=1)
+    eight = _command(tmp_path / "eight", "cuda", devices=8)
+    assert eight[:4] == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=8"]
+    assert one[0] == sys.executable and one[1:3] == ["-m", "eyrie.stages.train.entry"]
+    entry = eight.index("eyrie.stages.train.entry")
+    assert eight[entry - 1] == "-m"
+    strip = str(tmp_path / "eight"), str(tmp_path / "one")
+    assert [a.replace(*strip) for a in eight[entry:]] == one[2:]
+    assert _options(eight) == _options(one)
+    cpu = _command(tmp_path / "cpu", "cpu", devices=8)
+    assert cpu[0] == sys.executable and "torch.distributed.run" not in cpu
