@@ -1,6 +1,6 @@
 """train: speculators' EAGLE-3 trainer on the extracted hidden states, as a subprocess that resumes.
 
-The same command runs on CPU (demo, CI: `python -m eyrie.stages.train.entry` with EYRIE_TRAIN_DEVICE=cpu) and on N GPUs
+The same command runs on CPU (demo, CI: `python -m eyrie.stages.train.entry`, its options file saying cpu) and on N GPUs
 (`torchrun --nproc-per-node N -m eyrie.stages.train.entry`). Checkpoints go to `train/<key>/checkpoints` in speculators'
 layout (one folder per epoch, sub-epoch ones with `training_state.json`); a re-run with the same key resumes from
 the newest whole one (eyrie/stages/train/checkpoints.py), so a killed or retried training task continues from its saved
