@@ -68,6 +68,7 @@ def test_preflight_and_export_through_the_probe(tmp_path, tiny_llama, monkeypatc
     assert set(NORM_FLAGS) <= set(got["flags"])  # vLLM 0.32's EAGLE-3 adapter reads every norm flag
     report = got["report"]
     assert report["failures"] == [], report["failures"]
+    assert report["vllm_python"] == str(script)  # named in the report beside the version
     assert (report["architecture"], report["eagle3_path"]) == ("LlamaForCausalLM", "native")
     assert report["vllm_class"] == "vllm.model_executor.models.llama.LlamaForCausalLM"
     assert report["captured_layer_ids"] == [2, 4, 5, 8] and report["vllm_version"] == here["vllm"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import config_dict
-from test_identity import _rewrite, _with, changed_value, leaves
+from test_identity import _rewrite, _section, _with, changed_value, leaves
 
 from eyrie.config import PipelineConfig, parse_config
 from eyrie.run.folder import RunFolder
@@ -119,8 +119,9 @@ def test_the_verdict_key_holds_every_field_of_its_sections_and_the_targets_files
     sections = VERDICTS["preflight"].sections
     dumped = parse_config(base).model_dump(mode="json")
     for path, ann in leaves(PipelineConfig).items():
-        section, _, name = path.rpartition(".")
-        current = dumped[section][name] if section else dumped[name]
+        holder, name = _section(dumped, path)  # nested sections too (train.speed.*)
+        current = holder[name]
+        section = path.split(".")[0] if "." in path else ""
         for value in SPECIAL[path](tmp_path) if path in SPECIAL else changed_value(path, ann, current):
             changed = verdict_key(parse_config(_with(base, path, value)), serve=True) != before
             assert changed == (section in sections), f"{path} = {value!r}: the verdict key changed: {changed}"

@@ -244,6 +244,7 @@ def run_preflight(
     else:
         report = target_verdict(config, run_dir, serve)
     failures = list(report.failures)
+    report.vllm_python = None if one_environment() else vllm_python()
     report.revisions = {"target": config.target.revision, "data": config.data.revision}
     report.hidden_states = config.train.hidden_states
     aux_ids, hidden = report.aux_layer_ids, report.hidden_size

@@ -37,6 +37,9 @@ class PreflightReport:
     # report reused a passing one from the run folder (no vLLM import) or checked afresh.
     verdict_key: str | None = None
     verdict_reused: bool = False
+    # The interpreter that runs the servers when it is not the flow's own ($EYRIE_VLLM_PYTHON): the verdict on vLLM
+    # was reached there, through a probe process. Set on every preflight, never part of the kept verdict.
+    vllm_python: str | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -59,7 +62,7 @@ def report_markdown(report: PreflightReport) -> str:
         ("max_model_len", str(report.max_model_len)),
         ("borrowed tensors", ", ".join(f"`{v}`" for v in weights.values()) or "-"),
         ("hidden states (estimate)", f"{report.estimated_bytes / 2**30:.1f} GiB" if report.estimated_bytes else "-"),
-        ("vLLM", report.vllm_version),
+        ("vLLM", report.vllm_version + (f" (`{report.vllm_python}`)" if report.vllm_python else "")),
         ("verdict", f"{'reused' if report.verdict_reused else 'checked'} (key `{report.verdict_key}`)"),
     ]
     return "\n".join(
@@ -94,7 +97,9 @@ def report_text(report: PreflightReport) -> str:
     found = [
         f"  target        {report.architecture} (vLLM {report.vllm_class}), {report.num_layers} layers, hidden "
         f"{report.hidden_size}, vocabulary {report.vocab_size}",
-        f"  vLLM          {report.vllm_version}, max_model_len {report.max_model_len}",
+        f"  vLLM          {report.vllm_version}"
+        + (f" ({report.vllm_python})" if report.vllm_python else "")
+        + f", max_model_len {report.max_model_len}",
         f"  verdict       {'reused' if report.verdict_reused else 'checked'} (key {report.verdict_key})",
     ]
     return "\n".join(
