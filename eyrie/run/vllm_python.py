@@ -30,6 +30,7 @@ VLLM_PYTHON_ENV = "EYRIE_VLLM_PYTHON"
 # only been run on. docs/design/compatibility.md keeps the table.
 SUPPORTED_VLLM = ">=0.26,<0.34"
 PROBE_MODULE = "eyrie.ops.vllm_probe"
+PLUGIN_ENTRY = "vllm.general_plugins: eyrie = eyrie.vllm.plugin:register"
 FACTS_TIMEOUT_S = 120.0
 INSTALL_HINT = "install it there: `{python} -m pip install --no-deps <path to Eyrie's checkout or wheel>`"
 
@@ -257,12 +258,9 @@ def check_vllm_environment(python: str | None = None) -> list[str]:
             failures.append(
                 f"{where} has another Eyrie than this flow's (its source at {facts['eyrie']} differs from "
                 f"{Path(__file__).resolve().parents[1]}): its plugin and probes would not be the ones this flow "
-                "expects; reinstall it there: `" + f"{python} -m pip install --no-deps <this Eyrie>`"
+                f"expects; install this flow's Eyrie there: `{python} -m pip install --no-deps <this Eyrie>`"
             )
     return failures
-
-
-PLUGIN_ENTRY = "vllm.general_plugins: eyrie = eyrie.vllm.plugin:register"
 
 
 # ---------------------------------------------------------------------------------------------------------------
