@@ -322,7 +322,9 @@ def test_the_fanout_opens_a_run_as_the_pipeline_does(hub_run, monkeypatch):
 
     monkeypatch.setattr(fanout, "run_deployment", run_deployment)
     done = SimpleNamespace(is_completed=lambda: True)
-    monkeypatch.setattr(fanout, "_wait", lambda children, log: {q: SimpleNamespace(state=done) for q in children})
+    monkeypatch.setattr(
+        fanout, "_wait", lambda children, log, on_poll=None: {q: SimpleNamespace(state=done) for q in children}
+    )
     with pytest.raises(ExtractionError, match="lack a complete manifest"):  # nothing ran on the stand-in nodes
         fanout.extract_fanout_flow(config, str(run.root), ["q1", "q2"])
     assert not stale.exists()
