@@ -643,3 +643,28 @@ def test_eight_devices_launch_the_same_entry_under_torchrun(tmp_path):
     assert _options(eight) == _options(one)
     cpu = _command(tmp_path / "cpu", "cpu", devices=8)
     assert cpu[0] == sys.executable and "torch.distributed.run" not in cpu
+
+
+def test_the_loaders_read_through_eyries_readers_without_registering_them(tmp_path):
+    """The entry's loaders pick Eyrie's readers themselves (packs and files, bf16 and fp8; fp8 carried to the GPU
+    with its choices), leaving hs_connectors' registry as speculators has it."""
+    import types
+
+    from hs_connectors import HiddenStatesBackend
+
+    from eyrie.hidden_states import pack_reader
+    from eyrie.hidden_states.gpu_decode import CarriedFP8Transfer
+    from eyrie.stages.train.loaders import transfer_for
+    from eyrie.stages.train.patches.switches import Switches
+
+    registry = dict(HiddenStatesBackend.registry)
+    for backend, switches, want, carried in (
+        ("file", None, pack_reader.PackedFileTransfer, False),
+        ("fp8", None, pack_reader.PackedFP8Transfer, False),
+        ("fp8", Switches(), CarriedFP8Transfer, True),
+        ("fp8", Switches(fp8_on_gpu=False), pack_reader.PackedFP8Transfer, False),
+    ):
+        args = types.SimpleNamespace(hidden_states_backend=backend, hidden_states_path=str(tmp_path), data_path="d")
+        transfer, is_carried = transfer_for(args, switches)
+        assert type(transfer) is want and is_carried is carried
+    assert dict(HiddenStatesBackend.registry) == registry
