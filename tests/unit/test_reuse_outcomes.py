@@ -28,7 +28,7 @@ import pytest
 from conftest import config_dict
 from test_extract_resume import REPORT
 from test_extract_unit import HIDDEN, LAYERS, FakeClient
-from test_identity import SPECIAL, changed_value, leaves
+from test_identity import SPECIAL, _section, changed_value, leaves
 
 from eyrie.config import PipelineConfig, parse_config
 from eyrie.run import identity
@@ -339,8 +339,8 @@ def test_each_config_field_redoes_exactly_the_work_it_shapes(finished):
     for path, ann in leaves(PipelineConfig).items():
         if path in ENTERS_THROUGH:
             continue
-        section, _, name = path.rpartition(".")
-        current = (dumped[section] if section else dumped)[name]
+        section, name = _section(dumped, path)
+        current = section[name]
         if path == "data.source":  # the same data at another path: nothing to redo
             other = finished["root"] / "moved" / finished["data"].name
             other.parent.mkdir(exist_ok=True)
@@ -357,7 +357,8 @@ def test_each_config_field_redoes_exactly_the_work_it_shapes(finished):
             values = changed_value(path, ann, current) if path in SPECIAL or ann is not None else []
         for value in values:
             full = parse_config(base).model_dump(mode="json")
-            (full[section] if section else full)[name] = value
+            field_section, _ = _section(full, path)
+            field_section[name] = value
             shaped = {s for s, d in STAGES.items() if path in d.config}
             if path in OUTPUT_PICKS and OUTPUT_PICKS[path](value) == OUTPUT_PICKS[path](current):
                 shaped = {s for s in shaped if not STAGES[s].outputs_only}
