@@ -641,12 +641,6 @@ def file_digest(path: Path) -> str:
     return digest
 
 
-def sampled_fingerprint(path: Path) -> str:
-    """A weight file's identity: its whole content (`file_digest`). It once sampled 1 MiB of each file, and an edit
-    of a few embedding rows kept every key; the name stays for its callers."""
-    return file_digest(path)
-
-
 def _module(rel: Path) -> str | None:
     """The importable name of a Python file at the top of a model folder (where transformers loads remote code
     from), else None."""
