@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -132,9 +133,11 @@ def export_and_prove(
     last, records the proof. A finished export with the same key is returned as it is."""
     if manifest := finished_manifest(out_dir / "manifest.json", key):  # written last, with the proof
         return placed(manifest, out_dir)
+    started = time.monotonic()
     manifest = export_drafter(checkpoint, out_dir, target_model, aux_ids, target_hidden_size, key)
     fault_point("export.before-proof")
     manifest["vllm_proof"] = prove_servable(serve(manifest["drafter"]), probe)
+    manifest["seconds"] = round(time.monotonic() - started, 1)  # the stage's own time, its server's start included
     atomic_write_json(out_dir / "manifest.json", recorded(manifest, out_dir))
     return placed(manifest, out_dir)
 

@@ -104,6 +104,7 @@ def test_a_moved_export_is_reused_without_serving_and_names_its_drafter_where_it
     assert served == [str(run / "export" / "drafter")] and made["drafter"] == served[0]
     recorded = read_json(run / "export" / "manifest.json")
     assert recorded["drafter"] == "drafter" and recorded["checkpoint"] == "../train/k/checkpoints/2"
+    assert recorded["seconds"] >= 0  # the stage's own time, for `eyrie status`
     run.rename(tmp_path / "moved")
     moved = tmp_path / "moved"
     again = export_stage.export_and_prove(checkpoint, moved / "export", "m", [1], 64, "e", serve, [])
