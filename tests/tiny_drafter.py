@@ -1,5 +1,6 @@
 """A one-layer EAGLE-3 drafter at toy width, seeded, with the norms speculators' CLI turns on: the same model
-for the trainer-entry unit tests and for every rank of the DDP check (and its one-process reference)."""
+for the trainer-entry unit tests and for every rank of the DDP check (and its one-process reference), and a loader
+of fixed batches for it."""
 
 from __future__ import annotations
 
@@ -46,3 +47,18 @@ def tiny_eagle3():
     t2d[ids] = True
     model.load_vocab_mappings(t2d, ids - torch.arange(64))
     return model
+
+
+class ListLoader:
+    """What the trainer asks of its loader: a length, a batch sampler (none here) and the batches."""
+
+    batch_sampler = None
+
+    def __init__(self, batches: list[dict]) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter([dict(b) for b in self.batches])

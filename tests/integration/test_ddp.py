@@ -17,7 +17,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))  # torchrun runs this file as a script: tests/ for tiny_drafter
-from tiny_drafter import tiny_eagle3  # noqa: E402
+from tiny_drafter import ListLoader, tiny_eagle3  # noqa: E402
 
 STEPS = 2
 LR = 1e-3
@@ -47,21 +47,6 @@ def _call_kwargs() -> dict:
     from speculators.losses import resolve_loss_config
 
     return {"ttt_steps": 3, "loss_config": resolve_loss_config("kl_div", "eager")}
-
-
-class _Loader:
-    """What the trainer asks of its loader: a length, a batch sampler (none here) and the batches."""
-
-    batch_sampler = None
-
-    def __init__(self, batches: list[dict]) -> None:
-        self.batches = batches
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __iter__(self):
-        return iter([dict(b) for b in self.batches])
 
 
 def _trainer_config(save_path: Path, dtype):
@@ -109,7 +94,7 @@ def _rank_main(out: Path) -> None:
         trainer = EyrieTrainer(
             tiny_eagle3(),
             _trainer_config(out / mode / "checkpoints", dtype),
-            _Loader([_batch(s, rank, dtype) for s in range(STEPS)]),
+            ListLoader([_batch(s, rank, dtype) for s in range(STEPS)]),
             device="cpu",
             switches=switches,
         )

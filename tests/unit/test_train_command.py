@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import TARGET_FACTS as FACTS
 from conftest import config_dict
-from tiny_drafter import tiny_eagle3
+from tiny_drafter import ListLoader, tiny_eagle3
 
 from eyrie.config import parse_config
 from eyrie.errors import ConfigError
@@ -408,21 +408,6 @@ def test_bf16_working_weights_train_like_float32_weights_under_autocast(monkeypa
     assert all(p.dtype == torch.float32 for p in working.parameters())
 
 
-class _Loader:
-    """What the trainer asks of its loader: a length, a batch sampler (none here) and the batches."""
-
-    batch_sampler = None
-
-    def __init__(self, batches: list[dict]) -> None:
-        self.batches = batches
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __iter__(self):
-        return iter([dict(b) for b in self.batches])
-
-
 def _eyrie_trainer(tmp_path, switches, dtype, steps: int = 2, **kwargs):
     import torch
     from speculators.train.trainer import TrainerConfig
@@ -447,7 +432,7 @@ def _eyrie_trainer(tmp_path, switches, dtype, steps: int = 2, **kwargs):
         log_freq=1,
     )
     return EyrieTrainer(
-        model, config, _Loader(batches), _Loader(batches[:1]), device="cpu", switches=switches, **kwargs
+        model, config, ListLoader(batches), ListLoader(batches[:1]), device="cpu", switches=switches, **kwargs
     )
 
 
