@@ -81,22 +81,19 @@ def test_online_and_offline_training_on_the_same_hidden_states_share_their_key(t
 # The trainer's command
 
 
-def _resolved(cmd: list[str], monkeypatch) -> tuple[dict, list]:
+def _resolved(cmd: list[str]) -> tuple[dict, tuple[str | None, int] | None]:
     """speculators' own resolution of the arguments `eyrie.stages.train.entry` hands it, after the entry point took its
-    own
-    (the online switch's `install` recorded instead of run)."""
+    own, and what the entry's loaders are told of the online server (its API key's variable, requests in flight)."""
     from speculators.train.config import TrainConfig as SpeculatorsConfig
 
-    import eyrie.stages.train.online_dataset
     from eyrie.stages.train import entry as train_entry
 
-    installed: list = []
-    monkeypatch.setattr(eyrie.stages.train.online_dataset, "install", lambda *a: installed.append(a))
     argv = cmd[cmd.index("eyrie.stages.train.entry") + 1 :]
     train_entry._pop_option(argv, "--eyrie-verifier-weights")
     train_entry._pop_option(argv, "--eyrie-metrics")
-    train_entry._online_hidden_states(argv)
-    return SpeculatorsConfig.resolve(argv).flatten(), installed
+    train_entry._pop_option(argv, "--eyrie-options")
+    online = train_entry._online_hidden_states(argv)
+    return SpeculatorsConfig.resolve(argv).flatten(), online
 
 
 def test_online_command_asks_the_server_through_speculators_generate_path(tmp_path, monkeypatch):
@@ -107,13 +104,13 @@ def test_online_command_asks_the_server_through_speculators_generate_path(tmp_pa
     assert _value(cmd, "--hidden-states-path") == str(tmp_path / "staging")
     assert _value(cmd, CONCURRENCY_FLAG) == str(config.extraction.concurrency)
     assert ONLINE_FLAG in cmd and API_KEY_ENV_FLAG not in cmd
-    resolved, installed = _resolved(cmd, monkeypatch)
+    resolved, online = _resolved(cmd)
     assert resolved["on_missing"] == "generate"
     assert resolved["vllm_endpoint"] == "http://127.0.0.1:8123/v1"
     assert resolved["hidden_states_path"] == str(tmp_path / "staging")
     assert resolved["request_timeout"] == config.extraction.request_timeout_s
     assert resolved["max_consecutive_generation_failures"] == 1  # no sample dropped silently
-    assert installed == [(None, config.extraction.concurrency)]
+    assert online == (None, config.extraction.concurrency)
 
 
 def test_online_command_names_the_api_key_variable_never_the_key(tmp_path, monkeypatch):
@@ -124,8 +121,8 @@ def test_online_command_names_the_api_key_variable_never_the_key(tmp_path, monke
     assert _value(cmd, API_KEY_ENV_FLAG) == "MY_KEY"
     assert "s3cret" not in " ".join(cmd)
     assert _value(cmd, "--vllm-endpoint") == "http://10.0.0.5:8000/v1"
-    _, installed = _resolved(cmd, monkeypatch)
-    assert installed == [("MY_KEY", config.extraction.concurrency)]
+    _, online = _resolved(cmd)
+    assert online == ("MY_KEY", config.extraction.concurrency)
 
 
 def test_offline_command_is_unchanged(tmp_path, monkeypatch):
@@ -133,8 +130,8 @@ def test_offline_command_is_unchanged(tmp_path, monkeypatch):
     assert _value(cmd, "--on-missing") == "raise"
     assert _value(cmd, "--hidden-states-path") == str(tmp_path / "staging")
     assert ONLINE_FLAG not in cmd and "--vllm-endpoint" not in cmd
-    _, installed = _resolved(cmd, monkeypatch)
-    assert installed == []
+    _, online = _resolved(cmd)
+    assert online is None
 
 
 def test_online_training_without_a_server_is_refused_before_anything_runs(tmp_path):
