@@ -5,6 +5,7 @@ the same shape) -> promote (with `promotion.dir`: the trained drafter becomes `c
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import Literal
@@ -272,27 +273,22 @@ def pipeline_flow(config: PipelineConfig, run_dir: str, until: Literal[UNTIL] = 
             *evaluation.get("warnings", []),  # a drafter not clearly better than its baseline (issue 25 item 2)
         ],
     }
+    # The run summary, rendered from `outputs` as they are when called: the card below includes a failed export's
+    # warning, which the summary the trackers get cannot.
+    summary_markdown = partial(
+        _summary_markdown,
+        config,
+        outputs,
+        summary,
+        evaluation["train_serve_gap"],
+        evaluation.get("draft_tokens"),
+        evaluation.get("markdown", []),
+    )
     if tracking_enabled(config.tracking):  # to MLflow / W&B (eyrie.ops.tracking); one that fails: a run warning
-        gap, draft_tokens, measured = (
-            evaluation["train_serve_gap"],
-            evaluation.get("draft_tokens"),
-            evaluation.get("markdown", []),
-        )
-        markdown = _summary_markdown(config, outputs, summary, gap, draft_tokens, measured)
-        outputs["warnings"] += track_run_task(config, str(run.root), outputs, markdown)
+        outputs["warnings"] += track_run_task(config, str(run.root), outputs, summary_markdown())
     for warning in outputs["warnings"]:
         log.warning(warning)
-    create_markdown_artifact(
-        _summary_markdown(
-            config,
-            outputs,
-            summary,
-            evaluation["train_serve_gap"],
-            evaluation.get("draft_tokens"),
-            evaluation.get("markdown", []),
-        ),
-        key="run-summary",
-    )
+    create_markdown_artifact(summary_markdown(), key="run-summary")
     log.info(f"outputs: {outputs}")
     return completion(outputs)
 
