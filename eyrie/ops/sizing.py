@@ -64,6 +64,11 @@ def _hours(seconds: float) -> str:
     return f"{seconds / 3600:,.1f} h" if seconds >= 3600 else f"{seconds / 60:,.0f} min"
 
 
+def _head(columns: list[str]) -> list[str]:
+    """A markdown table's header and rule."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def render() -> str:
     out = ["", MARKER, "", "## Disk per token", ""]
     out += [
@@ -72,8 +77,7 @@ def render() -> str:
         "scale per token (4 bytes more, `bytes_per_token` in `eyrie/hidden_states/encoding.py`), which the "
         "estimate leaves to `extraction.min_free_disk_gib`.",
         "",
-        "| target | layers | hidden size | aux ids | " + " | ".join(f"{d} bytes/token" for d in DTYPES) + " |",
-        "|---|---|---|---|" + "---|" * len(DTYPES),
+        *_head(["target", "layers", "hidden size", "aux ids", *(f"{d} bytes/token" for d in DTYPES)]),
     ]
     for t in TARGETS:
         ids = f"{2}, {t.layers // 2}, {t.layers - 3} + {t.layers}"
@@ -84,8 +88,7 @@ def render() -> str:
         "Preflight's estimate for a run of N extracted tokens (prompt and answer, after regeneration), per dtype, "
         "with `train.hidden_states: offline` (online keeps nothing on disk: 0 whatever the size).",
         "",
-        "| target | dtype | " + " | ".join(f"{n / 1e6:,.0f}M tokens" for n in RUN_TOKENS) + " |",
-        "|---|---|" + "---|" * len(RUN_TOKENS),
+        *_head(["target", "dtype", *(f"{n / 1e6:,.0f}M tokens" for n in RUN_TOKENS)]),
     ]
     for t in TARGETS:
         for d in DTYPES:
@@ -95,8 +98,7 @@ def render() -> str:
     out += [
         f"The same bytes either way; the count differs. For {SAMPLES:,} conversations in shards of {SHARD_SIZE}:",
         "",
-        "| `extraction.storage` | files | each |",
-        "|---|---|---|",
+        *_head(["`extraction.storage`", "files", "each"]),
         f"| `files` | {files:,} | one sample (`hs_<i>.safetensors`) |",
         f"| `packed` | {packs:,} | one shard (`packs/<start>_<stop>.safetensors`) |",
         "",
@@ -109,8 +111,7 @@ def render() -> str:
         "Kimi-K2.5's width, ~32,000 tokens/s on one H200 (2026-12-03, commit 7f53e88, "
         "`benchmarks/train_throughput.sh`; [benchmarks](../benchmarks.md)).",
         "",
-        "| tokens | " + " | ".join(f"{r:,} tokens/s" for r in RATES) + " |",
-        "|---|" + "---|" * len(RATES),
+        *_head(["tokens", *(f"{r:,} tokens/s" for r in RATES)]),
     ]
     for n in RUN_TOKENS:
         out.append(f"| {n / 1e6:,.0f}M | " + " | ".join(_hours(n / r) for r in RATES) + " |")
