@@ -356,17 +356,27 @@ def _against_baseline(folder: Path, shard_name: str, ctx, medians: dict, figures
     return problems
 
 
-def _head_check(ctx: dict, rows: torch.Tensor, next_tokens: list[int], greedy: bool, figures: dict, log) -> list[str]:
+def head_logprobs(ctx: dict, rows: torch.Tensor) -> torch.Tensor:
+    """The target's own next-token log-probabilities [N, V] (float32) for last-layer rows [N, H]: its final norm and
+    head, loaded from its checkpoint (`load_head`)."""
+    weight, bias, head = load_head(ctx)
+    normed = apply_norm(rows.float(), weight, bias, ctx)
+    return (normed.to(head.dtype) @ head.T).float().log_softmax(-1)
+
+
+def tie_agreement(logprobs: torch.Tensor, tokens: list[int]) -> tuple[float, float]:
+    """(agreement, top-1) of `tokens` with the rows of `logprobs`: the token is the top one, or within TIE_NATS of
+    it (agreement), or is the top one itself (top-1)."""
     import torch
 
-    weight, bias, head = load_head(ctx)
-    normed = apply_norm(rows, weight, bias, ctx)
-    logprobs = (normed.to(head.dtype) @ head.T).float().log_softmax(-1)
-    want = torch.tensor(next_tokens)
-    # How far the token that followed is below the top one, in log-probability: 0 where it is the top token.
+    want = torch.tensor(tokens, dtype=torch.long)
+    # How far the token is below the top one, in log-probability: 0 where it is the top token.
     below = logprobs.max(-1).values - logprobs.gather(1, want[:, None])[:, 0]
-    top1 = float((below <= 0).float().mean())
-    agreement = float((below <= TIE_NATS).float().mean())
+    return float((below <= TIE_NATS).float().mean()), float((below <= 0).float().mean())
+
+
+def _head_check(ctx: dict, rows: torch.Tensor, next_tokens: list[int], greedy: bool, figures: dict, log) -> list[str]:
+    agreement, top1 = tie_agreement(head_logprobs(ctx, rows), next_tokens)
     lid = ctx["num_layers"]
     figures["head_check"] = {
         "layer": lid,

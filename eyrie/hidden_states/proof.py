@@ -41,10 +41,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eyrie.hidden_states.check import (
+    GREEDY_MIN_AGREEMENT,
     MIN_POSITIONS,
+    TIE_NATS,
     CaptureError,
-    _head_check,
+    head_logprobs,
     row_problems,
+    tie_agreement,
 )
 
 if TYPE_CHECKING:
@@ -59,6 +62,8 @@ NEIGHBOUR_MARGIN = 0.5  # the error to the captured layer must be below this tim
 RECOMPUTE_MAX_PARAMS = 2_000_000_000  # parameters of the rebuilt first layers (float32: 8 GB)
 SHARD_PREFIX_TOKENS = 64  # tokens of one shard file recomputed per shard (causal: the prefix's states are exact)
 AUX_POLICY = "unproven_aux_layers"  # the ctx's copy of extraction.unproven_aux_layers: "refuse" or "warn"
+SERVER_TOP_K = 20  # the server's ranking asked for at every position (vLLM's default --max-logprobs is 20)
+RANK_MIN_OVERLAP = 0.9  # mean share of the server's top-K that is in the target's own top-K (within TIE_NATS)
 
 
 class Unrecomputable(Exception):
@@ -425,38 +430,147 @@ def proof_prompts(source_dir: Path, max_model_len: int, rows: int = PROOF_ROWS) 
     return out
 
 
-def judge(ctx: dict, samples: list[tuple[torch.Tensor, list[int], int]], log=print) -> dict:
-    """The proof's verdict on captured samples [(hs [T, n_layers, H], token ids, prompt length)] whose tokens after
-    the prompt are the target's greedy choices; raises CaptureError with every problem, else returns the figures."""
+Ranking = list[tuple[list[int], list[float]] | None]  # per position: None, then (ids best first, log-probabilities)
+
+
+def rank_agreement(logprobs: torch.Tensor, server_top: list[list[int]]) -> dict[str, Any]:
+    """How the target's own log-probabilities `logprobs` [N, V] (its head on the captured last layer) rank the
+    tokens against the server's own ranking `server_top` (per row, its top token ids, best first) at the same N
+    positions of the same forward pass. Figures, all over the N positions:
+
+    - `top1_agreement`: the server's top token is the target's top one or within TIE_NATS of it (a near-tie, which
+      bf16 numerics decide either way: the two sides round differently);
+    - `top1_exact`: it is the target's top one;
+    - `topk_overlap`: the mean share of the server's top K tokens the target ranks within its own top K, counting
+      a token within TIE_NATS of the target's K-th as in (near-ties at the cut);
+    - `topk_overlap_exact`: the mean share of the server's top K that is in the target's top K."""
+    import torch
+
+    n, vocab = logprobs.shape
+    if n != len(server_top):
+        raise ValueError(f"{n} rows of log-probabilities for {len(server_top)} rankings")
+    if not n:
+        return {"positions": 0, "top_k": 0}
+    k = min(vocab, max(len(r) for r in server_top))
+    top = logprobs.topk(k, dim=-1)
+    first = torch.tensor([r[0] for r in server_top], dtype=torch.long)
+    gap = top.values[:, 0] - logprobs.gather(1, first[:, None])[:, 0]
+    tolerant, exact = [], []
+    for i, ranked in enumerate(server_top):
+        kk = min(len(ranked), k)
+        ids = torch.tensor(ranked[:kk], dtype=torch.long)
+        cut = top.values[i, kk - 1]
+        tolerant.append(float((logprobs[i, ids] >= cut - TIE_NATS).float().mean()))
+        exact.append(len(set(top.indices[i, :kk].tolist()) & set(ranked[:kk])) / kk)
+    return {
+        "positions": n,
+        "top_k": k,
+        "top1_agreement": round(float((gap <= TIE_NATS).float().mean()), 4),
+        "top1_exact": round(float((gap <= 0).float().mean()), 4),
+        "topk_overlap": round(sum(tolerant) / n, 4),
+        "topk_overlap_exact": round(sum(exact) / n, 4),
+    }
+
+
+def rank_problems(logprobs: torch.Tensor, server_top: list[list[int]], layer: int) -> tuple[list[str], dict]:
+    """The proof's rule for the last layer: the target's head on the captured layer `layer` must rank the tokens as
+    the server did in the same forward pass (`rank_agreement`): the server's top token within TIE_NATS of the
+    target's top at GREEDY_MIN_AGREEMENT of the positions, and on average RANK_MIN_OVERLAP of the server's top K in
+    the target's top K (near-ties at the cut counted in). A correct capture differs from the server's own logits by
+    rounding alone, so both hold even on near-flat logits, where ties flip; another layer, the stream plus a
+    layer's input, zeros or another target's states rank the vocabulary otherwise. The problems, and the figures
+    (with the thresholds). Pure: no I/O."""
+    vocab = logprobs.shape[-1]
+    past = sorted({t for r in server_top for t in r if not 0 <= t < vocab})
+    if past:
+        return [f"the server ranks token ids {past[:5]} that the target's head (vocabulary {vocab}) does not have"], {
+            "positions": len(server_top)
+        }
+    if any(not r for r in server_top):
+        return ["the server's ranking is empty at some positions"], {"positions": len(server_top)}
+    figures = rank_agreement(logprobs, server_top)
+    figures.update(min_top1_agreement=GREEDY_MIN_AGREEMENT, min_topk_overlap=RANK_MIN_OVERLAP, tie_nats=TIE_NATS)
+    n = figures["positions"]
+    if n < MIN_POSITIONS:
+        return [f"only {n} positions ranked by the server to check the last layer on"], figures
+    problems = []
+    top1, overlap, k = figures["top1_agreement"], figures["topk_overlap"], figures["top_k"]
+    if top1 < GREEDY_MIN_AGREEMENT:
+        problems.append(
+            f"layer {layer} (the last layer's output) through the target's own final norm and head puts the "
+            f"server's top token (from the same forward pass) at or within {TIE_NATS} nats of its own top at only "
+            f"{top1:.0%} of {n} positions (at least {GREEDY_MIN_AGREEMENT:.0%} expected; exact "
+            f"{figures['top1_exact']:.0%}): it is not the stream the target's head reads"
+        )
+    if overlap < RANK_MIN_OVERLAP:
+        problems.append(
+            f"layer {layer} (the last layer's output) through the target's own final norm and head shares on average "
+            f"only {overlap:.0%} of the server's top {k} tokens at {n} positions (at least {RANK_MIN_OVERLAP:.0%} "
+            f"expected, near-ties within {TIE_NATS} nats counted): it is not the stream the target's head reads"
+        )
+    return problems, figures
+
+
+def judge(ctx: dict, samples: list[tuple[torch.Tensor, list[int], int, Ranking]], log=print) -> dict:
+    """The proof's verdict on captured samples [(hs [T, n_layers, H], token ids, prompt length, the server's ranking
+    at each of the T positions from the forward pass that captured hs)] whose tokens after the prompt are the
+    target's greedy choices; raises CaptureError with every problem, else returns the figures."""
     import torch
 
     layer_ids = list(ctx["layer_ids"])
     L = ctx["num_layers"]
     problems: list[str] = []
     figures: dict[str, Any] = {"prompts": len(samples), "answer_tokens": ANSWER_TOKENS, "layer_ids": layer_ids}
-    for n, (hs, _, _) in enumerate(samples):
+    for n, (hs, ids, _, ranking) in enumerate(samples):
         if hs.shape[1] != len(layer_ids):
             raise CaptureError(f"the capture holds {hs.shape[1]} layers; {len(layer_ids)} ({layer_ids}) were asked for")
+        if len(ranking) != len(ids) or hs.shape[0] != len(ids):
+            raise CaptureError(
+                f"proof prompt {n}: {len(ids)} tokens, {hs.shape[0]} captured rows and the server's ranking at "
+                f"{len(ranking)} positions"
+            )
         problems += row_problems(hs, layer_ids, f"proof prompt {n}")
-    # 1. the last layer through the target's own norm and head, against the server's greedy tokens
+    # 1. the last layer through the target's own norm and head, against the server's own ranking from the same
+    # forward pass (the state at p-1 predicts the token at p: the server's ranking at position p)
     if L not in layer_ids:
         problems.append(f"layer {L} (the last layer's output) is not captured: the head check needs it")
     else:
         last = layer_ids.index(L)
-        rows, tokens = [], []
-        for hs, ids, p in samples:
-            rows.append(hs[p - 1 : len(ids) - 1, last, :])
+        rows: list[torch.Tensor] = []
+        server_top: list[list[int]] = []
+        greedy_at: list[int] = []
+        tokens: list[int] = []
+        for hs, ids, p, ranking in samples:
+            start = sum(r.shape[0] for r in rows)
+            rows.append(hs[: len(ids) - 1, last, :])
+            server_top += [list(r[0]) if r is not None else [] for r in ranking[1:]]
+            greedy_at += range(start + p - 1, start + len(ids) - 1)
             tokens += ids[p:]
         if len(tokens) < MIN_POSITIONS:
             problems.append(f"only {len(tokens)} greedy positions to check the last layer on")
         else:
-            problems += _head_check(ctx, torch.cat(rows), tokens, True, figures, log)
-            figures["head_check"]["reference"] = "the server's own greedy tokens (the proof's answers)"
+            logprobs = head_logprobs(ctx, torch.cat(rows))
+            found, check = rank_problems(logprobs, server_top, L)
+            problems += found
+            agreement, top1 = tie_agreement(logprobs[greedy_at], tokens)
+            figures["head_check"] = {
+                "layer": L,
+                "reference": f"the server's own top-{SERVER_TOP_K} ranking at every position of the forward pass "
+                "that captured the states (prompt_logprobs)",
+                **check,
+                # The server's greedy answers come from other forward passes (decode steps, other kernels): a
+                # figure, not the verdict (near-ties flip between passes on near-flat logits)
+                "greedy_vs_forward": {
+                    "positions": len(tokens),
+                    "agreement": round(agreement, 4),
+                    "top1": round(top1, 4),
+                },
+            }
     # 2. every aux layer against the target's own first layers, recomputed
     aux = [i for i in layer_ids if i < L]
     if aux:
         plan = plan_for(ctx)
-        check: dict[str, Any] = {}
+        check_aux: dict[str, Any] = {}
         unproven, reason = list(plan.unproven), plan.reason
         if plan.proven:
             try:
@@ -464,18 +578,18 @@ def judge(ctx: dict, samples: list[tuple[torch.Tensor, list[int], int]], log=pri
             except Unrecomputable as err:  # the config allowed it but the checkpoint does not (names, tensors)
                 unproven, reason = sorted(set(unproven) | set(plan.proven)), str(err)
             else:
-                found, errs = aux_problems([(hs, ids) for hs, ids, _ in samples], layer_ids, L, rec)
+                found, errs = aux_problems([(hs, ids) for hs, ids, _, _ in samples], layer_ids, L, rec)
                 problems += found
-                check = {"recomputed_layers": rec.layers, "relative_l2": errs, "max": REL_MAX}
+                check_aux = {"recomputed_layers": rec.layers, "relative_l2": errs, "max": REL_MAX}
         if unproven:
-            check.update(unproven=unproven, reason=reason)
+            check_aux.update(unproven=unproven, reason=reason)
             if ctx.get(AUX_POLICY) == "warn":
                 warning = (
                     f"the capture proof could not recompute aux layer ids {unproven} ({reason}): they are unproven; "
                     "the last layer is proven through the target's head"
-                    + (f" and ids {sorted(check['relative_l2'])} recomputed" if check.get("relative_l2") else "")
+                    + (f" and ids {sorted(done)} recomputed" if (done := check_aux.get("relative_l2")) else "")
                 )
-                check["allowed_by"] = "extraction.unproven_aux_layers: warn"
+                check_aux["allowed_by"] = "extraction.unproven_aux_layers: warn"
                 figures["warnings"] = [warning]
                 log(f"warning: {warning}")
             else:
@@ -484,7 +598,7 @@ def judge(ctx: dict, samples: list[tuple[torch.Tensor, list[int], int]], log=pri
                     "extraction.unproven_aux_layers: warn to accept them unproven, or choose shallower "
                     "extraction.layer_ids"
                 )
-        figures["aux_check"] = check
+        figures["aux_check"] = check_aux
     figures["problems"] = problems
     if problems:
         raise CaptureError(

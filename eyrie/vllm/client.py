@@ -116,6 +116,52 @@ class ServerClient:
             self._answered(sent)
         return self._hidden_states_path(r.status_code, "" if ok else r.text, r.json() if ok else None, token_ids)
 
+    def extract_ranked(
+        self, token_ids: list[int], timeout_s: float, top_k: int
+    ) -> tuple[str, list[tuple[list[int], list[float]] | None]]:
+        """`extract` that also asks the server for its own ranking at every prompt position, from the same forward
+        pass that captured the states (`prompt_logprobs`): the capture proof's reference
+        (eyrie.hidden_states.proof). Returns the file's path and, per position, None at position 0 (nothing
+        predicts the first token) then (the server's `top_k` token ids, best first; their log-probabilities): the
+        ranking at position p is the server's prediction of token p from tokens before it. Shards use `extract`,
+        which asks for no ranking (no cost to extraction's throughput)."""
+        sent = time.time()
+        body = {**self._extract_body(token_ids), "prompt_logprobs": top_k}
+        r = self.session.post(self.base_url + "/v1/completions", json=body, timeout=timeout_s)
+        ok = r.status_code == 200
+        if ok:
+            self._answered(sent)
+        out = r.json() if ok else None
+        path = self._hidden_states_path(r.status_code, "" if ok else r.text, out, token_ids)
+        assert out is not None  # checked by _hidden_states_path
+        return path, self.ranking(out["choices"][0].get("prompt_logprobs"), len(token_ids), top_k)
+
+    @staticmethod
+    def ranking(
+        prompt_logprobs: list[dict | None] | None, length: int, top_k: int
+    ) -> list[tuple[list[int], list[float]] | None]:
+        """vLLM's `prompt_logprobs` answer (per position None or {token id: {logprob, rank, decoded_token}}: the
+        top `top_k` and the prompt's own token, which may rank below them) as [None, (ids best first, logprobs),
+        ...]: the entries ranked within `top_k`, by log-probability (then rank)."""
+        if not isinstance(prompt_logprobs, list) or len(prompt_logprobs) != length:
+            got = "none" if prompt_logprobs is None else f"{len(prompt_logprobs)} positions"
+            raise ExtractionError(
+                f"vLLM's answer carries no ranking for the {length} prompt positions (prompt_logprobs: {got})"
+            )
+        out: list[tuple[list[int], list[float]] | None] = [None]
+        for entry in prompt_logprobs[1:]:
+            if not isinstance(entry, dict) or not entry:
+                raise ExtractionError("vLLM's prompt_logprobs has a position without a ranking")
+            ranked = [
+                (float(v["logprob"]), int(v.get("rank") or 0), int(k))
+                for k, v in entry.items()
+                if v.get("rank") is None or int(v["rank"]) <= top_k
+            ]
+            ranked.sort(key=lambda x: (-x[0], x[1]))
+            ranked = ranked[:top_k]
+            out.append(([t for _, _, t in ranked], [lp for lp, _, _ in ranked]))
+        return out
+
     @contextlib.asynccontextmanager
     async def async_extractor(
         self, connections: int

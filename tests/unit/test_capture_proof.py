@@ -13,7 +13,7 @@ from capture_target import CAPTURED, LAYERS, capture_context, residual_stream, t
 from safetensors.torch import save_file
 
 from eyrie.hidden_states import proof
-from eyrie.hidden_states.check import CONTEXT, FOLDER, CaptureError, check_shard
+from eyrie.hidden_states.check import CONTEXT, FOLDER, GREEDY_MIN_AGREEMENT, CaptureError, check_shard
 from eyrie.run.files import atomic_write_json, read_json
 from eyrie.run.folder import RunFolder, sample_path
 from eyrie.stages.prepare import Shard
@@ -39,21 +39,48 @@ def target(tmp_path_factory):
     return folder, samples
 
 
-def _captured(samples, corrupt=None, other=False):
-    """What the server would write for each proof prompt: the captured ids of the stream, in bf16 as stored."""
+def server_ranking(model, ids: list[int]) -> list:
+    """The server's own top-K ranking at every position of the forward pass over `ids`, as `extract_ranked` returns
+    it: None at 0, then (ids best first, log-probabilities) from the target's logits rounded to bf16 (vLLM's)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    top = logits.to(torch.bfloat16).float().log_softmax(-1).topk(proof.SERVER_TOP_K, dim=-1)
+    return [None] + [(top.indices[p - 1].tolist(), top.values[p - 1].tolist()) for p in range(1, len(ids))]
+
+
+@pytest.fixture(scope="module")
+def rankings(target):
+    """The server's ranking for each proof sample: the target's own forward pass, whatever the capture wrote."""
+    from transformers import LlamaForCausalLM
+
+    folder, samples = target
+    model = LlamaForCausalLM.from_pretrained(folder).eval()
+    return [server_ranking(model, ids) for _, _, ids, _ in samples]
+
+
+def _captured(target_and_rankings, corrupt=None, other=False):
+    """What the server would write for each proof prompt: the captured ids of the stream, in bf16 as stored, and
+    the server's ranking from the same forward pass (the target's own: only the capture is planted wrong)."""
+    (_, samples), rankings = target_and_rankings
     out = []
-    for own, theirs, ids, p in samples:
+    for (own, theirs, ids, p), ranking in zip(samples, rankings, strict=True):
         s = (theirs if other else own).clone()
         if corrupt:
             s = corrupt(s)
-        out.append((s[:, CAPTURED, :].to(torch.bfloat16).float(), ids, p))
+        out.append((s[:, CAPTURED, :].to(torch.bfloat16).float(), ids, p, ranking))
     return out
 
 
-def test_the_true_capture_is_proved_with_its_figures(target):
+def test_the_true_capture_is_proved_with_its_figures(target, rankings):
     folder, samples = target
-    figures = proof.judge(capture_context(folder), _captured(samples), log=lambda m: None)
-    assert figures["head_check"]["agreement"] >= 0.95, figures
+    figures = proof.judge(capture_context(folder), _captured((target, rankings)), log=lambda m: None)
+    head = figures["head_check"]
+    # Every position of each prompt and its answer (the ranking at p pairs with the state at p - 1)
+    assert head["positions"] == sum(len(ids) - 1 for _, _, ids, _ in samples), head
+    assert head["top_k"] == proof.SERVER_TOP_K and "the forward pass that captured" in head["reference"], head
+    assert head["top1_agreement"] == 1.0 and head["topk_overlap"] >= 0.99, head  # bf16 rounding alone
+    assert head["greedy_vs_forward"]["positions"] == len(samples) * proof.ANSWER_TOKENS, head
+    assert head["greedy_vs_forward"]["agreement"] >= 0.95, head  # recorded, not decisive
     errs = figures["aux_check"]["relative_l2"]
     assert set(errs) == {1, 2}
     assert all(e["own"] < 0.02 for e in errs.values()), errs  # bf16 storage of a float32 stream
@@ -99,28 +126,28 @@ def _aux_zeros(s):
     ],
     ids=["stream-plus-input", "aux-stream-plus-input", "aux-off-by-one", "last-off-by-one", "zeros"],
 )
-def test_each_planted_wrong_capture_is_refused_naming_the_layer(target, corrupt, names):
+def test_each_planted_wrong_capture_is_refused_naming_the_layer(target, rankings, corrupt, names):
     folder, samples = target
     with pytest.raises(CaptureError, match=names):
-        proof.judge(capture_context(folder), _captured(samples, corrupt), log=lambda m: None)
+        proof.judge(capture_context(folder), _captured((target, rankings), corrupt), log=lambda m: None)
 
 
-def test_another_targets_states_are_refused(target):
+def test_another_targets_states_are_refused(target, rankings):
     folder, samples = target
     with pytest.raises(CaptureError) as err:
-        proof.judge(capture_context(folder), _captured(samples, other=True), log=lambda m: None)
+        proof.judge(capture_context(folder), _captured((target, rankings), other=True), log=lambda m: None)
     text = str(err.value)
     assert "layer 1: the captured stream is" in text and "layer 2: the captured stream is" in text, text
     assert f"layer {LAYERS} (the last layer's output)" in text, text
 
 
-def test_a_target_that_cannot_be_rebuilt_is_refused_unless_the_config_accepts_it_unproven(target):
+def test_a_target_that_cannot_be_rebuilt_is_refused_unless_the_config_accepts_it_unproven(target, rankings):
     folder, samples = target
     ctx = {**capture_context(folder), "quantized": True}
     with pytest.raises(CaptureError, match=r"aux layers \[1, 2\] cannot be proven: the checkpoint is quantized"):
-        proof.judge(ctx, _captured(samples), log=lambda m: None)
+        proof.judge(ctx, _captured((target, rankings)), log=lambda m: None)
     said: list[str] = []
-    figures = proof.judge({**ctx, proof.AUX_POLICY: "warn"}, _captured(samples), log=said.append)
+    figures = proof.judge({**ctx, proof.AUX_POLICY: "warn"}, _captured((target, rankings)), log=said.append)
     assert figures["aux_check"]["unproven"] == [1, 2] and "relative_l2" not in figures["aux_check"], figures
     assert figures["aux_check"]["allowed_by"] == "extraction.unproven_aux_layers: warn"
     assert len(figures["warnings"]) == 1 and "[1, 2]" in figures["warnings"][0] and said, figures
@@ -139,15 +166,19 @@ def budget_for_layer_1(target, monkeypatch):
     return counts
 
 
-def test_the_shallow_aux_id_is_proven_when_the_deep_ones_prefix_is_past_the_budget(target, budget_for_layer_1):
+def test_the_shallow_aux_id_is_proven_when_the_deep_ones_prefix_is_past_the_budget(
+    target, rankings, budget_for_layer_1
+):
     folder, samples = target
     plan = proof.plan_for(capture_context(folder))
     assert (plan.layers, plan.proven, plan.unproven) == (2, [1], [2]), plan
     assert "first 4 layers and head hold" in plan.reason and "the proof rebuilds at most" in plan.reason, plan
     with pytest.raises(CaptureError, match=r"aux layers \[2\] cannot be proven: the proof rebuilds at most") as err:
-        proof.judge(capture_context(folder), _captured(samples), log=lambda m: None)
+        proof.judge(capture_context(folder), _captured((target, rankings)), log=lambda m: None)
     assert "extraction.unproven_aux_layers: warn" in str(err.value)
-    figures = proof.judge({**capture_context(folder), proof.AUX_POLICY: "warn"}, _captured(samples), log=lambda m: None)
+    figures = proof.judge(
+        {**capture_context(folder), proof.AUX_POLICY: "warn"}, _captured((target, rankings)), log=lambda m: None
+    )
     aux = figures["aux_check"]
     assert set(aux["relative_l2"]) == {1} and aux["relative_l2"][1]["own"] < 0.02, aux
     assert aux["recomputed_layers"] == 2 and aux["unproven"] == [2], aux
@@ -181,12 +212,14 @@ def _id_1_off_by_one(s):  # the shallow aux id holds its layer's output
 
 
 def test_a_wrong_capture_at_the_proven_id_is_refused_though_the_deep_ones_are_accepted_unproven(
-    target, budget_for_layer_1
+    target, rankings, budget_for_layer_1
 ):
     folder, samples = target
     with pytest.raises(CaptureError, match=r"layer 1: .*from the one entering layer 2") as err:
         proof.judge(
-            {**capture_context(folder), proof.AUX_POLICY: "warn"}, _captured(samples, _id_1_off_by_one), log=print
+            {**capture_context(folder), proof.AUX_POLICY: "warn"},
+            _captured((target, rankings), _id_1_off_by_one),
+            log=print,
         )
     assert "layer 2:" not in str(err.value)  # past the budget: not judged, recorded unproven
 
@@ -209,9 +242,11 @@ def test_preflight_predicts_from_the_config_which_aux_ids_the_proof_can_recomput
     assert "transformers cannot read the target's config" in failures[0], failures
 
 
-def test_too_few_greedy_positions_refuse_rather_than_pass(target):
+def test_too_few_greedy_positions_refuse_rather_than_pass(target, rankings):
     folder, samples = target
-    short = [(hs[: p + 1], ids[: p + 1], p) for hs, ids, p in _captured(samples)]  # one answer token each
+    short = [
+        (hs[: p + 1], ids[: p + 1], p, r[: p + 1]) for hs, ids, p, r in _captured((target, rankings))
+    ]  # one answer token each
     with pytest.raises(CaptureError, match="only 3 greedy positions"):
         proof.judge(capture_context(folder), short, log=lambda m: None)
 
@@ -256,14 +291,15 @@ def test_the_proof_prompts_are_the_datas_prompts_within_the_context(tmp_path):
 
 class _Server:
     """The tiny target behind the two requests the proof sends: a greedy completion (the answer's token ids) and
-    an extraction (a file in staging, as the connector writes it, with its writer's lock file). `corrupt` plants
-    a wrong capture."""
+    an extraction (a file in staging, as the connector writes it, with its writer's lock file, and the server's own
+    ranking at every position of that forward pass). `corrupt` plants a wrong capture; `flip` makes every other
+    greedy token the runner-up, as a decode pass whose numerics order near-ties otherwise than the prefill."""
 
-    def __init__(self, folder, staging, corrupt=None):
+    def __init__(self, folder, staging, corrupt=None, flip=False):
         from transformers import LlamaForCausalLM
 
         self.model = LlamaForCausalLM.from_pretrained(folder).eval()
-        self.staging, self.corrupt, self.base_url, self.greedy = staging, corrupt, "http://fake", 0
+        self.staging, self.corrupt, self.flip, self.base_url, self.greedy = staging, corrupt, flip, "http://fake", 0
         self.session = self
 
     def post(self, url, json, timeout):
@@ -271,14 +307,16 @@ class _Server:
 
         assert json["temperature"] == 0.0 and json["ignore_eos"] and json["max_tokens"] == proof.ANSWER_TOKENS
         self.greedy += 1
+        ids = list(json["prompt"])
         with torch.no_grad():
-            out = self.model.generate(
-                torch.tensor([json["prompt"]]), max_new_tokens=json["max_tokens"], do_sample=False
-            )
-        answer = out[0, len(json["prompt"]) :].tolist()
+            for step in range(json["max_tokens"]):
+                order = self.model(torch.tensor([ids])).logits[0, -1].argsort(descending=True)
+                ids.append(int(order[1 if self.flip and step % 2 else 0]))
+        answer = ids[len(json["prompt"]) :]
         return SimpleNamespace(status_code=200, json=lambda: {"choices": [{"token_ids": answer}]})
 
-    def extract(self, ids, timeout_s):
+    def extract_ranked(self, ids, timeout_s, top_k):
+        assert top_k == proof.SERVER_TOP_K
         s = residual_stream(self.model, ids)
         s = self.corrupt(s) if self.corrupt else s
         path = self.staging / f"{len(list(self.staging.iterdir()))}.safetensors"
@@ -287,7 +325,7 @@ class _Server:
             str(path),
         )
         (self.staging / (path.name + ".lock")).touch()
-        return str(path)
+        return str(path), server_ranking(self.model, ids)
 
 
 def _data(tmp_path):
@@ -314,9 +352,12 @@ def test_the_server_proves_its_capture_once_and_records_it(tmp_path, target):
         capture_context(folder), _data(tmp_path), tmp_path / "capture", state, server, 128, log=said.append
     )
     assert figures["passed"] and server.greedy == proof.PROOF_ROWS
-    assert read_json(tmp_path / "capture" / proof.PROOF)["aux_check"]["relative_l2"]
+    recorded = read_json(tmp_path / "capture" / proof.PROOF)
+    assert recorded["aux_check"]["relative_l2"]
+    head = recorded["head_check"]
+    assert head["top1_agreement"] == 1.0 and head["topk_overlap"] >= 0.99 and head["positions"] > 0, head
     assert not list(staging.iterdir())  # each file read back and removed, with its lock
-    assert "capture proved in" in said[-1]
+    assert "capture proved in" in said[-1] and f"top-{proof.SERVER_TOP_K} overlap" in said[-1], said[-1]
     prove_server(capture_context(folder), _data(tmp_path), tmp_path / "capture", state, server, 128, log=said.append)
     assert server.greedy == proof.PROOF_ROWS and "already" in said[-1]  # the same server process: not asked again
     prove_server(
@@ -329,6 +370,27 @@ def test_the_server_proves_its_capture_once_and_records_it(tmp_path, target):
         log=said.append,
     )
     assert server.greedy == 2 * proof.PROOF_ROWS  # a new server is proved again
+
+
+def test_greedy_answers_from_another_pass_do_not_decide_the_verdict(tmp_path, target):
+    """Issue 39: the greedy answers come from decode steps, the capture from the extraction's prefill; where the
+    two passes order near-ties otherwise, the greedy tokens disagree with the captured states though the capture
+    is right. The verdict is the server's own ranking from the capture's forward pass; the greedy agreement is a
+    figure."""
+    from eyrie.stages.extract.proof import prove_server
+
+    folder, _ = target
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    server = _Server(folder, staging, flip=True)
+    said: list[str] = []
+    figures = prove_server(
+        capture_context(folder), _data(tmp_path), tmp_path / "capture", None, server, 128, log=said.append
+    )
+    head = read_json(tmp_path / "capture" / proof.PROOF)["head_check"]
+    assert figures["passed"] and head["top1_agreement"] == 1.0, head
+    assert head["greedy_vs_forward"]["agreement"] < GREEDY_MIN_AGREEMENT, head  # the old rule refused this
+    assert f"greedy answers' tokens {head['greedy_vs_forward']['agreement']}" in said[-1], said[-1]
 
 
 def test_a_server_whose_capture_is_wrong_is_refused_and_recorded(tmp_path, target):

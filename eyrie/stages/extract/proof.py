@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eyrie.hidden_states.check import GREEDY_MIN_AGREEMENT, TIE_NATS, CaptureError
-from eyrie.hidden_states.proof import ANSWER_TOKENS, PROOF, judge, proof_prompts
+from eyrie.hidden_states.proof import (
+    ANSWER_TOKENS,
+    PROOF,
+    RANK_MIN_OVERLAP,
+    SERVER_TOP_K,
+    Ranking,
+    judge,
+    proof_prompts,
+)
 from eyrie.run.files import atomic_write_json
 
 if TYPE_CHECKING:
@@ -47,14 +55,15 @@ def _greedy(client, prompt: list[int], timeout_s: float) -> list[int]:
     return list(tokens)
 
 
-def _captured(client, ids: list[int], timeout_s: float) -> torch.Tensor:
-    """The server's capture of `ids`, read and removed from staging: [T, n_layers, H] float32."""
+def _captured(client, ids: list[int], timeout_s: float) -> tuple[torch.Tensor, Ranking]:
+    """The server's capture of `ids`, read and removed from staging: [T, n_layers, H] float32, and the server's own
+    top-SERVER_TOP_K ranking at each of the T positions from the same forward pass (`ServerClient.extract_ranked`)."""
     import torch
     from safetensors.torch import load_file
 
     from eyrie.hidden_states.encoding import decode
 
-    path = client.extract(ids, timeout_s)
+    path, ranking = client.extract_ranked(ids, timeout_s, SERVER_TOP_K)
     lock = path + ".lock"  # the connector's writer holds LOCK_EX on it until the file is whole
     if os.path.exists(lock):
         with open(lock) as lf:
@@ -66,7 +75,7 @@ def _captured(client, ids: list[int], timeout_s: float) -> torch.Tensor:
         Path(path).unlink(missing_ok=True)
     if data["token_ids"].tolist() != ids:
         raise CaptureError("the server's capture is for other token ids than were sent")
-    return data["hidden_states"].float()
+    return data["hidden_states"].float(), ranking
 
 
 def prove_capture(
@@ -79,7 +88,8 @@ def prove_capture(
     for prompt in proof_prompts(source_dir, max_model_len):
         answer = _greedy(client, prompt, timeout_s)
         ids = prompt + answer
-        samples.append((_captured(client, ids, timeout_s), ids, len(prompt)))
+        hs, ranking = _captured(client, ids, timeout_s)
+        samples.append((hs, ids, len(prompt), ranking))
     served = time.perf_counter() - t0
     capture_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -121,10 +131,14 @@ def prove_server(
     atomic_write_json(capture_dir / PROOF, figures)
     head = figures.get("head_check", {})
     aux = figures.get("aux_check", {})
+    greedy = head.get("greedy_vs_forward", {})
     log(
-        f"capture proved in {figures['seconds']} s on {figures['prompts']} greedy answers: layer {ctx['num_layers']} "
-        f"through the target's head {head.get('agreement')} (top-1 {head.get('top1')}; at least "
-        f"{GREEDY_MIN_AGREEMENT} within {TIE_NATS} nats); aux layers "
+        f"capture proved in {figures['seconds']} s on {figures['prompts']} prompts with greedy answers: layer "
+        f"{ctx['num_layers']} through the target's head against the server's own ranking from the same forward pass "
+        f"at {head.get('positions')} positions: top-1 {head.get('top1_agreement')} (exact {head.get('top1_exact')}; "
+        f"at least {GREEDY_MIN_AGREEMENT} within {TIE_NATS} nats), top-{head.get('top_k')} overlap "
+        f"{head.get('topk_overlap')} (exact {head.get('topk_overlap_exact')}; at least {RANK_MIN_OVERLAP}); the greedy "
+        f"answers' tokens {greedy.get('agreement')} (top-1 {greedy.get('top1')}, a figure); aux layers "
         + (
             ", ".join(f"{k}: {v['own']}" for k, v in aux.get("relative_l2", {}).items())
             + " (relative L2) from the target's own stream, recomputed"
