@@ -356,12 +356,17 @@ def _against_baseline(folder: Path, shard_name: str, ctx, medians: dict, figures
     return problems
 
 
-def head_logprobs(ctx: dict, rows: torch.Tensor) -> torch.Tensor:
-    """The target's own next-token log-probabilities [N, V] (float32) for last-layer rows [N, H]: its final norm and
-    head, loaded from its checkpoint (`load_head`)."""
+def head_logits(ctx: dict, rows: torch.Tensor) -> torch.Tensor:
+    """The target's own next-token logits [N, V] (float32) for last-layer rows [N, H]: its final norm and head,
+    loaded from its checkpoint (`load_head`)."""
     weight, bias, head = load_head(ctx)
     normed = apply_norm(rows.float(), weight, bias, ctx)
-    return (normed.to(head.dtype) @ head.T).float().log_softmax(-1)
+    return (normed.to(head.dtype) @ head.T).float()
+
+
+def head_logprobs(ctx: dict, rows: torch.Tensor) -> torch.Tensor:
+    """`head_logits` as log-probabilities."""
+    return head_logits(ctx, rows).log_softmax(-1)
 
 
 def tie_agreement(logprobs: torch.Tensor, tokens: list[int]) -> tuple[float, float]:

@@ -43,9 +43,8 @@ from typing import TYPE_CHECKING, Any
 from eyrie.hidden_states.check import (
     GREEDY_MIN_AGREEMENT,
     MIN_POSITIONS,
-    TIE_NATS,
     CaptureError,
-    head_logprobs,
+    head_logits,
     row_problems,
     tie_agreement,
 )
@@ -63,7 +62,13 @@ RECOMPUTE_MAX_PARAMS = 2_000_000_000  # parameters of the rebuilt first layers (
 SHARD_PREFIX_TOKENS = 64  # tokens of one shard file recomputed per shard (causal: the prefix's states are exact)
 AUX_POLICY = "unproven_aux_layers"  # the ctx's copy of extraction.unproven_aux_layers: "refuse" or "warn"
 SERVER_TOP_K = 20  # the server's ranking asked for at every position (vLLM's default --max-logprobs is 20)
-RANK_MIN_OVERLAP = 0.9  # mean share of the server's top-K that is in the target's own top-K (within TIE_NATS)
+RANK_MIN_OVERLAP = 0.9  # mean share of the server's top-K that is in the target's own top-K (near-ties counted)
+# A near-tie in the same forward pass (`tie_nats`): the server's logits are the target's rounded to bf16 (a step of
+# 2^-8 of their magnitude) with bf16 kernels' error; the target's own, in float32 from the same captured stream,
+# differ by a fraction of that. Far tighter than check.TIE_NATS (0.1 nats, for tokens of other forward passes):
+# on a tiny random GPT-2, whose top 20 lie within 0.3 nats, 0.1 nats let another layer's states agree at 90%.
+RANK_TIE_NATS = 0.02
+RANK_TIE_ULPS = 2  # bf16 steps at the logits' magnitude, where more than RANK_TIE_NATS
 
 
 class Unrecomputable(Exception):
@@ -433,63 +438,109 @@ def proof_prompts(source_dir: Path, max_model_len: int, rows: int = PROOF_ROWS) 
 Ranking = list[tuple[list[int], list[float]] | None]  # per position: None, then (ids best first, log-probabilities)
 
 
-def rank_agreement(logprobs: torch.Tensor, server_top: list[list[int]]) -> dict[str, Any]:
-    """How the target's own log-probabilities `logprobs` [N, V] (its head on the captured last layer) rank the
-    tokens against the server's own ranking `server_top` (per row, its top token ids, best first) at the same N
-    positions of the same forward pass. Figures, all over the N positions:
-
-    - `top1_agreement`: the server's top token is the target's top one or within TIE_NATS of it (a near-tie, which
-      bf16 numerics decide either way: the two sides round differently);
-    - `top1_exact`: it is the target's top one;
-    - `topk_overlap`: the mean share of the server's top K tokens the target ranks within its own top K, counting
-      a token within TIE_NATS of the target's K-th as in (near-ties at the cut);
-    - `topk_overlap_exact`: the mean share of the server's top K that is in the target's top K."""
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 numbers at |x| (8 significant bits): the rounding step of the server's bf16 logits."""
     import torch
 
-    n, vocab = logprobs.shape
-    if n != len(server_top):
-        raise ValueError(f"{n} rows of log-probabilities for {len(server_top)} rankings")
+    _, exp = torch.frexp(x.abs().clamp(min=2.0**-126))
+    return torch.ldexp(torch.ones_like(x), exp - 8)
+
+
+def tie_nats(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How close two logits of one position must be to be a near-tie in the same forward pass: RANK_TIE_NATS, or
+    RANK_TIE_ULPS bf16 steps at their magnitude where more (a server's bf16 logits round by that much)."""
+    import torch
+
+    step = _bf16_ulp(torch.maximum(a.abs(), b.abs()))
+    return torch.clamp(RANK_TIE_ULPS * step, min=RANK_TIE_NATS)
+
+
+def rank_agreement(logits: torch.Tensor, server: list[tuple[list[int], list[float]]]) -> dict[str, Any]:
+    """How the target's own logits `logits` [N, V] (float32: its head on the captured last layer) rank the
+    vocabulary against the server's own ranking `server` (per row: its top token ids best first, and their
+    log-probabilities) at the same N positions of the same forward pass. The two differ by rounding alone (the
+    server's logits are bf16), so a near-tie (`tie_nats`: a few hundredths of a nat) is one on BOTH sides: two
+    tokens that close in the target's logits and in the server's log-probabilities, which rounding orders either
+    way (a capture whose logits are flat, zeros through the norm, has ties on its side only). Figures, over the N
+    positions:
+
+    - `top1_agreement`: the server's top token is the target's top one, or the two are a near-tie;
+    - `top1_exact`: the server's top token is the target's top one;
+    - `topk_overlap`: the mean share of the server's top K that the target ranks within its own top K, a token out
+      of it counted in where it is a near-tie with the K-th on both sides;
+    - `topk_overlap_exact`: the mean share of the server's top K in the target's top K;
+    - `tie_nats_max`: the widest near-tie allowed at any position."""
+    n, vocab = logits.shape
+    if n != len(server):
+        raise ValueError(f"{n} rows of logits for {len(server)} rankings")
     if not n:
         return {"positions": 0, "top_k": 0}
-    k = min(vocab, max(len(r) for r in server_top))
-    top = logprobs.topk(k, dim=-1)
-    first = torch.tensor([r[0] for r in server_top], dtype=torch.long)
-    gap = top.values[:, 0] - logprobs.gather(1, first[:, None])[:, 0]
+    logits = logits.float()
+    k = min(vocab, max(len(ids) for ids, _ in server))
+    top = logits.topk(k, dim=-1)
+    agree = exact1 = 0
+    widest = 0.0
     tolerant, exact = [], []
-    for i, ranked in enumerate(server_top):
-        kk = min(len(ranked), k)
-        ids = torch.tensor(ranked[:kk], dtype=torch.long)
-        cut = top.values[i, kk - 1]
-        tolerant.append(float((logprobs[i, ids] >= cut - TIE_NATS).float().mean()))
-        exact.append(len(set(top.indices[i, :kk].tolist()) & set(ranked[:kk])) / kk)
+    for i, (ids, lps) in enumerate(server):
+        kk = min(len(ids), k)
+        ids, lps = ids[:kk], lps[:kk]
+        row = logits[i]
+        mine = int(top.indices[i, 0])
+        theirs = dict(zip(ids, lps, strict=True))
+        tol = float(tie_nats(top.values[i, 0], row[ids[0]]))
+        widest = max(widest, tol)
+        if mine == ids[0]:
+            agree, exact1 = agree + 1, exact1 + 1
+        elif float(top.values[i, 0] - row[ids[0]]) <= tol and mine in theirs and lps[0] - theirs[mine] <= tol:
+            agree += 1
+        my_set = set(top.indices[i, :kk].tolist())
+        my_cut, their_cut = top.values[i, kk - 1], lps[-1]
+        hits = ties = 0
+        for t in ids:
+            if t in my_set:
+                hits += 1
+                continue
+            tol = float(tie_nats(my_cut, row[t]))
+            widest = max(widest, tol)
+            if float(my_cut - row[t]) <= tol and theirs[t] - their_cut <= tol:
+                ties += 1
+        exact.append(hits / kk)
+        tolerant.append((hits + ties) / kk)
     return {
         "positions": n,
         "top_k": k,
-        "top1_agreement": round(float((gap <= TIE_NATS).float().mean()), 4),
-        "top1_exact": round(float((gap <= 0).float().mean()), 4),
+        "top1_agreement": round(agree / n, 4),
+        "top1_exact": round(exact1 / n, 4),
         "topk_overlap": round(sum(tolerant) / n, 4),
         "topk_overlap_exact": round(sum(exact) / n, 4),
+        "tie_nats_max": round(widest, 4),
     }
 
 
-def rank_problems(logprobs: torch.Tensor, server_top: list[list[int]], layer: int) -> tuple[list[str], dict]:
-    """The proof's rule for the last layer: the target's head on the captured layer `layer` must rank the tokens as
-    the server did in the same forward pass (`rank_agreement`): the server's top token within TIE_NATS of the
-    target's top at GREEDY_MIN_AGREEMENT of the positions, and on average RANK_MIN_OVERLAP of the server's top K in
-    the target's top K (near-ties at the cut counted in). A correct capture differs from the server's own logits by
-    rounding alone, so both hold even on near-flat logits, where ties flip; another layer, the stream plus a
-    layer's input, zeros or another target's states rank the vocabulary otherwise. The problems, and the figures
-    (with the thresholds). Pure: no I/O."""
-    vocab = logprobs.shape[-1]
-    past = sorted({t for r in server_top for t in r if not 0 <= t < vocab})
+def rank_problems(
+    logits: torch.Tensor, server: list[tuple[list[int], list[float]]], layer: int
+) -> tuple[list[str], dict]:
+    """The proof's rule for the last layer: the target's head on the captured layer `layer` (its logits) must rank
+    the tokens as the server did in the same forward pass (`rank_agreement`, near-ties on both sides counted as
+    agreeing): the server's top token at GREEDY_MIN_AGREEMENT of the positions, and on average RANK_MIN_OVERLAP of
+    the server's top K. A correct capture differs from the server's own logits by rounding alone, so both hold even
+    on near-flat logits, where ties flip; another layer, the stream plus a layer's input, zeros or another target's
+    states rank the vocabulary otherwise. The problems, and the figures (with the thresholds). Pure: no I/O."""
+    vocab = logits.shape[-1]
+    past = sorted({t for ids, _ in server for t in ids if not 0 <= t < vocab})
     if past:
         return [f"the server ranks token ids {past[:5]} that the target's head (vocabulary {vocab}) does not have"], {
-            "positions": len(server_top)
+            "positions": len(server)
         }
-    if any(not r for r in server_top):
-        return ["the server's ranking is empty at some positions"], {"positions": len(server_top)}
-    figures = rank_agreement(logprobs, server_top)
-    figures.update(min_top1_agreement=GREEDY_MIN_AGREEMENT, min_topk_overlap=RANK_MIN_OVERLAP, tie_nats=TIE_NATS)
+    if any(not ids or len(ids) != len(lps) for ids, lps in server):
+        return ["the server's ranking is empty or malformed at some positions"], {"positions": len(server)}
+    figures = rank_agreement(logits, server)
+    figures.update(
+        min_top1_agreement=GREEDY_MIN_AGREEMENT,
+        min_topk_overlap=RANK_MIN_OVERLAP,
+        tie_nats=RANK_TIE_NATS,
+        tie_bf16_steps=RANK_TIE_ULPS,
+    )
     n = figures["positions"]
     if n < MIN_POSITIONS:
         return [f"only {n} positions ranked by the server to check the last layer on"], figures
@@ -497,16 +548,16 @@ def rank_problems(logprobs: torch.Tensor, server_top: list[list[int]], layer: in
     top1, overlap, k = figures["top1_agreement"], figures["topk_overlap"], figures["top_k"]
     if top1 < GREEDY_MIN_AGREEMENT:
         problems.append(
-            f"layer {layer} (the last layer's output) through the target's own final norm and head puts the "
-            f"server's top token (from the same forward pass) at or within {TIE_NATS} nats of its own top at only "
-            f"{top1:.0%} of {n} positions (at least {GREEDY_MIN_AGREEMENT:.0%} expected; exact "
-            f"{figures['top1_exact']:.0%}): it is not the stream the target's head reads"
+            f"layer {layer} (the last layer's output) through the target's own final norm and head gives the "
+            f"server's top token (from the same forward pass), or a near-tie of it on both sides, at only {top1:.0%} "
+            f"of {n} positions (at least {GREEDY_MIN_AGREEMENT:.0%} expected; exact {figures['top1_exact']:.0%}): it "
+            "is not the stream the target's head reads"
         )
     if overlap < RANK_MIN_OVERLAP:
         problems.append(
             f"layer {layer} (the last layer's output) through the target's own final norm and head shares on average "
             f"only {overlap:.0%} of the server's top {k} tokens at {n} positions (at least {RANK_MIN_OVERLAP:.0%} "
-            f"expected, near-ties within {TIE_NATS} nats counted): it is not the stream the target's head reads"
+            "expected, near-ties at the cut counted in): it is not the stream the target's head reads"
         )
     return problems, figures
 
@@ -537,22 +588,22 @@ def judge(ctx: dict, samples: list[tuple[torch.Tensor, list[int], int, Ranking]]
     else:
         last = layer_ids.index(L)
         rows: list[torch.Tensor] = []
-        server_top: list[list[int]] = []
+        server: list[tuple[list[int], list[float]]] = []
         greedy_at: list[int] = []
         tokens: list[int] = []
         for hs, ids, p, ranking in samples:
             start = sum(r.shape[0] for r in rows)
             rows.append(hs[: len(ids) - 1, last, :])
-            server_top += [list(r[0]) if r is not None else [] for r in ranking[1:]]
+            server += [(list(r[0]), list(r[1])) if r is not None else ([], []) for r in ranking[1:]]
             greedy_at += range(start + p - 1, start + len(ids) - 1)
             tokens += ids[p:]
         if len(tokens) < MIN_POSITIONS:
             problems.append(f"only {len(tokens)} greedy positions to check the last layer on")
         else:
-            logprobs = head_logprobs(ctx, torch.cat(rows))
-            found, check = rank_problems(logprobs, server_top, L)
+            logits = head_logits(ctx, torch.cat(rows))
+            found, check = rank_problems(logits, server, L)
             problems += found
-            agreement, top1 = tie_agreement(logprobs[greedy_at], tokens)
+            agreement, top1 = tie_agreement(logits[greedy_at].log_softmax(-1), tokens)
             figures["head_check"] = {
                 "layer": L,
                 "reference": f"the server's own top-{SERVER_TOP_K} ranking at every position of the forward pass "
