@@ -21,7 +21,7 @@ message that names the layer:
    all of the 4% top-1 misses); a wrong layer, a double-counted residual or zeros cost far more. Where they are
    the data's own answers or sampled ones, the target need not reproduce them: the agreement is recorded and a low
    one is a warning in the log, not a failure (the run's capture proof, `eyrie.hidden_states.proof`, judged the
-   server on its own greedy answers before the first shard).
+   server against its own ranking from the forward pass that captured its states, before the first shard).
 4. **The aux layers are the target's own.** Each captured id below `num_hidden_layers`, on the first tokens of one
    of the shard's files, is compared with the target's own stream recomputed from its weights
    (`eyrie.hidden_states.proof.aux_problems`), so every shard is judged against the target, not only against the
@@ -403,7 +403,7 @@ def _head_check(ctx: dict, rows: torch.Tensor, next_tokens: list[int], greedy: b
         log(
             f"warning: layer {lid} through the target's own norm and head gives the data's next token at "
             f"{agreement:.0%} of {len(next_tokens)} positions; with answers the target did not generate this is not "
-            "a verdict on the capture (the run's capture proof, capture/proof.json, judged the server on its own "
-            "greedy answers)"
+            "a verdict on the capture (the run's capture proof, capture/proof.json, judged the server against its "
+            "own ranking from the same forward pass)"
         )
     return []

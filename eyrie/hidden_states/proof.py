@@ -5,12 +5,19 @@ is recorded with its figures in `capture/proof.json` (beside the shard figures, 
 
 What is checked, on `PROOF_ROWS` prompts (the prompt part of rows spread over the data, at most `PROMPT_TOKENS`
 tokens each) and `ANSWER_TOKENS` greedy tokens the server chose for each (with `ignore_eos`: the count is fixed, and
-every token is still the top one):
+every token is still the top one), each captured with the server's own top-`SERVER_TOP_K` ranking at every position
+of the same forward pass (`ServerClient.extract_ranked`: `prompt_logprobs` on the extraction request):
 
-1. **The last layer through the target's own head.** The captured id `num_hidden_layers` (the last layer's output,
-   before the final norm) through the target's final norm and head, loaded from its checkpoint, gives the tokens the
-   server chose (`check.GREEDY_MIN_AGREEMENT`, near-ties within `check.TIE_NATS`). Whatever the data: the answers
-   are the server's own, so this is a proof on a run without regeneration too.
+1. **The last layer through the target's own head, against the server's own ranking.** The captured id
+   `num_hidden_layers` (the last layer's output, before the final norm) through the target's final norm and head,
+   loaded from its checkpoint, in float32, must rank the tokens as the server did in the forward pass that captured
+   it, at every position of prompt and answer (`rank_problems`: the server's top token at `GREEDY_MIN_AGREEMENT` of
+   the positions, on average `RANK_MIN_OVERLAP` of its top K in the target's top K, near-ties on both sides within
+   `RANK_TIE_NATS` or `RANK_TIE_ULPS` bf16 steps counted). The two sides differ by rounding alone, so near-flat
+   logits pass; the greedy tokens, from other forward passes (decode steps, other kernels), are only a figure
+   (`greedy_vs_forward`): on a GPU, near-ties of a tiny random target flipped between the passes and a correct
+   capture agreed with 79% of them. Whatever the data: the answers are the server's own, so this is a proof on a
+   run without regeneration too.
 2. **Every aux layer within the rebuild budget recomputed from the target's weights.** The first layers of the target
    (up to one past the deepest such id) are built with transformers from the target's config and loaded from its
    checkpoint, and run on the same token ids in float32: each captured aux layer must be within `REL_MAX` (relative L2)

@@ -9,10 +9,16 @@ transformers (as test_extraction_correctness.py checks for the twelve matrix tar
 model code has are already in that matrix: (delta, residual) to sum (Llama, Qwen, Mistral, Phi-3, DeepseekV3,
 Gemma-2 through the compatibility layer), one tensor (GPT-2, OPT, Falcon), and (stream, partial residual) without a
 `residual` argument (StableLM).
+
+The capture proof on a real server (issue 39): a tiny random GPT-2 target, whose near-flat logits made the greedy
+tokens of the decode passes disagree with a correct capture on a GPU build, is proven against the server's own
+ranking from the extraction's forward pass (`ServerClient.extract_ranked`, `prompt_logprobs`), and the same
+ranking refuses the other captured layers put in the last one's place.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -101,3 +107,63 @@ def test_a_full_stream_layer_with_a_residual_argument_is_captured_right(tmp_path
     errors = {k: float((hs[:, j].float() - ref[k]).norm() / ref[k].norm()) for j, k in enumerate(layer_ids)}
     print(f"tiny Cohere through the compatibility layer: relative L2 per captured id {errors}")
     assert all(e < REL_TOL for e in errors.values()), errors
+
+
+def test_the_capture_proof_judges_the_last_layer_against_the_servers_ranking_from_the_same_pass(tmp_path):
+    from conftest import build_tiny_target, config_dict, register_server_folder, stop_server
+    from datasets import Dataset
+
+    from eyrie.config import parse_config
+    from eyrie.hidden_states import proof
+    from eyrie.hidden_states.check import GREEDY_MIN_AGREEMENT, context_for, head_logits
+    from eyrie.stages.extract.proof import _captured, prove_server
+    from eyrie.stages.preflight import run_preflight
+    from eyrie.vllm.client import ServerClient
+    from eyrie.vllm.process import VllmServer
+
+    target = build_tiny_target("tiny-gpt2")
+    config = parse_config(config_dict(target, max_samples=8, shard_size=8, max_length=64))
+    report = run_preflight(config, tmp_path / "run", serve=False)
+    ctx = context_for(config, report)
+    torch.manual_seed(4)
+    rows = [torch.randint(3, 500, (40,)).tolist() for _ in range(4)]
+    data = tmp_path / "data"
+    Dataset.from_dict({"input_ids": rows, "loss_mask": [[0] * 24 + [1] * 16] * 4}).save_to_disk(str(data / "dataset"))
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    spec = ServerSpec.from_config(config, layer_ids=report.captured_layer_ids, storage_path=str(staging))
+    folder = register_server_folder(tmp_path / "server")
+    said: list[str] = []
+    try:
+        url = VllmServer(folder).ensure(spec, config.extraction.startup_timeout_s).base_url
+        client = ServerClient(url)
+        figures = prove_server(
+            ctx, data, tmp_path / "capture", VllmServer(folder).state, client, spec.max_model_len, log=said.append
+        )
+        # Another captured layer in the last one's place, judged by the same rule against the same real ranking
+        ids = rows[0]
+        hs, ranking = _captured(client, ids, 300)
+        server = [(list(r[0]), list(r[1])) for r in ranking[1:]]
+        wrong = {
+            lid: proof.rank_problems(head_logits(ctx, hs[:-1, j]), server, report.num_layers)
+            for j, lid in enumerate(report.captured_layer_ids)
+            if lid < report.num_layers
+        }
+        right = proof.rank_problems(head_logits(ctx, hs[:-1, -1]), server, report.num_layers)
+    finally:
+        stop_server(folder)
+    head = figures["head_check"]
+    print(f"tiny GPT-2's capture proof against the server's ranking: {head}; other layers in its place:")
+    for lid, (_, fig) in wrong.items():
+        print(f"  layer {lid}: {fig}")
+    recorded = json.loads((tmp_path / "capture" / proof.PROOF).read_text())
+    assert recorded["passed"] and recorded["head_check"] == head, recorded
+    prompts = proof.proof_prompts(data, spec.max_model_len)
+    assert head["positions"] == sum(len(p) + proof.ANSWER_TOKENS - 1 for p in prompts), head
+    assert head["top_k"] == proof.SERVER_TOP_K and "prompt_logprobs" in head["reference"], head
+    assert head["top1_agreement"] >= GREEDY_MIN_AGREEMENT and head["topk_overlap"] >= proof.RANK_MIN_OVERLAP, head
+    assert head["greedy_vs_forward"]["positions"] == len(prompts) * proof.ANSWER_TOKENS, head
+    assert f"top-{proof.SERVER_TOP_K} overlap {head['topk_overlap']}" in said[-1], said
+    assert right[0] == [] and right[1]["top1_agreement"] >= GREEDY_MIN_AGREEMENT, right
+    assert all(problems and fig["top1_agreement"] < GREEDY_MIN_AGREEMENT for problems, fig in wrong.values()), wrong
+    assert not list(staging.iterdir())  # every capture read back and removed

@@ -1,6 +1,7 @@
 """The capture proof on a running extraction server (`eyrie.hidden_states.proof` says what is proved): the server
-answers the proof's prompts greedily, its capture of those answers is read back from staging, and the verdict is
-recorded in `<run>/extract/capture/proof.json` (aux layers the proof could not recompute, under
+answers the proof's prompts greedily, its capture of prompt and answer is read back from staging with its own
+top-`SERVER_TOP_K` ranking from the same forward pass (`ServerClient.extract_ranked`), and the verdict is recorded
+in `<run>/extract/capture/proof.json` (aux layers the proof could not recompute, under
 `extraction.unproven_aux_layers: warn`, also in its `warnings`, which the run's warnings repeat). Once per server
 process: a server the run's regeneration proved already is not asked again.
 """
