@@ -6,7 +6,10 @@ code replaces at run time: every assignment `name.attr... = value` (and `setattr
 
 48 at the commit that added this script (the entry then also called eyrie/hidden_states/pack_reader.py's and
 gpu_decode.py's `install()`, 4 of them, counted with `FILES + HIDDEN_STATES`); the entry composed from speculators'
-parts calls neither: its loaders pick those readers directly (eyrie/stages/train/loaders.py)."""
+parts calls neither: its loaders pick those readers directly (eyrie/stages/train/loaders.py). 24 before the drafter's
+and the trainer's choices were bound on their own instances (eyrie/stages/train/drafter.py, EyrieTrainer's
+`_bind_trainer_view`), 8 after: an attribute set on an object Eyrie built (`drafter.forward = ...`) replaces nothing
+of another package, and such names are not imported from one, so they are not counted."""
 
 from __future__ import annotations
 

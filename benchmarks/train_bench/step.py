@@ -40,11 +40,6 @@ def cmd_step(args) -> dict:
 
     from eyrie.target.drafter import draft_layer_config
 
-    if args.eyrie_patches:  # eyrie.stages.train.entry's changes to the model's step: no data-dependent syncs
-        from eyrie.stages.train.patches import metrics
-
-        metrics._accuracy_without_sync()
-        metrics._loss_scalars_without_sync()
     d = dims(args)
     config, _ = load(Path(args.root))
     V, VD, T, TTT = d["vocab"], d["draft_vocab"], config.train.max_seq_len, config.train.ttt_steps
@@ -72,6 +67,12 @@ def cmd_step(args) -> dict:
     with torch.device(dev):
         model = Eagle3DraftModel(cfg)
     model = model.to(torch.float32 if args.master == "fp32" else torch.bfloat16)
+    if args.eyrie_patches:  # eyrie.stages.train.entry's changes to the model's step: no data-dependent syncs
+        from eyrie.stages.train.drafter import apply_speed_choices
+        from eyrie.stages.train.patches.switches import Switches
+
+        only = Switches(deferred_mask_compile=False, one_kv_length=False, eager_rotary=False)
+        apply_speed_choices(model, only)  # sync_free_metrics alone, bound on this drafter
     t2d = torch.zeros(V, dtype=torch.bool)
     ids = torch.randperm(V)[:VD].sort().values
     t2d[ids] = True

@@ -69,12 +69,13 @@ def _rank_main(out: Path) -> None:
     torchrun, then two of the entry's trainers (`EyrieTrainer`) on this rank's halves of the global batches, rank 0
     writing each one's weights: `fp32` as the entry trains on CPU (float32 weights, no GPU choices), then `bf16`
     with the GPU path's choices as well (train.speed: the trainer's view of torch, fused-AdamW clip, sync-free
-    counters, bf16_weights, and the drafter's own, `_drafter_speedups`) and bfloat16 autocast, which is how DDP
+    counters, bf16_weights, and the drafter's own, `apply_speed_choices`) and bfloat16 autocast, which is how DDP
     trains on GPUs."""
     import torch
 
+    from eyrie.stages.train.drafter import apply_speed_choices
     from eyrie.stages.train.eyrie_trainer import EyrieTrainer
-    from eyrie.stages.train.patches import cpu, gpu, working_weights
+    from eyrie.stages.train.patches import cpu, working_weights
     from eyrie.stages.train.patches.switches import Switches
 
     torch.set_num_threads(1)
@@ -88,11 +89,12 @@ def _rank_main(out: Path) -> None:
     for mode in MODES:
         dtype = torch.bfloat16 if mode == "bf16" else torch.float32
         switches = None
+        model = tiny_eagle3()
         if mode == "bf16":  # less what concerns the loader and the model's build, which this program makes itself
             switches = Switches(gpu_feed=False, build_on_gpu=False, forkserver_workers=False)
-            gpu._drafter_speedups(switches)
+            apply_speed_choices(model, switches)  # as the entry's build_drafter does on GPUs
         trainer = EyrieTrainer(
-            tiny_eagle3(),
+            model,
             _trainer_config(out / mode / "checkpoints", dtype),
             ListLoader([_batch(s, rank, dtype) for s in range(STEPS)]),
             device="cpu",
@@ -190,7 +192,7 @@ def test_ddp_on_two_gloo_ranks_makes_the_one_process_update_of_the_global_batch(
 
 @pytest.mark.slow
 def test_ddp_with_the_gpu_patches_trains_float32_weights_under_autocast_like_one_process(ddp_weights):
-    """The GPU path's choices (train.speed, `EyrieTrainer` and `_drafter_speedups`) under DDP: bf16_weights'
+    """The GPU path's choices (train.speed, `EyrieTrainer` and `apply_speed_choices`) under DDP: bf16_weights'
     working copies are for one process only,
     so DDP trains float32 weights under bfloat16 autocast, and its update is the one process's update of the same
     global batch under the same autocast; both ranks agree."""

@@ -1,6 +1,7 @@
-"""The TTT steps' attention at one padded key length (eyrie/stages/train/patches/one_kv_length.py) is speculators'
-attention: the same draft tokens, loss, metrics and gradients on a flex-attention drafter, on CPU (eager flex
-attention), with documents, padding and every TTT step's diagonal draft blocks."""
+"""The TTT steps' attention at one padded key length (eyrie/stages/train/patches/one_kv_length.py, bound on the drafter
+by eyrie/stages/train/drafter.py) is speculators' attention: the same draft tokens, loss, metrics and gradients on a
+flex-attention drafter, on CPU (eager flex attention), with documents, padding and every TTT step's diagonal draft
+blocks."""
 
 from __future__ import annotations
 
@@ -8,16 +9,21 @@ import pytest
 from tiny_drafter import tiny_eagle3
 
 
-@pytest.fixture
-def stock_core(monkeypatch):
-    """speculators' EAGLE-3 core put back after the test, whatever the patch replaced."""
+def _one_kv_length_alone(model) -> None:
+    """one_kv_length bound on `model` (eyrie/stages/train/drafter.py), no other choice; speculators' class and module
+    keep their own forward, mask builder, cache and mask extension."""
     from speculators.models.eagle3 import core
 
-    for name in ("forward", "_build_attn_mask"):
-        monkeypatch.setattr(core.Eagle3DraftModel, name, getattr(core.Eagle3DraftModel, name))
-    monkeypatch.setattr(core, "DynamicCache", core.DynamicCache)
-    monkeypatch.setattr(core, "extend_mask_for_draft_tokens", core.extend_mask_for_draft_tokens)
-    return core
+    from eyrie.stages.train.drafter import apply_speed_choices
+    from eyrie.stages.train.patches.switches import Switches
+
+    before = {n: getattr(core, n) for n in ("DynamicCache", "extend_mask_for_draft_tokens")}
+    methods = {n: getattr(core.Eagle3DraftModel, n) for n in ("forward", "_build_attn_mask")}
+    only = Switches(sync_free_metrics=False, deferred_mask_compile=False, eager_rotary=False, one_kv_length=True)
+    apply_speed_choices(model, only)
+    assert {n: getattr(core, n) for n in before} == before
+    assert {n: getattr(core.Eagle3DraftModel, n) for n in methods} == methods
+    assert {"forward", "_build_attn_mask"} <= set(vars(model))
 
 
 def _flex_drafter_and_batch(n: int):
@@ -103,7 +109,7 @@ def _attention(mode: str, seen: list):
 
 
 @pytest.mark.parametrize("mode", ["flex", "dense"])
-def test_padded_keys_give_speculators_loss_and_gradients(stock_core, monkeypatch, mode):
+def test_padded_keys_give_speculators_loss_and_gradients(monkeypatch, mode):
     """Stock against patched, the same batch: equal draft tokens, loss and metrics; with 'dense' (the block
     masks' own semantics through SDPA) equal gradients too. The stock keys grow S, 2S, 3S; the patched ones are 3S
     on every step with a mask of that length."""
@@ -133,8 +139,7 @@ def test_padded_keys_give_speculators_loss_and_gradients(stock_core, monkeypatch
     want = run()
     assert [k for k, _ in seen] == [384, 768, 1152]  # speculators: the keys grow each step
     seen.clear()
-    one_kv_length._one_kv_length()
-    one_kv_length._one_kv_length()  # once only
+    _one_kv_length_alone(model)
     got = run()
     assert seen == [(1152, (384, 1152))] * 3  # every step: one key length, one mask length
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
@@ -151,11 +156,9 @@ def test_padded_keys_give_speculators_loss_and_gradients(stock_core, monkeypatch
     assert one_kv_length._STATE["total"] is None and one_kv_length._STATE["filled"] == {}  # nothing held after
 
 
-def test_a_length_off_the_block_grid_keeps_speculators_cache_and_mask(stock_core):
+def test_a_length_off_the_block_grid_keeps_speculators_cache_and_mask():
     """A sequence that is not a whole number of mask blocks is left to speculators (the forward as it was)."""
     import torch
-
-    from eyrie.stages.train.patches import one_kv_length
 
     model, batch = _flex_drafter_and_batch(300)
     try:
@@ -163,7 +166,7 @@ def test_a_length_off_the_block_grid_keeps_speculators_cache_and_mask(stock_core
             want = _run(model, batch)
     except Exception as err:  # noqa: BLE001  (speculators' own forward may refuse the length; so must ours)
         want = err
-    one_kv_length._one_kv_length()
+    _one_kv_length_alone(model)
     if isinstance(want, Exception):
         with pytest.raises(type(want)), torch.no_grad():
             _run(model, batch)

@@ -1,6 +1,7 @@
 """The start-up cuts of eyrie/stages/train/patches/startup.py: a drafter given `rotary_eager` gives
 the same tables, draft tokens, loss and gradients as before, its rotary embedding is run eagerly inside a compiled
-forward (no frame of its own), and `_one_pointwise_config` only turns off Inductor's pointwise autotuning."""
+forward (no frame of its own), and one_pointwise_config only turns off Inductor's pointwise autotuning, while the
+trainer runs."""
 
 from __future__ import annotations
 
@@ -95,17 +96,26 @@ def test_eager_rotary_runs_outside_the_compiled_forward(stock_init, monkeypatch,
         assert any(seen)
 
 
-def test_one_pointwise_config_sets_only_that(monkeypatch):
+def test_one_pointwise_config_sets_only_that_while_the_trainer_runs():
+    """one_pointwise_config: Inductor's own `config.patch` turns pointwise autotuning off for as long as the
+    trainer runs (eyrie.stages.train.drafter.inductor_settings), nothing else, and puts it back after; without the
+    choice (or on CPU: no switches) nothing changes. Read through `get_config_copy` (the attribute read is not
+    reliable in a long test process)."""
     import torch._inductor.config as inductor_config
 
-    from eyrie.stages.train.patches.startup import _one_pointwise_config
+    from eyrie.stages.train.drafter import inductor_settings
+    from eyrie.stages.train.patches.switches import Switches
 
-    monkeypatch.setattr(inductor_config.triton, "autotune_pointwise", True)
-    before = {k: v for k, v in inductor_config.get_config_copy().items() if k != "triton.autotune_pointwise"}
-    _one_pointwise_config()
-    assert inductor_config.triton.autotune_pointwise is False
-    after = {k: v for k, v in inductor_config.get_config_copy().items() if k != "triton.autotune_pointwise"}
-    assert after == before
+    key = "triton.autotune_pointwise"
+    before = inductor_config.get_config_copy()
+    with inductor_settings(Switches()):
+        inside = inductor_config.get_config_copy()
+    assert inside[key] is False
+    assert {k: v for k, v in inside.items() if k != key} == {k: v for k, v in before.items() if k != key}
+    assert inductor_config.get_config_copy() == before
+    for switches in (Switches(one_pointwise_config=False), None):
+        with inductor_settings(switches):
+            assert inductor_config.get_config_copy() == before
 
 
 def test_the_start_up_choices_are_on_for_a_short_run_and_a_misspelt_name_is_refused():

@@ -30,24 +30,24 @@ PINNED: dict[str, tuple[str, str]] = {
     "speculators.train.trainer.Trainer._save_training_state": ("937fd4895118f054", "the fault point"),
     "speculators.train.trainer.Trainer.maybe_update_best": ("fcc394f5ce9ec1a0", "validation record, plateau"),
     "speculators.train.trainer.Trainer.run_training": ("058928a81417e087", "PlateauReached ends it"),
-    # its module globals `torch` and `tqdm` replaced (eyrie_trainer._install_trainer_view)
+    # their own code bound on the EyrieTrainer, reading Eyrie's view of `torch` and `tqdm` (_bind_trainer_view)
     "speculators.train.trainer.Trainer.train_epoch": ("508528826dbbd72e", "the trainer's view of torch, tqdm"),
+    "speculators.train.trainer.Trainer.val_epoch": ("eb864dbed935f2bc", "the trainer's view of torch, tqdm"),
     # patches/cpu.py
     "speculators.train.checkpointer.SingleGPUCheckpointer.load_model_state_dict": ("9bca89b14110ce61", "cpu"),
     "speculators.train.distributed.maybe_setup_distributed": ("7b5f6228c3cd6b91", "cpu: gloo under torchrun"),
-    # patches/metrics.py, one_kv_length.py, compile.py (the drafter's forward and mask)
-    "speculators.models.eagle3.core.Eagle3DraftModel.forward": ("29c0bcfe6b6b6348", "metrics, one_kv_length"),
-    "speculators.models.eagle3.core.Eagle3DraftModel._build_attn_mask": ("7f54d513ba6b2106", "compile, one_kv"),
-    "speculators.models.metrics.compute_accuracy_single_step": ("1b3327e9a9781e97", "metrics"),
+    # the drafter's own forward and mask builder (eyrie/stages/train/drafter.py): speculators' code with Eyrie's
+    # pieces (patches/metrics.py, one_kv_length.py) in its namespace, bound on the built instance
+    "speculators.models.eagle3.core.Eagle3DraftModel.forward": ("29c0bcfe6b6b6348", "drafter: metrics, one_kv"),
+    "speculators.models.eagle3.core.Eagle3DraftModel._build_attn_mask": ("7f54d513ba6b2106", "drafter: eager mask"),
+    "speculators.models.eagle3.metrics.compute_metrics": ("4abeefe69cf60564", "metrics: with Eyrie's counts"),
+    "speculators.models.metrics.compute_accuracy_single_step": ("1b3327e9a9781e97", "metrics: Eyrie's copy"),
+    "speculators.models.eagle3.attention.extend_mask_for_draft_tokens": ("12aeb8f658cf8a6f", "one_kv_length"),
     # patches/verifier.py, target_transform.py
     "speculators.utils.loading.load_model_layers": ("f2a738b8793a5b47", "verifier: names by preflight"),
     "speculators.models.eagle3.core.Eagle3DraftModel.load_verifier_weights": ("5ad63d62575ec7fc", "labels"),
-    # patches/compile.py: FX tracing made per thread
-    "torch.fx._symbolic_trace.Tracer.trace": ("168755fb810417e9", "compile._fx_tracing_per_thread"),
-    "torch.fx._symbolic_trace.is_fx_tracing": ("a9acf230e8733827", "compile: its __code__ replaced"),
-    "torch.fx._symbolic_trace.is_fx_symbolic_tracing": ("daf587e705936f44", "compile: its __code__ replaced"),
-    "torch.fx._symbolic_trace._Patcher.patch": ("3cdb8dd24c116b86", "compile: per-thread patches"),
-    "torch.fx._symbolic_trace._Patcher.patch_method": ("f474b955cd78aae4", "compile: per-thread patches"),
+    # online_dataset.py: the connector's lock wait, polled every 2 ms
+    "hs_connectors.transfer.wait_for_lock": ("5753e049c78b84ac", "online_dataset.wait_for_lock"),
 }
 
 
@@ -102,4 +102,4 @@ def test_the_swapped_attributes_are_counted_and_few():
     assert len(swaps()) <= MOST_SWAPS, "\n".join(swaps())
 
 
-MOST_SWAPS = 24
+MOST_SWAPS = 8

@@ -8,13 +8,13 @@ launch), `--eyrie-metrics`, `--eyrie-verifier-weights`, `--eyrie-plateau` and th
 On CPU it first patches the places where speculators 0.9.0 assumes an accelerator (the device it moves the model and
 batches to and resumes onto, pinned loader memory, `torch.accelerator.synchronize`, and the autocast device type), so
 the demo and CI train the same way a GPU node does. On GPUs it changes only what costs time, each behind a choice of
-train.speed (patches/switches.py): AdamW runs fused and applies the gradient clip itself, no step synchronises the
-GPU except logged ones, batches are copied to the GPU ahead of their step on a stream of their own, the progress bar
-is off, a fresh drafter is initialised on its GPU, data-loader workers are forked from a server started first thing,
-and on one GPU forward and backward run on bfloat16 copies of the float32 weights made once a step; the start-up
-choices (deferred_mask_compile, one_kv_length, eager_rotary, one_pointwise_config, warm_compile_workers) trade the
-cold start against tokens/s (docs/stages/train.md, Start-up). benchmarks/train_throughput.py turns any off
-(`--off NAME`) to measure it.
+train.speed (patches/switches.py), the drafter's on the built instance alone (eyrie/stages/train/drafter.py): AdamW runs
+fused and applies the gradient clip itself, no step synchronises the GPU except logged ones, batches are copied to the
+GPU ahead of their step on a stream of their own, the progress bar is off, a fresh drafter is initialised on its GPU,
+data-loader workers are forked from a server started first thing, and on one GPU forward and backward run on bfloat16
+copies of the float32 weights made once a step; the start-up choices (deferred_mask_compile, one_kv_length,
+eager_rotary, one_pointwise_config, warm_compile_workers) trade the cold start against tokens/s (docs/stages/train.md,
+Start-up). benchmarks/train_throughput.py turns any off (`--off NAME`) to measure it.
 torch.compile's cache goes beside the run's checkpoints, so a retry or resume finds its kernels compiled. Every save
 keeps the whole checkpoint it overwrites until the new one is whole (eyrie/stages/train/checkpoints.py).
 """
@@ -74,7 +74,8 @@ def build_drafter(args, model_class, t2d, d2t, draft_vocab_size, options: Traine
     target's embedding, norm and head loaded by the checkpoint's own names (preflight resolved them:
     patches/verifier.py), a fresh drafter built on its GPU (build_on_gpu: its weights initialised there, not on the
     CPU and then moved), float32 weights to train (a warm start loads as exported, bfloat16), and the labels made
-    with the target's own transform (train.target_transform, patches/target_transform.py)."""
+    with the target's own transform (train.target_transform, patches/target_transform.py); on GPUs train.speed's
+    choices for the drafter bound on the built instance (eyrie/stages/train/drafter.py)."""
     import contextlib
 
     import torch
@@ -96,10 +97,10 @@ def build_drafter(args, model_class, t2d, d2t, draft_vocab_size, options: Traine
 
         verifier = model.config.speculators_config.verifier.name_or_path
         apply_target_transform(model, verifier, getattr(args, "trust_remote_code", False))
-    if options.device != "cpu" and s.eager_rotary:
-        from eyrie.stages.train.patches.startup import rotary_eager
+    if options.device != "cpu":  # the drafter's speed choices, bound on this instance (drafter.py)
+        from eyrie.stages.train.drafter import apply_speed_choices
 
-        rotary_eager(model)
+        apply_speed_choices(model, s)
     return model
 
 
@@ -191,8 +192,11 @@ def train(cfg, options: TrainerOptions, plateau=None, verifier_names=None, onlin
     trainer = EyrieTrainer(
         model, config, train_loader, val_loader, device=options.device, switches=switches, plateau=plateau
     )
+    from eyrie.stages.train.drafter import inductor_settings
+
     try:
-        trainer.run_training()
+        with inductor_settings(switches):
+            trainer.run_training()
     except PlateauReached as stop:
         print(f"eyrie: {stop}; training stops here", flush=True)
     del trainer, model
@@ -224,10 +228,6 @@ def main(argv: list[str]) -> None:
         from eyrie.stages.train.patches.cpu import _run_on_cpu
 
         _run_on_cpu()
-    else:
-        from eyrie.stages.train.patches.gpu import _drafter_speedups
-
-        _drafter_speedups(switches)
     from speculators.train.config import TrainConfig
 
     train(

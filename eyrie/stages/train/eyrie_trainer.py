@@ -9,13 +9,14 @@ adds, as overridden methods:
   reads the gradients), bfloat16 working copies of the float32 weights on one process (`bf16_weights`), and the
   step's counters made without synchronising the GPU (`sync_free_metrics`).
 
-speculators' `train_epoch` reads `torch` and `tqdm` from its module: the two attributes `_install_trainer_view`
-replaces (the only ones this class changes outside itself; tests/unit/test_train_patch_guards.py fails when the
-method they serve changes in speculators).
+speculators' `train_epoch` and `val_epoch` read `torch` and `tqdm` from their module: with `switches` the instance's
+two are speculators' own code reading Eyrie's view of both instead (`_bind_trainer_view`), speculators' module left as
+it is (tests/unit/test_train_patch_guards.py fails when either method changes in speculators).
 """
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from speculators.train import trainer as _trainer_module
 from speculators.train.trainer import Trainer
 
-from eyrie.stages.train.patches.overlay import _Overlay
+from eyrie.stages.train.patches.overlay import _Overlay, with_globals
 from eyrie.stages.train.patches.plateau import PlateauReached
 from eyrie.stages.train.patches.switches import Switches
 from eyrie.stages.train.patches.working_weights import _WORKING, _to_master_weights, _WorkingWeights
@@ -55,7 +56,7 @@ class EyrieTrainer(Trainer):
         self._pending_clip: list = []
         _WORKING.clear()
         if switches is not None:
-            _install_trainer_view(switches, self)
+            _bind_trainer_view(switches, self)
         super().__init__(model, config, train_loader, val_loader)
 
     # -- where it trains ------------------------------------------------------------------------------------------
@@ -221,9 +222,9 @@ def _quiet(iterable, *args, **kwargs):  # noqa: ARG001
     return iterable
 
 
-def _install_trainer_view(switches: Switches, trainer: EyrieTrainer) -> None:
-    """The two module globals of speculators' trainer that `train_epoch` reads and Eyrie replaces: `torch` (its
-    view: sync-free counters, the clip through the running EyrieTrainer) and, with quiet_progress, `tqdm`."""
+def _trainer_view(switches: Switches, trainer: EyrieTrainer | None):
+    """What speculators' `train_epoch` reads as its module globals `torch` and `tqdm`, for `trainer`: its view of
+    torch (sync-free counters, the clip through `trainer`) and, with quiet_progress, no progress bar."""
     view = _TrainerTorch("torch")
     view.trainer = trainer
 
@@ -234,6 +235,13 @@ def _install_trainer_view(switches: Switches, trainer: EyrieTrainer) -> None:
     view.nn = _Overlay(torch.nn, utils=_Overlay(torch.nn.utils, clip_grad_norm_=clip_grad_norm_))
     if not switches.sync_free_metrics:
         view.tensor = torch.tensor  # type: ignore[method-assign,assignment]
-    _trainer_module.torch = view  # type: ignore[assignment]
-    if switches.quiet_progress:
-        _trainer_module.tqdm = _quiet  # type: ignore[assignment]
+    return view, (_quiet if switches.quiet_progress else _trainer_module.tqdm)
+
+
+def _bind_trainer_view(switches: Switches, trainer: EyrieTrainer) -> None:
+    """speculators' `Trainer.train_epoch` and `val_epoch`, their own code as installed, bound on `trainer` and reading
+    `_trainer_view`'s `torch` and `tqdm` instead of their module's: speculators' trainer module is left as it is."""
+    view, tqdm = _trainer_view(switches, trainer)
+    namespace = {**vars(_trainer_module), "torch": view, "tqdm": tqdm}
+    for name in ("train_epoch", "val_epoch"):
+        setattr(trainer, name, types.MethodType(with_globals(getattr(Trainer, name), namespace), trainer))

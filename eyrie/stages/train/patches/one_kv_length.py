@@ -18,18 +18,24 @@ empty kernel programs.
 Only where the mask is a BlockMask over a length that is a whole number of its blocks (Kimi's 4096 is, at 128);
 otherwise the forward is speculators' own. The cache's write runs eagerly (torch.compiler.disable): a graph break
 between the projections and the attention, so the attention frame's inputs have one shape on every step.
+
+Nothing of speculators is replaced: these are pieces of the built drafter's own forward and mask builder
+(eyrie/stages/train/drafter.py): the forward's code reads `fixed_length_cache(...)` as its `DynamicCache` and
+`extend_mask_for_draft_tokens` below as its own, `padded_mask_builder` is the instance's `_build_attn_mask`, and
+`around_forward` marks the forward in progress.
 """
 
 from __future__ import annotations
 
 import inspect
 
+import torch
+
 _STATE: dict = {}  # "total": the padded key length of the forward in progress, or None; "filled": mask id -> blocks
 
 
 def _pad_mask(mask, width: int):
     """`mask` with `width` block columns: zero indices appended, the listed blocks unchanged."""
-    import torch
     from torch.nn.attention.flex_attention import BlockMask
 
     def pad(indices):
@@ -55,7 +61,6 @@ _ZEROS: dict = {}  # (shape, dtype, device) -> a zero tensor the pads are slices
 def _padded(chunks: list, total: int):
     """The steps' keys (or values) so far, then zeros, `total` positions long: one concatenation of the steps' own
     tensors, so backward hands each step a view of the gradient (no copy chained from step to step)."""
-    import torch
 
     last = chunks[-1]
     pad = total - sum(c.shape[-2] for c in chunks)
@@ -69,25 +74,11 @@ def _padded(chunks: list, total: int):
     return torch.cat([*chunks, zeros[..., :pad, :]], dim=-2)
 
 
-def _one_kv_length() -> None:
-    """Installs the padded cache, mask builder and mask extension in speculators' EAGLE-3 core (once)."""
-    import torch
-    from speculators.models.eagle3 import core
-    from torch.nn.attention.flex_attention import BlockMask
-
-    if getattr(core.Eagle3DraftModel.forward, "_eyrie_one_kv_length", False):
-        return
-    stock_cache = core.DynamicCache
-    stock_extend = core.extend_mask_for_draft_tokens
-    stock_build = core.Eagle3DraftModel._build_attn_mask
-    stock_forward = core.Eagle3DraftModel.forward
-    signature = inspect.signature(getattr(stock_forward, "__wrapped__", stock_forward))
-    ttt_default = signature.parameters["ttt_steps"].default
-    ttt_position = list(signature.parameters).index("ttt_steps") - 1  # after self
+def fixed_length_cache(stock_cache):
+    """`stock_cache` (speculators' `DynamicCache`), but with keys and values of the forward's padded length on
+    every step."""
 
     class FixedLengthCache(stock_cache):  # type: ignore[misc,valid-type]
-        """speculators' cache, but with keys and values of the forward's padded length on every step."""
-
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._eyrie_layers: dict = {}
@@ -107,6 +98,14 @@ def _one_kv_length() -> None:
                     "set train.speed.one_kv_length: false and report it"
                 )
             return _padded(keys, total), _padded(values, total)
+
+    return FixedLengthCache
+
+
+def padded_mask_builder(build):
+    """The mask builder `build` (self, doc_ids_1d, seq_len, device, sliding_window) with its block mask padded to
+    ttt_steps * seq_len keys when it can be (else `build`'s mask as it is); eager."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     @torch.compiler.disable
     def _build_attn_mask(self, doc_ids_1d, seq_len, device, sliding_window=None):
@@ -131,42 +130,56 @@ def _one_kv_length() -> None:
         _STATE["filled"][id(padded)] = (padded, seq_len // size[1])
         return padded
 
-    @torch.compiler.disable
-    def extend_mask_for_draft_tokens(block_mask):
-        entry = _STATE.get("filled", {}).get(id(block_mask))
-        if entry is None or entry[0] is not block_mask:
-            return stock_extend(block_mask)
-        filled = entry[1]
-        kv_indices = block_mask.kv_indices
-        q_blocks, width = kv_indices.shape[-2], kv_indices.shape[-1]
-        if filled + q_blocks > width:  # the extension after the last step: its mask is never used
-            return block_mask
-        new_blocks = torch.arange(filled, filled + q_blocks, dtype=kv_indices.dtype, device=kv_indices.device)
-        kv_indices = kv_indices.clone()
-        kv_indices.scatter_(-1, block_mask.kv_num_blocks.unsqueeze(-1), new_blocks.reshape(1, 1, q_blocks, 1))
-        out = BlockMask.from_kv_blocks(
-            block_mask.kv_num_blocks + 1,
-            kv_indices,
-            block_mask.full_kv_num_blocks,
-            block_mask.full_kv_indices,
-            BLOCK_SIZE=block_mask.BLOCK_SIZE,
-            mask_mod=block_mask.mask_mod,
-            seq_lengths=block_mask.seq_lengths,
-        )
-        _STATE["filled"][id(out)] = (out, filled + q_blocks)
-        return out
+    return _build_attn_mask
 
-    def forward(self, *args, **kwargs):
+
+@torch.compiler.disable
+def extend_mask_for_draft_tokens(block_mask):
+    """speculators' `extend_mask_for_draft_tokens` for its own masks; a padded mask gets the next step's diagonal
+    blocks in its next free column instead of a new column."""
+    from speculators.models.eagle3.attention import extend_mask_for_draft_tokens as stock_extend
+    from torch.nn.attention.flex_attention import BlockMask
+
+    entry = _STATE.get("filled", {}).get(id(block_mask))
+    if entry is None or entry[0] is not block_mask:
+        return stock_extend(block_mask)
+    filled = entry[1]
+    kv_indices = block_mask.kv_indices
+    q_blocks, width = kv_indices.shape[-2], kv_indices.shape[-1]
+    if filled + q_blocks > width:  # the extension after the last step: its mask is never used
+        return block_mask
+    new_blocks = torch.arange(filled, filled + q_blocks, dtype=kv_indices.dtype, device=kv_indices.device)
+    kv_indices = kv_indices.clone()
+    kv_indices.scatter_(-1, block_mask.kv_num_blocks.unsqueeze(-1), new_blocks.reshape(1, 1, q_blocks, 1))
+    out = BlockMask.from_kv_blocks(
+        block_mask.kv_num_blocks + 1,
+        kv_indices,
+        block_mask.full_kv_num_blocks,
+        block_mask.full_kv_indices,
+        BLOCK_SIZE=block_mask.BLOCK_SIZE,
+        mask_mod=block_mask.mask_mod,
+        seq_lengths=block_mask.seq_lengths,
+    )
+    _STATE["filled"][id(out)] = (out, filled + q_blocks)
+    return out
+
+
+def around_forward(forward, stock_forward):
+    """`forward` (the drafter's) with the padded length's state set for the call: its TTT steps read from the call's
+    arguments as `stock_forward` (speculators' own forward, for its signature) takes them."""
+    import functools
+
+    signature = inspect.signature(getattr(stock_forward, "__wrapped__", stock_forward))
+    ttt_default = signature.parameters["ttt_steps"].default
+    ttt_position = list(signature.parameters).index("ttt_steps") - 1  # after self
+
+    @functools.wraps(forward)
+    def one_kv_length_forward(self, *args, **kwargs):
         ttt = args[ttt_position] if len(args) > ttt_position else kwargs.get("ttt_steps", ttt_default)
         _STATE.update(ttt_steps=ttt, total=0, filled={})
         try:
-            return stock_forward(self, *args, **kwargs)
+            return forward(self, *args, **kwargs)
         finally:
             _STATE.update(ttt_steps=None, total=None, filled={})
 
-    build = stock_build
-    forward._eyrie_one_kv_length = True  # type: ignore[attr-defined]
-    core.DynamicCache = FixedLengthCache
-    core.extend_mask_for_draft_tokens = extend_mask_for_draft_tokens
-    core.Eagle3DraftModel._build_attn_mask = _build_attn_mask
-    core.Eagle3DraftModel.forward = forward
+    return one_kv_length_forward

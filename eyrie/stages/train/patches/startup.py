@@ -11,6 +11,8 @@ before it runs. From a cold compile cache on an H200 at Kimi-K2.5 width two cost
   its compile. Pointwise kernels are memory-bound and their first config is the heuristic Inductor picks when it
   does not tune (`triton.autotune_pointwise = False`), so one config is compiled and none is timed. Reductions and
   the flex-attention templates are tuned as before.
+
+Both on the drafter's own instance and Inductor's own settings (eyrie/stages/train/drafter.py): nothing replaced.
 """
 
 from __future__ import annotations
@@ -26,8 +28,6 @@ def rotary_eager(model) -> None:
         rotary.forward = torch.compiler.disable(rotary.forward)
 
 
-def _one_pointwise_config() -> None:
-    """Inductor compiles one launch config per pointwise Triton kernel instead of autotuning several."""
-    import torch._inductor.config as inductor_config
-
-    inductor_config.triton.autotune_pointwise = False
+# Inductor compiles one launch config per pointwise Triton kernel instead of autotuning several: the settings
+# eyrie.stages.train.drafter.inductor_settings hands Inductor's `config.patch` around the training.
+ONE_POINTWISE_CONFIG = {"triton.autotune_pointwise": False}
