@@ -116,6 +116,44 @@ class DataConfig(_Section):
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of conversations held out for evaluation.")
 
 
+class StartupConfig(_Section):
+    """The vLLM start-up levers (`eyrie.vllm.levers`): what shortens a server's start without changing what it
+    computes for text. Each applies only where the installed vLLM has it (else preflight names it unavailable and
+    nothing is passed); preflight records, per server, each lever applied and each refused with the reason
+    (docs/operations/start-up.md)."""
+
+    language_model_only: bool = Field(
+        True,
+        description="For a multimodal wrapper (config.json with a `text_config` and a vision or audio config), "
+        "start the servers with vLLM's --language-model-only: its vision tower is never built (Eyrie sends text "
+        "only). Part of the servers' identity where it applies.",
+    )
+    startup_plan: bool = Field(
+        True,
+        description="VLLM_ENABLE_STARTUP_PLAN=1: vLLM keeps its memory-profiling result under VLLM_CACHE_ROOT and a "
+        "second start of the same server on the same node skips the profiling. Start-up only.",
+    )
+    compile_cache: bool = Field(
+        True,
+        description="Pin VLLM_CACHE_ROOT for the servers to the node's persistent vLLM cache (the environment's "
+        "VLLM_CACHE_ROOT, else vLLM's default under XDG_CACHE_HOME), never a temporary folder: the compile "
+        "cache, its AOT artifacts and the start-up plan survive a restart. Start-up only.",
+    )
+    weight_cache: bool = Field(
+        False,
+        description="Start the servers with --load-format ipc_cache: the weights are mapped from a `vllm preload` "
+        "daemon the node runs (started by the operator, same model and parallelism). Refused before any load "
+        "where it cannot work: a vLLM without it, its CPU build, a quantization method that does not support "
+        "pre-processed weights (compressed-tensors INT4 MoE: Kimi-K2.5).",
+    )
+    snapshot: bool = Field(
+        False,
+        description="Restore the servers from a `vllm snapshot`. Refused before any load with the reason: vLLM "
+        "snapshots one tensor-parallel rank without speculative decoding, and every server Eyrie starts for "
+        "extraction, export or evaluation drafts or captures through speculative decoding.",
+    )
+
+
 class ExtractionConfig(_Section):
     layer_ids: list[int] | None = Field(
         None,
@@ -186,6 +224,11 @@ class ExtractionConfig(_Section):
         "8B+ target): refuse: preflight refuses the run, naming them, before any load; warn: the proof checks "
         "the ids it can and the last layer through the head, and records the others as unproven in "
         "capture/proof.json and the run's warnings.",
+    )
+
+    startup: StartupConfig = Field(
+        default_factory=StartupConfig,
+        description="The vLLM start-up levers applied to every server (extraction, export, evaluation).",
     )
 
     @field_validator("server_env", mode="before")

@@ -269,6 +269,15 @@ NOT_SHAPING: dict[str, str] = {
     "extraction.min_free_disk_gib": "preflight's head-room check",
     "extraction.verify_checksums": "how completeness is checked, not what is made",
     "extraction.keep_server_after_failure": "whether a server outlives a failure",
+    "extraction.startup.language_model_only": "enters the servers' keys through their spec "
+    "(`ServerSpec.language_model_only`: true only where the flag is applied, a multimodal wrapper on a vLLM that "
+    "has it); no output key: the text a wrapper computes is its language model's either way",
+    **{
+        f"extraction.startup.{name}": "how fast a server starts (eyrie.vllm.levers: VLLM_ENABLE_STARTUP_PLAN, "
+        "VLLM_CACHE_ROOT, --load-format ipc_cache, none in a server's fingerprint); a lever that cannot work is "
+        "refused by preflight"
+        for name in ("startup_plan", "compile_cache", "weight_cache", "snapshot")
+    },
     "extraction.unproven_aux_layers": "whether a run whose capture the proof cannot fully check goes on; what is "
     "extracted is the same (preflight's verdict holds the whole section)",
     "regenerate.enabled": "which data extraction reads: enters through the upstream data keys",
@@ -367,6 +376,7 @@ SCHEDULING_ENV = frozenset(
         "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
         "VLLM_WORKER_MULTIPROC_METHOD",
         "VLLM_CACHE_ROOT",
+        "VLLM_ENABLE_STARTUP_PLAN",  # a kept memory-profiling result reused at start-up (eyrie.vllm.levers)
         "VLLM_NO_USAGE_STATS",
         "VLLM_DO_NOT_TRACK",
         "VLLM_HOST_IP",

@@ -16,6 +16,7 @@ from eyrie.hidden_states.encoding import ENV as HIDDEN_STATES_DTYPE_ENV
 from eyrie.run.environment import child_environment
 from eyrie.run.vllm_python import vllm_cpu_build as run_vllm_cpu_build
 from eyrie.run.vllm_python import vllm_python
+from eyrie.vllm.levers import LANGUAGE_MODEL_ONLY_FLAG
 from eyrie.vllm.plugin import CONNECTOR_NAME
 from eyrie.vllm.plugin.auth import MIDDLEWARE as AUTH_MIDDLEWARE
 
@@ -52,6 +53,11 @@ class ServerSpec:
     gpu_memory_utilization: float | None = None
     server_args: list[str] = field(default_factory=list)
     server_env: dict[str, str] = field(default_factory=dict)  # over Eyrie's own environment
+    # The start-up levers (`eyrie.vllm.levers`): --language-model-only changes what the server builds (in the
+    # fingerprint); the others only how fast it starts (`startup_args`, `startup_env`: not in the fingerprint).
+    language_model_only: bool = False
+    startup_args: list[str] = field(default_factory=list)
+    startup_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.drafter and self.layer_ids is not None:
@@ -73,8 +79,12 @@ class ServerSpec:
     @classmethod
     def from_config(cls, config, **kw) -> Self:
         """The target as the pipeline config serves it; `kw` picks extraction or drafter serving."""
+        from eyrie.vllm.levers import plan_for
+
         t, x = config.target, config.extraction
         model = str(Path(t.model).resolve()) if Path(t.model).exists() else t.model
+        kind = "serving" if kw.get("drafter") else "extraction" if kw.get("layer_ids") is not None else "target"
+        plan = plan_for(config, kind, child_environment())
         return cls(
             model=model,
             revision=t.revision,
@@ -89,6 +99,9 @@ class ServerSpec:
             gpu_memory_utilization=x.gpu_memory_utilization,
             server_args=list(x.server_args),
             server_env=dict(x.server_env),
+            language_model_only=plan.language_model_only,
+            startup_args=[a for a in plan.args if a != LANGUAGE_MODEL_ONLY_FLAG],
+            startup_env=plan.env,
             **kw,
         )
 
@@ -113,6 +126,8 @@ class ServerSpec:
 
         d = asdict(self)
         d.pop("port")
+        d.pop("startup_args")  # start-up speed only (eyrie.vllm.levers)
+        d.pop("startup_env")
         stage = "server.serving" if self.kind != "extraction" else "server.extraction"
         return stage_key(stage, None, target=self._target(), drafter=self.drafter, spec=d)
 
@@ -199,7 +214,9 @@ class ServerSpec:
         if self.api_key_env:
             # vLLM's key guards a few path prefixes only: Eyrie's middleware guards every route (plugin/auth.py).
             cmd += ["--middleware", AUTH_MIDDLEWARE]
-        return cmd + list(self.server_args)
+        if self.language_model_only:
+            cmd.append(LANGUAGE_MODEL_ONLY_FLAG)
+        return cmd + list(self.startup_args) + list(self.server_args)
 
     def environment(self, environ: dict[str, str] | None = None, cpu_build: bool | None = None) -> dict[str, str]:
         """The server's environment: the allow-listed one (`eyrie.run.environment`) with `server_env` over it.
@@ -210,7 +227,7 @@ class ServerSpec:
         ("Available memory on node 0 (19.0/21.09 GiB) on startup is less than desired CPU memory utilization")
         wherever the flow, the Prefect server and vLLM's own API server already hold more than 8% of it, and which
         would leave nothing for a trainer beside an online server. 1 GiB holds 419,328 tokens of the demo's target."""
-        env = child_environment(self.server_env, environ=environ)
+        env = child_environment({**self.startup_env, **self.server_env}, environ=environ)
         sized = env.get(CPU_KV_CACHE_ENV, "") != "" or self.gpu_memory_utilization is not None  # vLLM: '' is unset
         sized = sized or any(a.split("=")[0] == "--kv-cache-memory-bytes" for a in self.server_args)
         if not sized and (vllm_cpu_build() if cpu_build is None else cpu_build):

@@ -17,6 +17,7 @@ from eyrie.config import PipelineConfig
 from eyrie.errors import ConfigError, PreflightError
 from eyrie.hidden_states.encoding import check_config as check_hidden_states_dtype
 from eyrie.hidden_states.proof import aux_refusal, recurrent_state_refusal
+from eyrie.run.environment import child_environment
 from eyrie.run.folder import RunFolder
 from eyrie.run.vllm_python import (
     VllmEnvironmentError,
@@ -45,6 +46,7 @@ from eyrie.stages.preflight.node import (
 )
 from eyrie.stages.preflight.report import PreflightReport
 from eyrie.stages.preflight.run_inputs import check_data_sample, check_run_folder
+from eyrie.stages.preflight.startup import check_startup_levers
 from eyrie.stages.preflight.target import (
     _first,
     captured_layer_ids,
@@ -114,6 +116,8 @@ def check_target(config: PipelineConfig, serve: bool) -> PreflightReport:
         config, captured_layer_ids(aux_ids, num_layers), serve, cfg, probe.path
     )
     failures += runner_failures
+    levers, lever_notes, lever_warnings, lever_failures = check_startup_levers(config, serve, cfg, child_environment())
+    failures += lever_failures
     if config.vocab.draft_vocab_size > vocab > 0:
         failures.append(
             f"vocab.draft_vocab_size {config.vocab.draft_vocab_size} is larger than the target's "
@@ -152,7 +156,9 @@ def check_target(config: PipelineConfig, serve: bool) -> PreflightReport:
         vllm.__version__,
         config.max_model_len,
     )
-    report.warnings += arg_warnings + proof_warnings
+    report.warnings += arg_warnings + proof_warnings + lever_warnings
+    report.startup_levers = levers
+    report.notes += lever_notes
     report.warnings += filter(None, [foreign_default_layer_ids(config.extraction.layer_ids, num_layers)])
     report.target_facts["model_runners"] = runners
     report.notes += [

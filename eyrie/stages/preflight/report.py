@@ -28,6 +28,8 @@ class PreflightReport:
     estimated_bytes: int | None = None
     free_bytes: int | None = None
     hidden_states: str = "offline"  # train.hidden_states: online runs have no extract stage (`eyrie status` reads it)
+    # The vLLM start-up levers of each server ({server: {lever: {status, reason, asked}}}, eyrie.vllm.levers).
+    startup_levers: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # information, not a problem: e.g. the label transforms applied
     failures: list[str] = field(default_factory=list)
@@ -63,6 +65,7 @@ def report_markdown(report: PreflightReport) -> str:
         ("borrowed tensors", ", ".join(f"`{v}`" for v in weights.values()) or "-"),
         ("hidden states (estimate)", f"{report.estimated_bytes / 2**30:.1f} GiB" if report.estimated_bytes else "-"),
         ("vLLM", report.vllm_version + (f" (`{report.vllm_python}`)" if report.vllm_python else "")),
+        ("start-up levers", _levers(report.startup_levers) or "-"),
         ("verdict", f"{'reused' if report.verdict_reused else 'checked'} (key `{report.verdict_key}`)"),
     ]
     return "\n".join(
@@ -78,6 +81,14 @@ def report_markdown(report: PreflightReport) -> str:
             "|---|---|",
             *(f"| {k} | {v} |" for k, v in rows),
         ]
+    )
+
+
+def _levers(levers: dict) -> str:
+    """Each server's applied start-up levers, in one line."""
+    return "; ".join(
+        f"{server}: {', '.join(n for n, lv in found.items() if lv['status'] == 'applied') or 'none'}"
+        for server, found in levers.items()
     )
 
 
@@ -102,6 +113,8 @@ def report_text(report: PreflightReport) -> str:
         + f", max_model_len {report.max_model_len}",
         f"  verdict       {'reused' if report.verdict_reused else 'checked'} (key {report.verdict_key})",
     ]
+    if report.startup_levers:
+        found.append(f"  levers        {_levers(report.startup_levers)}")
     return "\n".join(
         [
             *head,
