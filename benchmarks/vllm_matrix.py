@@ -63,10 +63,14 @@ FLAG_FILES = ("eyrie/vllm/spec.py",)
 ARG_CLASSES = ("EngineArgs", "AsyncEngineArgs", "FrontendArgs", "BaseFrontendArgs")
 # Facts that mean the same and are tried in order (Eyrie uses the first the installed vLLM has).
 ANY_OF = {
-    "vllm serve's parser factory (SERVE_PARSER_MODULES)": [
-        "symbol:vllm.entrypoints.launchers.cli_args:make_arg_parser",
-        "symbol:vllm.entrypoints.openai.cli_args:make_arg_parser",
-    ],
+    "vllm serve's parser factory (SERVE_PARSER_MODULES)": (
+        "eyrie/stages/preflight/installed_vllm.py:24",
+        "preflight parses every server's arguments with it, and runs the runner rule on them",
+        [
+            "symbol:vllm.entrypoints.launchers.cli_args:make_arg_parser",
+            "symbol:vllm.entrypoints.openai.cli_args:make_arg_parser",
+        ],
+    ),
 }
 # Facts the AST walk cannot name: (kind, module, name, why Eyrie needs it). Kinds: symbol (a dotted name defined in,
 # or re-exported by, the module), text (the string appears in the module's source).
@@ -97,6 +101,37 @@ EXTRA_FACTS = [
         "vllm.model_executor.models.interfaces",
         "SupportsEagle3.get_eagle3_default_aux_hidden_state_layers",
         "the default aux ids the compat layer gives a class",
+    ),
+    (
+        "symbol",
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner.use_aux_hidden_state_outputs",
+        "V1 hook: whether aux outputs are asked for",
+    ),
+    ("symbol", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model", "V1 hook: the built model"),
+    (
+        "symbol",
+        "vllm.v1.spec_decode.llm_base_proposer",
+        "SpecDecodeBaseProposer._maybe_share_embeddings",
+        "V1: compat exposes a grafted target's embeddings before the drafter shares them",
+    ),
+    (
+        "symbol",
+        "vllm.v1.worker.gpu_model_runner",
+        "supports_eagle3",
+        "the test switch that hides the interface rebinds it here",
+    ),
+    (
+        "symbol",
+        "vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils",
+        "supports_eagle3",
+        "the test switch that hides the interface rebinds it here",
+    ),
+    (
+        "symbol",
+        "vllm.platforms.cpu",
+        "CpuPlatform.check_and_update_config",
+        "EYRIE_CPU_ENGINE_FORK wraps it to fork the engine core",
     ),
     ("symbol", "vllm.platforms.interface", "Platform.is_cpu", "current_platform.is_cpu(), CPU-only paths"),
     (
@@ -387,11 +422,11 @@ def collect_facts(root: Path, package: str = "eyrie") -> dict[str, Fact]:
         if fact.kind == "any":
             for k in fact.alternatives:
                 facts.pop(k, None)
-    for label, keys in ANY_OF.items():
+    for label, (where, why, keys) in ANY_OF.items():
         for k in keys:
             facts.pop(k, None)
             facts.pop(_key("module", k.split(":")[1], ""), None)
-        add("any", "", label, "benchmarks/vllm_matrix.py (ANY_OF)", alternatives=keys)
+        add("any", "", label, where, why=why, alternatives=keys)
     for kind, module, name, why in EXTRA_FACTS:
         add(kind, module, name, "benchmarks/vllm_matrix.py (EXTRA_FACTS)", why=why)
     return facts
