@@ -165,6 +165,9 @@ def read_facts(package: Path, version: str, cpu_build: bool = False) -> VllmFact
     loaders = text("model_executor/model_loader/__init__.py")
     table = re.search(r"_LOAD_FORMAT_TO_MODEL_LOADER[^=]*=\s*\{(.*?)\}", loaders, re.S)
     load_formats = set(re.findall(r"[\"']([a-z0-9_]+)[\"']\s*:", table.group(1))) if table else set()
+    if not load_formats:  # the loaders' table elsewhere: the formats' Literal (LoadConfig's `LoadFormats`)
+        literal = re.search(r"LoadFormats\s*=\s*Literal\[(.*?)\]", loaders, re.S)
+        load_formats = set(re.findall(r"[\"']([a-z0-9_]+)[\"']", literal.group(1))) if literal else set()
     quant = package / "model_executor" / "layers" / "quantization"
     # class -> its file, its bases, its own declaration: "True", "False", "dynamic" (a property), None (none)
     declared: dict[str, tuple[str, list[str], str | None]] = {}

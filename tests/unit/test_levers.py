@@ -255,3 +255,28 @@ def test_the_spec_applies_the_levers_and_keys_only_what_changes_the_server(kimi,
     # server_env wins over a lever's variable
     spec.server_env = {STARTUP_PLAN_ENV: "0"}
     assert spec.environment(environ={}, cpu_build=False)[STARTUP_PLAN_ENV] == "0"
+
+
+def test_the_facts_of_another_vllm_layout_are_read_and_what_it_lacks_is_unavailable(tmp_path, facts):
+    """A vLLM whose flag comes from an EngineArgs field only, whose loaders' table is elsewhere, and which has no
+    startup plan: the flag and the formats are found, the plan is named unavailable in that version."""
+    package = tmp_path / "vllm"
+    (package / "engine").mkdir(parents=True)
+    (package / "engine" / "arg_utils.py").write_text(
+        "class EngineArgs:\n    model: str = 'x'\n    language_model_only: bool = False\n"
+    )
+    (package / "envs.py").write_text('environment_variables = {\n    "VLLM_CACHE_ROOT": lambda: None,\n}\n')
+    (package / "model_executor" / "model_loader").mkdir(parents=True)
+    (package / "model_executor" / "model_loader" / "__init__.py").write_text(
+        'LoadFormats = Literal[\n    "auto",\n    "safetensors",\n]\n'
+    )
+    (package / "entrypoints" / "cli").mkdir(parents=True)
+    (package / "entrypoints" / "cli" / "serve.py").write_text("")
+    old = levers.read_facts(package, "0.30.0")
+    assert LANGUAGE_MODEL_ONLY_FLAG in old.flags and "--model" in old.flags
+    assert old.load_formats == {"auto", "safetensors"} and old.subcommands == {"serve"}
+    p = plan(old, KIMI, weight_cache=True)
+    assert p.args == [LANGUAGE_MODEL_ONLY_FLAG] and p.env == {"VLLM_CACHE_ROOT": "/var/cache/eyrie/vllm"}
+    assert lever(p, "startup-plan").reason.startswith("unavailable in vLLM 0.30.0")
+    assert lever(p, "weight-cache").reason == "unavailable in vLLM 0.30.0: it has no --load-format ipc_cache"
+    assert [lv.name for lv in p.refused] == ["weight-cache"]
