@@ -975,10 +975,16 @@ def main(argv: list[str] | None = None) -> None:
     command = shlex.join(["benchmarks/vllm_matrix.py", *(argv if argv is not None else sys.argv[1:])])
     for w in args.wheel:  # the wheel's name, not where it lay
         command = command.replace(str(w), w.name)
+    # The facts come from the working tree: name what in eyrie/ differs from the commit.
+    dirty = subprocess.run(["git", "status", "--porcelain", "eyrie"], capture_output=True, text=True, cwd=REPO)
+    edits = sorted(line[3:] for line in dirty.stdout.splitlines() if line[3:].endswith(".py"))
+    code = f"Code at {commit.stdout.strip() or '?'}" + (
+        f", with the working tree's uncommitted edits of {', '.join(edits)}" if edits else ""
+    )
     header = (
         f"# vLLM facts Eyrie relies on, by version ({datetime.date.today().isoformat()})\n\n"
-        f"Machine: {args.machine or 'not given'}. Code at {commit.stdout.strip() or '?'}. Command, from the "
-        f"repository root: `.venv/bin/python {command}`"
+        f"Machine: {args.machine or 'not given'}. {code}. Command, from the repository root: "
+        f"`.venv/bin/python {command}`"
     )
     sources = ([installed_source()] if args.installed else []) + [Source.from_wheel(w) for w in args.wheel]
     if not sources:
