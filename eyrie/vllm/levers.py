@@ -469,20 +469,34 @@ def is_temporary(path: Path) -> bool:
     return any(path == Path(r) or Path(r) in path.parents for r in roots)
 
 
+def _target_config(target) -> dict:
+    """The target's config.json without asking the hub: a local folder's, else the hub cache's copy (preflight
+    downloads it); {} when there is none (then no lever that needs the target applies)."""
+    import json
+
+    from eyrie.target.metadata import is_local_target
+
+    if is_local_target(target):
+        path: Path | str | None = Path(target.model) / "config.json"
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        path = try_to_load_from_cache(target.model, "config.json", revision=target.revision)
+    if not isinstance(path, (str, Path)):
+        return {}
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def plan_for(config, kind: str, environ: dict[str, str], cfg: dict | None = None) -> Plan:
     """The levers of the `kind` server of `config`, on the installed vLLM; `cfg`: the target's config.json (read
-    when not given; unreadable: no multimodal lever)."""
-    from eyrie.target.metadata import read_target_config
-
-    if cfg is None:
-        try:
-            cfg = read_target_config(config.target)
-        except Exception:  # a missing folder, the hub unreachable: preflight says so; no lever needs the target
-            cfg = {}
+    when not given, from the folder or the hub cache)."""
     x = config.extraction
     return decide(
         installed_facts(),
-        target_facts(cfg),
+        target_facts(_target_config(config.target) if cfg is None else cfg),
         x.startup,
         kind=kind,
         tensor_parallel_size=config.target.tensor_parallel_size,

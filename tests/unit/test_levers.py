@@ -4,6 +4,7 @@ parser, and the spec that applies them."""
 
 from __future__ import annotations
 
+import shutil
 import typing
 from dataclasses import replace
 from pathlib import Path
@@ -280,3 +281,29 @@ def test_the_facts_of_another_vllm_layout_are_read_and_what_it_lacks_is_unavaila
     assert lever(p, "startup-plan").reason.startswith("unavailable in vLLM 0.30.0")
     assert lever(p, "weight-cache").reason == "unavailable in vLLM 0.30.0: it has no --load-format ipc_cache"
     assert [lv.name for lv in p.refused] == ["weight-cache"]
+
+
+def test_a_hub_targets_levers_read_its_config_from_the_hub_cache_without_asking_the_hub(tmp_path, monkeypatch):
+    """The spec is built in the flow's process on every server start: a hub target's config.json comes from the
+    hub cache (preflight downloaded it), and a target not in the cache has no lever that needs its config."""
+    import json
+    import uuid
+
+    from huggingface_hub import constants
+
+    from eyrie.config import TargetConfig
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = f"eyrie-test/wrapper-{uuid.uuid4().hex[:8]}"
+    root = Path(constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}"
+    try:
+        snap = root / "snapshots" / ("c" * 40)
+        snap.mkdir(parents=True)
+        (snap / "config.json").write_text(json.dumps(KIMI))
+        (root / "refs").mkdir()
+        (root / "refs" / "main").write_text("c" * 40)
+        assert levers._target_config(TargetConfig(model=repo)) == KIMI
+        assert levers._target_config(TargetConfig(model=repo, revision="c" * 40)) == KIMI
+        assert levers._target_config(TargetConfig(model=repo + "-absent")) == {}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
