@@ -14,6 +14,7 @@ from conftest import config_dict
 from eyrie.config import parse_config
 from eyrie.errors import PreflightError
 from eyrie.stages.preflight.check import run_preflight
+from eyrie.stages.preflight.report import report_markdown, report_text
 from eyrie.vllm import levers
 
 
@@ -33,6 +34,11 @@ def test_preflight_records_each_servers_levers(kimi, tmp_path):
         n.startswith("start-up lever for the extraction server: language-model-only (--language-model-only)")
         for n in report.notes
     ), report.notes
+    # both renderings name each server's applied levers
+    assert "| start-up levers | extraction: language-model-only, startup-plan, compile-cache |" in report_markdown(
+        report
+    )
+    assert "levers        extraction: language-model-only, startup-plan, compile-cache" in report_text(report)
 
 
 def test_a_lever_that_cannot_work_is_refused_before_any_load(kimi, tmp_path):

@@ -29,8 +29,16 @@ from eyrie.target.metadata import file_identity
 
 VERDICT = "preflight-verdict.json"
 # The variables the checks read (eyrie.stages.preflight.target: the compatibility layer's switch; the test hook that
-# hides a class's EAGLE-3 interface; installed_vllm: vLLM's model-runner switch, which the servers inherit).
-ENVIRONMENT = ("EYRIE_EAGLE3_COMPAT", "EYRIE_TEST_HIDE_EAGLE3", "VLLM_USE_V2_MODEL_RUNNER")
+# hides a class's EAGLE-3 interface; installed_vllm: vLLM's model-runner switch, which the servers inherit;
+# startup: where the servers' vLLM cache is and whether the start-up plan is set already, eyrie.vllm.levers).
+ENVIRONMENT = (
+    "EYRIE_EAGLE3_COMPAT",
+    "EYRIE_TEST_HIDE_EAGLE3",
+    "VLLM_USE_V2_MODEL_RUNNER",
+    "VLLM_CACHE_ROOT",
+    "XDG_CACHE_HOME",
+    "VLLM_ENABLE_STARTUP_PLAN",
+)
 # What the verdict holds of the vLLM interpreter's environment when it is not this one (eyrie.run.vllm_env_facts).
 VLLM_ENVIRONMENT_FACTS = ("python", "vllm", "vllm_distribution", "cpu_build", "libraries", "eyrie_source")
 # The code whose decisions the verdict records: a change of any of it checks again.
@@ -44,6 +52,8 @@ CHECK_SOURCES = (
     "stages/evaluate/sets.py",  # the evaluation sets read
     "stages/evaluate/variants.py",  # the chat-template variant warnings
     "vllm/spec.py",
+    "vllm/levers.py",  # the start-up levers each server gets
+    "vllm/loading.py",  # where vLLM's cache is
     "vllm/plugin",
     "hidden_states/encoding.py",
     "config.py",
