@@ -226,7 +226,7 @@ def cmd_eyrie(args, optimizer: str | None = None) -> dict:
         from speculators.train.config import TrainConfig
 
         argv = cmd[cmd.index("eyrie.stages.train.entry" if args.exact else "_bench_entry") + 1 :]
-        for own in ("--eyrie-verifier-weights", "--eyrie-metrics"):  # the entry's own options
+        for own in ("--eyrie-verifier-weights", "--eyrie-metrics", "--eyrie-options", "--eyrie-plateau"):  # the entry's
             if own in argv:
                 del argv[argv.index(own) : argv.index(own) + 2]
         flat = TrainConfig.resolve(argv).flatten()

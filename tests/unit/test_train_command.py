@@ -555,14 +555,25 @@ def test_the_untrained_baseline_is_keyed_by_what_shapes_it(tiny_llama, tmp_path)
 
 
 @pytest.mark.parametrize("eager", [False, True])
-def test_the_block_mask_is_built_eagerly_on_the_drafter_alone(eager):
+def test_the_block_mask_is_built_eagerly_on_the_drafter_alone(eager, monkeypatch):
     """deferred_mask_compile: the drafter's `_build_attn_mask` runs eagerly inside a compiled forward (a CPU
-    stand-in for speculators' torch.compile on GPUs), bound on that drafter alone; the mask is speculators'."""
+    stand-in for speculators' torch.compile on GPUs), bound on that drafter alone, from the documents' block layout
+    (eyrie/stages/train/block_mask.py) where its mask function is flex attention's own; the mask is speculators'."""
     import torch
     from speculators.models.eagle3 import core
 
+    from eyrie.stages.train import block_mask
     from eyrie.stages.train.drafter import apply_speed_choices
     from eyrie.stages.train.patches.switches import Switches
+
+    layout: list = []
+    by_layout = block_mask.document_block_mask
+
+    def watched_layout(*args, **kwargs):
+        layout.append(torch.compiler.is_compiling())
+        return by_layout(*args, **kwargs)
+
+    monkeypatch.setattr(block_mask, "document_block_mask", watched_layout)
 
     stock = core.Eagle3DraftModel._build_attn_mask
     model, _ = _tiny_eagle3()
@@ -594,6 +605,17 @@ def test_the_block_mask_is_built_eagerly_on_the_drafter_alone(eager):
         assert any(seen)  # speculators' builder is traced
     if got is not None:
         assert got.to_dense().equal(want.to_dense()) and got.seq_lengths == want.seq_lengths
+    assert not layout  # a mask function of another kind: speculators' builder
+    if eager:  # flex attention's create_block_mask: the mask from the block layout, outside the compile
+        model._create_mask_fn = core.create_block_mask
+        seen.clear()
+        torch._dynamo.reset()
+        try:
+            got = torch.compile(lambda d: model._build_attn_mask(d, 256, "cpu"), backend="eager")(docs)
+        finally:
+            torch._dynamo.reset()
+        assert layout == [False] and not seen
+        assert got.to_dense().equal(want.to_dense()) and torch.equal(got.kv_indices, want.kv_indices)
 
 
 def test_eight_devices_launch_the_same_entry_under_torchrun(tmp_path):

@@ -43,6 +43,7 @@ PINNED: dict[str, tuple[str, str]] = {
     "speculators.models.eagle3.metrics.compute_metrics": ("4abeefe69cf60564", "metrics: with Eyrie's counts"),
     "speculators.models.metrics.compute_accuracy_single_step": ("1b3327e9a9781e97", "metrics: Eyrie's copy"),
     "speculators.models.eagle3.attention.extend_mask_for_draft_tokens": ("12aeb8f658cf8a6f", "one_kv_length"),
+    "speculators.models.eagle3.attention.create_combined_mask_mod": ("af3944c86943cd58", "block_mask: its layout"),
     # patches/verifier.py, target_transform.py
     "speculators.utils.loading.load_model_layers": ("f2a738b8793a5b47", "verifier: names by preflight"),
     "speculators.models.eagle3.core.Eagle3DraftModel.load_verifier_weights": ("5ad63d62575ec7fc", "labels"),

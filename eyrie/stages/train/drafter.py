@@ -8,9 +8,10 @@ speculators' `Eagle3DraftModel` class, its module and the modules it imports are
   compiled as speculators compiles it (`conditional_torch_compile`): sync_free_metrics (patches/metrics.py: no GPU
   sync for the accuracy counts and the loss scalars) and one_kv_length (patches/one_kv_length.py: one key length for
   every TTT step);
-- `_build_attn_mask`: the block mask built eagerly (deferred_mask_compile: torch.compiler.disable, no frame
-  compiled for it; compiling it cost 24 s of the first step from a cold cache on an H200 at Kimi-K2.5 width), padded
-  to the TTT steps' key length with one_kv_length;
+- `_build_attn_mask`: the block mask built eagerly from the documents' block layout (deferred_mask_compile:
+  torch.compiler.disable, no frame compiled for it, and eyrie/stages/train/block_mask.py, speculators' BlockMask
+  without the dense mask; compiling speculators' builder cost 24 s of the first step from a cold cache on an H200 at
+  Kimi-K2.5 width), padded to the TTT steps' key length with one_kv_length;
 - the rotary embedding's `forward` eager (eager_rotary, patches/startup.py).
 
 `inductor_settings(switches)` is the context the trainer runs in for one_pointwise_config (Inductor's own
@@ -51,13 +52,34 @@ def drafter_forward(switches: Switches):
 
 
 def mask_builder(switches: Switches):
-    """The drafter's `_build_attn_mask` `switches` asks for (unbound), or None for speculators' own."""
+    """The drafter's `_build_attn_mask` `switches` asks for (unbound), or None for speculators' own: eager
+    (torch.compiler.disable, no frame compiled for it), from the documents' block layout where it can be
+    (eyrie/stages/train/block_mask.py: speculators' BlockMask without the dense mask), else speculators' builder."""
     if not (switches.deferred_mask_compile or switches.one_kv_length):
         return None
+    import inspect
+
     import torch
     from speculators.models.eagle3 import core
 
-    build = torch.compiler.disable(core.Eagle3DraftModel._build_attn_mask)
+    from eyrie.stages.train.block_mask import document_block_mask, fits
+
+    stock = core.Eagle3DraftModel._build_attn_mask
+    block = inspect.signature(core.create_block_mask).parameters["BLOCK_SIZE"].default  # create_block_mask's own
+
+    def _build_attn_mask(self, doc_ids_1d, seq_len, device, sliding_window=None):
+        if (
+            self._create_mask_fn is core.create_block_mask
+            and sliding_window is None
+            and isinstance(block, int)
+            and doc_ids_1d.device.type == torch.device(device).type
+            and fits(doc_ids_1d, seq_len, block)
+        ):
+            mask_mod = core.create_combined_mask_mod(doc_ids_1d, seq_len, sliding_window=None)
+            return document_block_mask(doc_ids_1d, seq_len, mask_mod, block)
+        return stock(self, doc_ids_1d, seq_len, device, sliding_window)
+
+    build = torch.compiler.disable(_build_attn_mask)
     if switches.one_kv_length:
         from eyrie.stages.train.patches.one_kv_length import padded_mask_builder
 
