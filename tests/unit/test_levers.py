@@ -307,3 +307,20 @@ def test_a_hub_targets_levers_read_its_config_from_the_hub_cache_without_asking_
         assert levers._target_config(TargetConfig(model=repo + "-absent")) == {}
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_the_facts_of_another_interpreters_vllm_are_read_from_its_package_folder(monkeypatch, tmp_path):
+    """With EYRIE_VLLM_PYTHON naming another environment, the facts come from that environment's vLLM folder (the
+    site-packages its facts name), not from this interpreter's."""
+    import vllm
+
+    from eyrie.run import vllm_python
+
+    site = Path(vllm.__file__).parent.parent
+    monkeypatch.setattr(vllm_python, "one_environment", lambda: False)
+    there = {"vllm": vllm.__version__, "cpu_build": True, "watch": ["/other/python", str(tmp_path), str(site)]}
+    monkeypatch.setattr(vllm_python, "vllm_environment", lambda python=None: there)
+    facts = installed_facts()
+    assert facts is not None and STARTUP_PLAN_ENV in facts.env_vars and "ipc_cache" in facts.load_formats
+    there = {**there, "watch": ["/other/python", str(tmp_path)]}
+    assert installed_facts() is None  # no vLLM folder there: no facts, every lever unavailable
