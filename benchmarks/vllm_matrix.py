@@ -25,7 +25,8 @@ without importing it): present (file:line of its definition, re-exports followed
 looks, but defined elsewhere in that version: file:line) or changed (present, but a function's parameters differ from
 the reference version's, the first column: the one the test suite runs). For the installed vLLM the script also
 imports every module and symbol fact for real (a check of the static reading), imports Eyrie's vLLM plugin and runs its
-`register()`, and runs the probe (`python -m eyrie.ops.vllm_probe`, op `drafter_flags`) as the flow does.
+`register()`, and runs the probe (`python -m eyrie.ops.vllm_probe`) as the flow does: `drafter_flags`, and
+`check_target` on a native and a compatibility-layer tiny target built for it.
 """
 
 from __future__ import annotations
@@ -862,6 +863,13 @@ def markdown(facts, table, sources, runs: dict | None, header: str) -> str:
         for what in ("plugin", "probe"):
             run = runs[what]
             lines.append(f"- {what}: `{run['command']}` -> exit {run['rc']}: `{json.dumps(run['answer'])}`")
+        for kind, got in runs["check_target"].items():
+            lines.append(
+                f"- probe `check_target` on {kind} (the demo's config, this target): exit {got['rc']}, "
+                f"`{got['vllm_class']}`, EAGLE-3 path {got['eagle3_path']}, "
+                f"runners {json.dumps(got['model_runners'])}, failures {json.dumps(got['failures'])}"
+                + (f", error {got['error']}" if got["error"] else "")
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -932,6 +940,7 @@ def run_installed(python: str, facts: dict[str, Fact], found: dict[str, dict[str
         text=True,
         cwd=REPO,
     )
+    targets = check_targets(python)
     return {
         "version": version,
         "agree": f"{len(keys) - len(disagree)} of {len(keys)} module and symbol facts (instance attributes excluded)",
@@ -941,12 +950,51 @@ def run_installed(python: str, facts: dict[str, Fact], found: dict[str, dict[str
             "rc": plugin.returncode,
             "answer": _last_json(plugin.stdout) or plugin.stderr.strip()[-400:],
         },
+        "check_target": targets,
         "probe": {
             "command": 'echo \'{"op": "drafter_flags"}\' | python -m eyrie.ops.vllm_probe',
             "rc": probe.returncode,
             "answer": _last_json(probe.stdout) or probe.stderr.strip()[-400:],
         },
     }
+
+
+# Preflight's check of a native and a compatibility-layer target, through the probe as the flow runs it.
+PROBE_TARGETS = ("tiny-llama", "tiny-gpt2")
+
+
+def check_targets(python: str) -> dict:
+    """The probe's `check_target` on tiny targets built here (the demo's config, its target swapped): each one's
+    vLLM class, EAGLE-3 path, model runners and failures."""
+    import tempfile
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in PROBE_TARGETS:
+            path = f"{tmp}/{kind}"
+            build = f"from eyrie.target.tiny import build_target; build_target({kind!r}, {path!r})"
+            subprocess.run([python, "-c", build], capture_output=True, text=True, cwd=REPO, check=True)
+            config = (
+                "import json, sys; from eyrie.config import load_config; "
+                "c = load_config('configs/demo.yaml').model_dump(mode='json'); "
+                f"c['target']['model'] = {path!r}; "
+                "print(json.dumps({'op': 'check_target', 'config': c, 'serve': True}))"
+            )
+            request = subprocess.run([python, "-c", config], capture_output=True, text=True, cwd=REPO, check=True)
+            run = subprocess.run(
+                [python, "-m", "eyrie.ops.vllm_probe"], input=request.stdout, capture_output=True, text=True, cwd=REPO
+            )
+            report = (_last_json(run.stdout) or {}).get("report") or {}
+            runners = (report.get("target_facts") or {}).get("model_runners") or {}
+            out[kind] = {
+                "rc": run.returncode,
+                "vllm_class": report.get("vllm_class"),
+                "eagle3_path": report.get("eagle3_path"),
+                "model_runners": {k: v.get("runner") for k, v in runners.items()},
+                "failures": report.get("failures"),
+                "error": None if report else run.stderr.strip()[-400:],
+            }
+    return out
 
 
 def installed_source() -> Source:
