@@ -64,7 +64,9 @@ $(VENV)/.installed: pyproject.toml
 # The flow's own environment, beside .venv as the vLLM one (EYRIE_VLLM_PYTHON, docs/operations/gpu-node.md): Eyrie
 # with the `flow` extra (Prefect 3.9, which no venv holding vLLM resolves) and no vLLM; torch and speculators for the
 # trainer, CPU torch here (the cpu extra's pin). `make test`'s tests/integration/test_two_environments.py runs the
-# flow in it. From uv's warm cache 9 s, from an empty one 52 s (2026-12-04, 2-core CPU VM, `make .venv-flow`).
+# flow in it. `make .venv-flow` on a clean clone took 32 s from uv's warm cache (its uv step 4 s) and 87-91 s from an
+# empty UV_CACHE_DIR (its uv step 10 s; the machine loaded by other jobs); the rest is the venv, uv itself and the
+# import check, whose first import compiles the bytecode (2026-12-04, 2-core CPU VM, commit 1088224).
 $(FLOW_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(FLOW_VENV)
 	$(call install_into,$(FLOW_PY),-e ".[flow]" $(if $(filter cpu,$(EXTRA)),"torch==2.13.0"))

@@ -121,13 +121,16 @@ class ServerSpec:
         started with but the port (never the key's value), the target's identity (its weights at that path, or the
         hub commit), its tokenizer files and code with the chat template, its generation_config.json, the
         output-shaping variables it inherits (`eyrie.run.identity.output_environment`), the drafter's content (a
-        re-export at the same path is another server) and the vLLM version."""
+        re-export at the same path is another server), the vLLM version and the interpreter that runs it
+        (`eyrie.run.vllm_python`: two environments holding the same vLLM version may differ in what else they hold,
+        so a server another environment started is not reused)."""
         from eyrie.target.metadata import stage_key
 
         d = asdict(self)
         d.pop("port")
         d.pop("startup_args")  # start-up speed only (eyrie.vllm.levers)
         d.pop("startup_env")
+        d["vllm_python"] = vllm_python()
         stage = "server.serving" if self.kind != "extraction" else "server.extraction"
         return stage_key(stage, None, target=self._target(), drafter=self.drafter, spec=d)
 

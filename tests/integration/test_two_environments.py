@@ -14,10 +14,13 @@ from pathlib import Path
 
 import pytest
 from conftest import config_dict
+from vllm_environments import wrapper
 
+from eyrie.config import parse_config
 from eyrie.run.vllm_env_facts import facts
 from eyrie.run.vllm_python import VLLM_PYTHON_ENV
 from eyrie.stages.export import NORM_FLAGS
+from eyrie.vllm.spec import ServerSpec
 
 REPO = Path(__file__).resolve().parents[2]
 FLOW_PYTHON = REPO / ".venv-flow" / "bin" / "python"
@@ -59,6 +62,7 @@ print(json.dumps({
     "installed": installed_version("vllm"),
     "cpu_build": vllm_cpu_build(),
     "command": ServerSpec.for_serving(config, "drafter").command(1)[0],
+    "fingerprint": ServerSpec.for_serving(config).fingerprint(),
     "vllm_imported": sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")),
 }))
 """
@@ -89,8 +93,9 @@ def test_the_flow_venv_holds_prefect_3_9_and_no_vllm(vllm_env):
     assert vllm_env["vllm"] is not None and vllm_env["plugin"] is not None  # the other venv has vLLM and the plugin
 
 
-def test_preflight_and_export_through_the_probe(tmp_path, tiny_llama, vllm_env):
-    env = {**os.environ, VLLM_PYTHON_ENV: sys.executable, "EYRIE_DIGEST_STORE": str(tmp_path / "store")}
+def test_preflight_and_export_through_the_probe(tmp_path, tiny_llama, vllm_env, monkeypatch):
+    monkeypatch.setenv("EYRIE_DIGEST_STORE", str(tmp_path / "store"))
+    env = {**os.environ, VLLM_PYTHON_ENV: sys.executable}
     config = json.dumps(config_dict(tiny_llama), default=str)
     got = _flow(FLOW, str(tmp_path / "run"), config, env=env)
     assert got["vllm_imported"] == []
@@ -106,3 +111,10 @@ def test_preflight_and_export_through_the_probe(tmp_path, tiny_llama, vllm_env):
     runners = report["target_facts"]["model_runners"]
     assert set(runners) == {"extraction", "export/evaluation"} and runners["extraction"]["runner"] == "V1"
     assert report["target_facts"]["verifier_weights"]  # what the drafter borrows, decided there
+
+    # A server's fingerprint names the environment that runs it: the flow's, with this venv's vLLM, equals this
+    # process's own (the same interpreter runs it); another interpreter of the same vLLM version is another server.
+    spec = ServerSpec.for_serving(parse_config(json.loads(config)))
+    assert got["fingerprint"] == spec.fingerprint()
+    monkeypatch.setenv(VLLM_PYTHON_ENV, str(wrapper(tmp_path / "other-env", blocked=("prefect",))))
+    assert spec.fingerprint() != got["fingerprint"]
