@@ -492,11 +492,13 @@ def test_the_saved_checkpoint_is_speculators_own_and_loads_with_speculators(monk
     from speculators.train.checkpointer import SingleGPUCheckpointer
 
     from eyrie.stages.train.checkpoints import is_whole
+    from eyrie.stages.train.drafter import apply_speed_choices
     from eyrie.stages.train.patches.switches import Switches
 
     _step_timer_on_cpu(monkeypatch)
     tqdm = trainer_module.tqdm
     trainer = _eyrie_trainer(tmp_path, Switches(), torch.float32)
+    apply_speed_choices(trainer.model, Switches())  # the GPU path's drafter: its forward and mask bound on it
     trainer.train_epoch(0)
     # the trainer's view of torch and tqdm is its own methods': speculators' trainer module is as installed
     assert trainer_module.torch is torch and trainer_module.tqdm is tqdm
