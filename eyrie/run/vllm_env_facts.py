@@ -41,12 +41,14 @@ def _version(name: str):
 
 
 def facts(full: bool = True) -> dict:
-    """vLLM's distribution and version (None: no vLLM), whether it is the CPU build, whether Eyrie's plugin entry point
-    is registered, where Eyrie's package is and its source digest, the libraries preflight reads, and
-    `watch`: the paths whose change may change any of it (the interpreter, the folders holding the packages, Eyrie's
-    source files). Not `full` (this process's own environment): no libraries, no source digest."""
+    """The environment (`prefix`), vLLM's distribution and version (None: no vLLM), whether it is the CPU build,
+    whether Eyrie's plugin entry point is registered, where Eyrie's package is and its source digest, the libraries
+    preflight reads, and `watch`: the paths whose change may change any of it (the interpreter, the folders holding
+    the packages, Eyrie's source files). Not `full` (this process's own environment): no libraries, no source
+    digest."""
     out: dict = {
         "python": sys.executable,
+        "prefix": sys.prefix,  # the environment itself (a venv's folder), whichever of its interpreters runs
         "python_version": platform.python_version(),
         "vllm": None,
         "vllm_distribution": None,

@@ -32,6 +32,7 @@ SUPPORTED_VLLM = ">=0.26,<0.34"
 PROBE_MODULE = "eyrie.ops.vllm_probe"
 PLUGIN_ENTRY = "vllm.general_plugins: eyrie = eyrie.vllm.plugin:register"
 FACTS_TIMEOUT_S = 120.0
+FACTS_FORMAT = 2  # of the facts kept under the digest store: a change reads them again
 INSTALL_HINT = "install it there: `{python} -m pip install --no-deps <path to Eyrie's checkout or wheel>`"
 
 
@@ -95,7 +96,8 @@ def _cache_file(python: str) -> Path | None:
     store = digest_store()
     if store is None:
         return None
-    return store / "vllm-python" / (hashlib.sha256(python.encode()).hexdigest()[:16] + ".json")
+    name = hashlib.sha256(f"{FACTS_FORMAT}:{python}".encode()).hexdigest()[:16]
+    return store / "vllm-python" / (name + ".json")
 
 
 def _read_cached(python: str) -> dict | None:
@@ -196,6 +198,19 @@ def flow_eyrie_source() -> str:
     from eyrie.run.vllm_env_facts import source_digest
 
     return source_digest(Path(__file__).resolve().parents[1])
+
+
+def vllm_environment_id() -> str:
+    """Which environment runs the servers, for a server's fingerprint (`eyrie.vllm.spec.ServerSpec.fingerprint`): its
+    folder (`sys.prefix` there), whichever of its interpreters or links names it; the interpreter's path as given
+    when it cannot be asked."""
+    if one_environment():
+        return sys.prefix
+    python = vllm_python()
+    try:
+        return str(vllm_environment(python).get("prefix") or python)
+    except VllmEnvironmentError:
+        return python
 
 
 def vllm_version() -> str | None:

@@ -15,7 +15,7 @@ from eyrie.errors import ExtractionError
 from eyrie.hidden_states.encoding import ENV as HIDDEN_STATES_DTYPE_ENV
 from eyrie.run.environment import child_environment
 from eyrie.run.vllm_python import vllm_cpu_build as run_vllm_cpu_build
-from eyrie.run.vllm_python import vllm_python
+from eyrie.run.vllm_python import vllm_environment_id, vllm_python
 from eyrie.vllm.levers import LANGUAGE_MODEL_ONLY_FLAG
 from eyrie.vllm.plugin import CONNECTOR_NAME
 from eyrie.vllm.plugin.auth import MIDDLEWARE as AUTH_MIDDLEWARE
@@ -121,16 +121,16 @@ class ServerSpec:
         started with but the port (never the key's value), the target's identity (its weights at that path, or the
         hub commit), its tokenizer files and code with the chat template, its generation_config.json, the
         output-shaping variables it inherits (`eyrie.run.identity.output_environment`), the drafter's content (a
-        re-export at the same path is another server), the vLLM version and the interpreter that runs it
-        (`eyrie.run.vllm_python`: two environments holding the same vLLM version may differ in what else they hold,
-        so a server another environment started is not reused)."""
+        re-export at the same path is another server), the vLLM version and the environment that runs it
+        (`eyrie.run.vllm_python.vllm_environment_id`: two environments holding the same vLLM version may differ in
+        what else they hold, so a server another environment started is not reused)."""
         from eyrie.target.metadata import stage_key
 
         d = asdict(self)
         d.pop("port")
         d.pop("startup_args")  # start-up speed only (eyrie.vllm.levers)
         d.pop("startup_env")
-        d["vllm_python"] = vllm_python()
+        d["vllm_environment"] = vllm_environment_id()
         stage = "server.serving" if self.kind != "extraction" else "server.extraction"
         return stage_key(stage, None, target=self._target(), drafter=self.drafter, spec=d)
 

@@ -10,15 +10,15 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
 from conftest import config_dict
-from vllm_environments import wrapper
 
 from eyrie.config import parse_config
 from eyrie.run.vllm_env_facts import facts
-from eyrie.run.vllm_python import VLLM_PYTHON_ENV
+from eyrie.run.vllm_python import VLLM_PYTHON_ENV, vllm_version
 from eyrie.stages.export import NORM_FLAGS
 from eyrie.vllm.spec import ServerSpec
 
@@ -113,8 +113,14 @@ def test_preflight_and_export_through_the_probe(tmp_path, tiny_llama, vllm_env, 
     assert report["target_facts"]["verifier_weights"]  # what the drafter borrows, decided there
 
     # A server's fingerprint names the environment that runs it: the flow's, with this venv's vLLM, equals this
-    # process's own (the same interpreter runs it); another interpreter of the same vLLM version is another server.
+    # process's own (one environment runs both); another venv holding the same vLLM (this one's packages on its path)
+    # is another server.
     spec = ServerSpec.for_serving(parse_config(json.loads(config)))
     assert got["fingerprint"] == spec.fingerprint()
-    monkeypatch.setenv(VLLM_PYTHON_ENV, str(wrapper(tmp_path / "other-env", blocked=("prefect",))))
+    other = tmp_path / "other-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(other)], check=True)
+    site_dir = next((other / "lib").glob("python*/site-packages"))
+    (site_dir / "vllm-env.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+    monkeypatch.setenv(VLLM_PYTHON_ENV, str(other / "bin" / "python"))
+    assert vllm_version() == vllm_env["vllm"]
     assert spec.fingerprint() != got["fingerprint"]
