@@ -31,28 +31,30 @@ INSTALLER ?= uv
 
 .PHONY: demo test test-fast lint bench clean .venv-flow
 
-# install_into(venv python, install arguments): uv by default: it resolves, downloads in parallel and installs in
-# under a third of pip's time here (1 min 47 s against pip's 6 min 2 s, both from empty caches), from the places
-# pip's own configuration names (.ci/uv-install passes pip.conf's and PIP_*'s indexes, find-links and constraints
-# on). INSTALLER=pip, or a machine where uv will not install, takes pip alone. One resolve either way, so
-# speculators cannot swap CPU torch for a CUDA build. (A venv gets the pip its Python shipped, 23.0 on Debian 12,
-# whose resolver backtracks for many minutes here.) PyPI's torchvision/torchaudio/torchcodec, which speculators and
-# vLLM require, target CUDA torch and break transformers and vllm beside CPU torch: removed after.
+# install_into(venv python, uv's own options, install arguments): uv by default: it resolves, downloads in parallel
+# and installs in under a third of pip's time here (1 min 47 s against pip's 6 min 2 s, both from empty caches),
+# from the places pip's own configuration names (.ci/uv-install passes pip.conf's and PIP_*'s indexes, find-links
+# and constraints on). INSTALLER=pip, or a machine where uv will not install, takes pip alone (without uv's
+# options). One resolve either way, so speculators cannot swap CPU torch for a CUDA build. (A venv gets the pip its
+# Python shipped, 23.0 on Debian 12, whose resolver backtracks for many minutes here.) PyPI's
+# torchvision/torchaudio/torchcodec, which speculators and vLLM require, target CUDA torch and break transformers
+# and vllm beside CPU torch: removed after.
 comma := ,
+UV_OPTIONS := $(if $(filter gpu,$(EXTRA)),--compile-bytecode)
 define install_into
 	if [ "$(INSTALLER)" = uv ] && $(1) -m pip install -q --progress-bar off "uv>=0.5,<1" 2>&1 | \
 		{ grep -v "^WARNING: Location" || true; } && [ -x $(dir $(1))uv ]; then \
-		$(1) .ci/uv-install $(1) $(dir $(1))uv -- -q $(2); \
+		$(1) .ci/uv-install $(1) $(dir $(1))uv -- -q $(2) $(3); \
 	else \
 		$(1) -m pip install -q --progress-bar off --upgrade "pip>=24" && \
-		$(1) -m pip install -q --progress-bar off $(2) 2>&1 | { grep -v "^WARNING: Location" || true; }; \
+		$(1) -m pip install -q --progress-bar off $(3) 2>&1 | { grep -v "^WARNING: Location" || true; }; \
 	fi
 	$(1) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 endef
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(call install_into,$(PY),$(if $(filter gpu,$(EXTRA)),--compile-bytecode) -e ".[$(EXTRA)$(comma)test]")
+	$(call install_into,$(PY),$(UV_OPTIONS),-e ".[$(EXTRA)$(comma)test]")
 	@$(PY) -c "import vllm, speculators, prefect, torch" || (echo "install failed: see pip output above" && exit 1)
 	@# What the install must register: the `eyrie` command, and the plugin every vLLM process loads.
 	@test -x $(VENV)/bin/eyrie || (echo "install failed: no eyrie console script in $(VENV)/bin" && exit 1)
@@ -63,13 +65,14 @@ $(VENV)/.installed: pyproject.toml
 
 # The flow's own environment, beside .venv as the vLLM one (EYRIE_VLLM_PYTHON, docs/operations/gpu-node.md): Eyrie
 # with the `flow` extra (Prefect 3.9, which no venv holding vLLM resolves) and no vLLM; torch and speculators for the
-# trainer, CPU torch here (the cpu extra's pin). `make test`'s tests/integration/test_two_environments.py runs the
-# flow in it. `make .venv-flow` on a clean clone took 32 s from uv's warm cache (its uv step 4 s) and 87-91 s from an
-# empty UV_CACHE_DIR (its uv step 10 s; the machine loaded by other jobs); the rest is the venv, uv itself and the
-# import check, whose first import compiles the bytecode (2026-12-04, 2-core CPU VM, commit 1088224).
+# trainer: CPU torch here (the cpu extra's pin); EXTRA=gpu: CUDA torch, its bytecode compiled as in .venv. `make
+# test`'s tests/integration/test_two_environments.py runs the flow in it. `make .venv-flow` on a clean clone took
+# 32 s from uv's warm cache (its uv step 4 s) and 87-91 s from an empty UV_CACHE_DIR (its uv step 10 s; the machine
+# loaded by other jobs); the rest is the venv, uv itself and the import check, whose first import compiles the
+# bytecode (2026-12-04, 2-core CPU VM, commit 1088224).
 $(FLOW_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(FLOW_VENV)
-	$(call install_into,$(FLOW_PY),-e ".[flow]" $(if $(filter cpu,$(EXTRA)),"torch==2.13.0"))
+	$(call install_into,$(FLOW_PY),$(UV_OPTIONS),-e ".[flow]" $(if $(filter cpu,$(EXTRA)),"torch==2.13.0"))
 	@$(FLOW_PY) -c "import speculators, prefect, torch" || (echo "install failed: see pip output above" && exit 1)
 	@! $(FLOW_PY) -c "import vllm" 2>/dev/null || (echo "install failed: vLLM is in $(FLOW_VENV)" && exit 1)
 	touch $@
