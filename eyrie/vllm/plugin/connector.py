@@ -19,6 +19,11 @@ own FP8HiddenStatesConnector does, on CPU and on an accelerator alike.
 A request that names the key its file is made under (`kv_transfer_params: {"eyrie_sample_key": <key>}`, what
 extraction sends) gets a file that records it in its safetensors metadata (eyrie/hidden_states/keyed.py): the key
 rides from the scheduler, which names the file, to the writer in the file's name.
+
+Two of vLLM 0.26's own bookkeeping errors are kept out on every version the plugin supports (0.32 fixed both
+upstream; the GPU build of the lent H200 is 0.26): `request_finished` raised KeyError for a request with no file (one
+that asked for none, or was aborted before it was scheduled), and `get_finished` reported such requests as sent, so
+the scheduler freed blocks it had freed already (`assert req_id in self.requests`).
 """
 
 from __future__ import annotations
@@ -100,6 +105,25 @@ class EyrieHiddenStatesConnector(ExampleHiddenStatesConnector):
                 if named:
                     meta.new_req_filenames[new_req.req_id] = filename  # type: ignore[attr-defined]
         return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """A request with no file (it asked for none, or was aborted before it was scheduled) saves nothing and
+        holds no blocks back."""
+        if request.request_id not in self._request_filenames:
+            self._pending_saves.pop(request.request_id, None)
+            return False, None
+        return super().request_finished(request, block_ids)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """vLLM's, told only of the finished requests whose save is submitted now or in flight: a request that
+        delayed nothing (no file) must not be reported as sent, its blocks are free already."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        saving = {p.req_id for p in getattr(meta, "pending_saves", ())} | set(self._req_copy_events)
+        for req_id in finished_req_ids - saving:
+            lock_fd = self._lock_fds.pop(req_id, None)
+            if lock_fd is not None:
+                os.close(lock_fd)
+        return super().get_finished(finished_req_ids & saving)
 
     def _submit_async_write(self, pending: PendingSave) -> None:
         if not self._is_tp_rank_zero:
