@@ -173,6 +173,10 @@ def test_model_runner_v2_gives_a_class_without_the_interface_its_aux_outputs(mon
     other = _fresh(SumLayer, FusedAddNorm)
     eagle3_utils.set_eagle3_aux_hidden_state_layers(other, _spec_config((2,)))
     assert supports_eagle3(other)
+    # vLLM 0.33 and later call it with a third argument (use_pp): the wrapper takes what the runner passes on
+    import inspect
+
+    inspect.signature(eagle3_utils.set_eagle3_aux_hidden_state_layers).bind(other, _spec_config((2,)), False)
 
 
 def test_a_runner_whose_hook_this_vllm_lacks_is_named(monkeypatch):

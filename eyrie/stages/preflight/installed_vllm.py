@@ -21,7 +21,12 @@ from packaging.version import InvalidVersion, Version
 from eyrie.config import PipelineConfig
 
 # Where `vllm serve`'s parser factory lives, newest first (0.32 moved it from openai/ to launchers/).
-SERVE_PARSER_MODULES = ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args")
+# Where `make_arg_parser` lives, by vLLM version (0.33 moved it to vllm.entrypoints.common).
+SERVE_PARSER_MODULES = (
+    "vllm.entrypoints.launchers.cli_args",
+    "vllm.entrypoints.openai.cli_args",
+    "vllm.entrypoints.common.cli_args",
+)
 PLACEHOLDER_PORT = 8000  # parsing needs a port; the server gets a free one
 
 

@@ -337,11 +337,12 @@ def _install_v2() -> bool:
         return True
     from vllm.model_executor.models import interfaces
 
-    def set_eagle3_aux_hidden_state_layers(model, spec_config) -> None:
+    def set_eagle3_aux_hidden_state_layers(model, *args, **kwargs) -> None:
+        # Whatever vLLM passes on: (model, spec_config) up to 0.32, (model, spec_config, use_pp) from 0.33.
         # interfaces' own, read now: the test hook that hides the interface (plugin/__init__.py) replaces it there
         if not isinstance(model, type) and not interfaces.supports_eagle3(model):
             graft_eagle3(model)
-        return original(model, spec_config)
+        return original(model, *args, **kwargs)
 
     setattr(set_eagle3_aux_hidden_state_layers, _INSTALLED, True)
     # The module and every loaded module that imported the function by name (the V2 runner, its PP helpers).
