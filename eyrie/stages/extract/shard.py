@@ -245,7 +245,8 @@ def extract_shard(
             if str(idx) not in known:
                 fsync_path(sample_path(hidden_dir, idx))
         fsync_path(hidden_dir)
-    check_shard(hidden_dir, manifest_path, prepare_dir, shard, log=log)  # the capture proof, before the manifest
+    with full_disk_explained():  # the check records its figures: a disk filled since may have no room for them
+        check_shard(hidden_dir, manifest_path, prepare_dir, shard, log=log)  # the capture proof, before the manifest
     files = {}
     if storage == PACKED:
         # Every sample's file is checked (kept ones above, new ones as they arrived) and on disk: copied into one pack
