@@ -188,7 +188,7 @@ def test_disk_full_mid_shard_is_a_clear_error_and_loses_nothing(tmp_path, tiny_l
     config, _ = write_config(
         tmp_path / "config.yaml",
         tiny_llama,
-        max_samples=32,
+        max_samples=96,  # 12 shards: the disk fills while most are still to write, however fast the machine
         shard_size=8,
         concurrency=1,
         layer_ids=[2, 4, 5],
