@@ -21,9 +21,10 @@ def server_plans(config: PipelineConfig, serve: bool, cfg: dict, environ: dict[s
 def check_startup_levers(
     config: PipelineConfig, serve: bool, cfg: dict, environ: dict[str, str]
 ) -> tuple[dict[str, dict], list[str], list[str], list[str]]:
-    """{server: {lever: {status, reason, asked}}}, the notes (each lever applied), the warnings (a cache a restart
-    loses) and the failures (each lever asked for that cannot work, with the reason; once for the servers it
-    concerns alike). Applied variables are checked against the installed vLLM's own registry (`vllm.envs`)."""
+    """{server: {lever: {status, reason, asked}}}, the notes (each lever applied, and a compile cache a restart
+    loses), the warnings (none yet) and the failures (each lever asked for that cannot work, with the reason; once
+    for the servers it concerns alike). Applied variables are checked against the installed vLLM's own registry
+    (`vllm.envs`)."""
     from vllm import envs
 
     plans = server_plans(config, serve, cfg, environ)
@@ -47,7 +48,11 @@ def check_startup_levers(
                     "lever off and report it"
                 )
     notes = [f"start-up lever for the {_servers(labels)}: {what}" for what, labels in applied.items()]
-    warnings = [f"the {_servers(labels)}: {why}" for why, labels in lost.items()]
+    # A compile cache a restart loses costs start-up time only, never a result: a note, not a run warning.
+    notes += [
+        f"start-up lever compile-cache not applied for the {_servers(labels)}: {why}" for why, labels in lost.items()
+    ]
+    warnings: list[str] = []
     for why, labels in refusals.items():
         servers = _servers(labels)
         failures.append(
