@@ -116,7 +116,7 @@ def check_target(config: PipelineConfig, serve: bool) -> PreflightReport:
         config, captured_layer_ids(aux_ids, num_layers), serve, cfg, probe.path
     )
     failures += runner_failures
-    levers, lever_notes, lever_warnings, lever_failures = check_startup_levers(config, serve, cfg, child_environment())
+    levers, lever_notes, lever_failures = check_startup_levers(config, serve, cfg, child_environment())
     failures += lever_failures
     if config.vocab.draft_vocab_size > vocab > 0:
         failures.append(
@@ -156,7 +156,7 @@ def check_target(config: PipelineConfig, serve: bool) -> PreflightReport:
         vllm.__version__,
         config.max_model_len,
     )
-    report.warnings += arg_warnings + proof_warnings + lever_warnings
+    report.warnings += arg_warnings + proof_warnings
     report.startup_levers = levers
     report.notes += lever_notes
     report.warnings += filter(None, [foreign_default_layer_ids(config.extraction.layer_ids, num_layers)])

@@ -20,9 +20,9 @@ def server_plans(config: PipelineConfig, serve: bool, cfg: dict, environ: dict[s
 
 def check_startup_levers(
     config: PipelineConfig, serve: bool, cfg: dict, environ: dict[str, str]
-) -> tuple[dict[str, dict], list[str], list[str], list[str]]:
+) -> tuple[dict[str, dict], list[str], list[str]]:
     """{server: {lever: {status, reason, asked}}}, the notes (each lever applied, and a compile cache a restart
-    loses), the warnings (none yet) and the failures (each lever asked for that cannot work, with the reason; once
+    loses) and the failures (each lever asked for that cannot work, with the reason; once
     for the servers it concerns alike). Applied variables are checked against the installed vLLM's own registry
     (`vllm.envs`)."""
     from vllm import envs
@@ -52,14 +52,13 @@ def check_startup_levers(
     notes += [
         f"start-up lever compile-cache not applied for the {_servers(labels)}: {why}" for why, labels in lost.items()
     ]
-    warnings: list[str] = []
     for why, labels in refusals.items():
         servers = _servers(labels)
         failures.append(
             f"extraction.startup asks for a start-up lever the {servers} cannot use: {why}. Fix: set it off "
             "(extraction.startup, or remove --load-format ipc_cache from extraction.server_args)"
         )
-    return {label: plan.as_dict() for label, plan in plans.items()}, notes, warnings, failures
+    return {label: plan.as_dict() for label, plan in plans.items()}, notes, failures
 
 
 def _servers(labels: list[str]) -> str:
