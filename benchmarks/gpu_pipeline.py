@@ -10,13 +10,17 @@ Contracts (`--targets`, default all three):
   kimi   a Kimi-K2.5 wrapper around a DeepseekV3 text model with MLA at the (qk_nope, qk_rope, v) head dims
          GPU vLLM's MLA prefill accepts, (128, 64, 128), kv_lora_rank 512, and a small MoE.
 
-Stages (`--stages`, default extract,serve), each target through each:
+Stages (`--stages`, default preflight,extract,serve), each target through each:
   preflight  `eyrie.stages.preflight.check.check_target` (the installed vLLM's class, interface, flags, and the model
              runner each server will use);
   extract    Eyrie's extraction server (`ServerSpec.for_extraction`, `VllmServer.ensure`: Eyrie's command, its
              connector and plugin), one request per chat sample through Eyrie's client, each file checked with the
              extract stage's own `load_checked`, and every captured layer compared with transformers on the same
              device (id k < L: `hidden_states[k]`; id L: the last decoder layer's output, through a hook);
+  proof      the capture proof on Eyrie's extraction server, as the extraction flow runs it before its first shard
+             (`prove_server`), then the same captures judged again: against transformers' states on the same device,
+             and planted wrong (the last slot one layer short, an aux id off by one, an aux id summed with an earlier
+             stream, zeros, rows one token late, another target's states): each must be refused;
   serve      Eyrie's serving server (`ServerSpec.for_serving`) with an EAGLE-3 drafter of the target's shape, CUDA
              graphs on wherever the EAGLE-3 path allows (native targets), greedy chat completions, and the
              acceptance length from the server's own spec-decode counters. The drafter is random (speculators, the
@@ -282,6 +286,106 @@ def stage_extract(name: str, config, model: Path, work: Path, n: int) -> dict:
     out["max_rel_err"] = {str(k): round(max(v), 5) for k, v in errs.items()}
     out["ok"] = all(max(v) < 0.03 for v in errs.values())
     return out
+
+
+def planted(hs, other):
+    """Wrong captures made from a true one ([T, 4, H]: ids 2, 4, 5 and the last layer's output), each as a connector
+    or a stale run folder would write it; `other` is another target's states for the same tokens."""
+    import torch
+
+    def with_(f):
+        s = hs.clone()
+        f(s)
+        return s
+
+    return {
+        "last-holds-layer-5": with_(lambda s: s[:, 3].copy_(s[:, 2])),  # the last slot one layer short
+        "aux-off-by-one": with_(lambda s: s[:, 1].copy_(s[:, 2])),  # id 4 holds its layer's output (id 5's input)
+        "aux-plus-earlier-stream": with_(lambda s: s[:, 1].add_(s[:, 0])),  # a contract summed twice
+        "aux-zeros": with_(lambda s: s[:, 0].zero_()),
+        "rows-one-token-late": torch.roll(hs, 1, dims=0),  # each row another position's state (a stale shard)
+        "another-target": other.clone(),
+    }
+
+
+def stage_proof(name: str, config, model: Path, work: Path, cpu: bool) -> dict:
+    """The capture proof on the GPU server, as the extraction flow runs it before its first shard
+    (`eyrie.stages.extract.proof.prove_server`: greedy answers for the data's proof prompts, their capture and the
+    server's own top-20 ranking from the same forward pass, the last layer through the target's head and every aux
+    layer recomputed). Then the same captures judged again (`eyrie.hidden_states.proof.judge`): as captured (must
+    pass), against transformers' states on the same GPU (the relative L2 per id), and planted wrong (`planted`:
+    each must be refused)."""
+    import torch
+
+    from eyrie.hidden_states.check import CaptureError, context_for
+    from eyrie.hidden_states.proof import judge, proof_prompts
+    from eyrie.stages.extract.proof import _captured, _greedy, prove_server
+    from eyrie.stages.preflight import run_preflight
+    from eyrie.stages.prepare import prepare
+    from eyrie.vllm.process import VllmServer
+    from eyrie.vllm.spec import ServerSpec
+
+    root = work / "proof" / name
+    shutil.rmtree(root, ignore_errors=True)
+    config = config.model_copy(deep=True)
+    config.data.max_samples = 64
+    prepare(config.target, config.data, root / "prepare")
+    report = run_preflight(config, root / "run", serve=False)
+    ctx = context_for(config, report)
+    ids = report.captured_layer_ids
+    staging = root / "staging"
+    staging.mkdir(parents=True)
+    spec = ServerSpec.for_extraction(config, ids, str(staging))
+    server = VllmServer(root / "server")
+    out: dict = {"layer_ids": ids}
+    t = time.time()
+    try:
+        client = server.ensure(spec, startup_timeout_s=420, log=note)
+        out["ready_s"] = since(t)
+        t = time.time()
+        figures = prove_server(
+            ctx, root / "prepare", root / "capture", server.state, client, spec.max_model_len, log=note
+        )
+        out["prove_server"] = {"s": since(t), **{k: figures.get(k) for k in ("prompts", "head_check", "aux_check")}}
+        samples = []
+        for prompt in proof_prompts(root / "prepare", spec.max_model_len):
+            tokens = prompt + _greedy(client, prompt, 120)
+            hs, ranking = _captured(client, tokens, 120)
+            samples.append((hs, tokens, len(prompt), ranking))
+    finally:
+        out["server"] = read_server_log(server.log_path)
+        server.stop(log=note)
+    refs, device = reference_states(reference_folder(name, model), [s[1] for s in samples], ids)
+    out["device"] = device
+    out["vs_transformers"] = {
+        str(k): round(max(rel(hs[:, j], ref[j]) for (hs, *_), ref in zip(samples, refs)), 5) for j, k in enumerate(ids)
+    }
+    quiet = lambda m: None  # noqa: E731
+    again = judge(ctx, samples, log=quiet)
+    out["true_capture"] = {k: again[k] for k in ("head_check", "aux_check")}
+    other_model = build_target_as(name, work, cpu, seed=1)
+    others, _ = reference_states(reference_folder(name, other_model), [s[1] for s in samples], ids)
+    verdicts: dict = {}
+    for i, (hs, tokens, p, ranking) in enumerate(samples):
+        for case, wrong in planted(hs, torch.stack(others[i], dim=1).to(hs.dtype)).items():
+            verdicts.setdefault(case, []).append((wrong, tokens, p, ranking))
+    out["planted"] = {}
+    for case, wrong_samples in verdicts.items():
+        try:
+            judge(ctx, wrong_samples, log=quiet)
+            out["planted"][case] = {"refused": False}
+        except CaptureError as err:
+            out["planted"][case] = {"refused": True, "reason": str(err)[:600]}
+    out["ok"] = bool(figures.get("passed")) and all(p["refused"] for p in out["planted"].values())
+    return out
+
+
+def build_target_as(name: str, work: Path, cpu: bool, seed: int) -> Path:
+    """The target of `build` with other random weights (same shape, same tokenizer)."""
+    from eyrie.target.tiny import build_target
+
+    dims = (CPU_DIMS if cpu else GPU_DIMS)[name]
+    return build_target(KINDS[name], work / "targets" / f"{name}-{'cpu' if cpu else 'gpu'}-seed{seed}", seed, **dims)
 
 
 def _width(config) -> int:
@@ -653,6 +757,121 @@ def stage_chain(
     return out
 
 
+COMPILE_LINES = re.compile(
+    r"(torch\.compile takes [\d.]+ s in total|Directly load the compiled graph.*"
+    r"|Compiling a graph for .* takes [\d.]+ s|Dynamo bytecode transform time: [\d.]+ s"
+    r"|Graph capturing finished in [\d.]+ ?secs?.*"
+    r"|[Ss]tartup plan.*|Memory profiling takes [\d.]+ seconds.*|init engine .* took [\d.]+ s.*)"
+)
+
+
+def stage_restart(name: str, config, model: Path, work: Path, path: str, cpu: bool) -> dict:
+    """The second start of the same serving server against the first (issue: the 27-minute load), with the start-up
+    levers Eyrie applies (`eyrie.vllm.levers`) on a persistent vLLM cache: a fresh `VLLM_CACHE_ROOT` on a disk (not a
+    temporary folder, where the compile-cache lever does not apply), the server started, stopped and started again.
+    Each start's ready time and its log's compile, profiling and graph-capture lines are recorded."""
+    from eyrie.vllm.process import VllmServer
+    from eyrie.vllm.spec import ServerSpec
+
+    cache = Path.home() / ".cache" / "eyrie-gpu-restart" / name
+    shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir(parents=True)
+    before = os.environ.get("VLLM_CACHE_ROOT")
+    os.environ["VLLM_CACHE_ROOT"] = str(cache)
+    out: dict = {"cache_root": str(cache), "starts": []}
+    try:
+        drafter = make_drafter(model, name, work)
+        spec = ServerSpec.for_serving(config, str(drafter))
+        spec.enforce_eager = cpu or path == "compat"
+        out["enforce_eager"] = spec.enforce_eager
+        from eyrie.run.environment import child_environment
+        from eyrie.vllm.levers import plan_for
+
+        out["levers"] = plan_for(config, "serving", child_environment()).as_dict()
+        out["startup_args"], out["startup_env"] = spec.startup_args, spec.startup_env
+        for i in range(2):
+            server = VllmServer(work / "servers" / f"{name}-restart-{i}")
+            t = time.time()
+            start: dict = {}
+            try:
+                client = server.ensure(spec, startup_timeout_s=480, log=note)
+                start["ready_s"] = since(t)
+                start["answer"] = bool(client.chat([{"role": "user", "content": "Hello"}], 8)["usage"])
+            finally:
+                text = server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
+                start["log"] = [m.group(0)[:200] for m in COMPILE_LINES.finditer(text)]
+                start["runner"] = read_server_log(server.log_path).get("runner")
+                server.stop(log=note)
+            note(f"{name}: start {i + 1} ready in {start.get('ready_s')} s: {start['log']}")
+            out["starts"].append(start)
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_CACHE_ROOT", None)
+        else:
+            os.environ["VLLM_CACHE_ROOT"] = before
+    first, second = (s.get("ready_s") for s in out["starts"])
+    out["second_over_first"] = round(second / first, 3) if first and second else None
+    out["cache_bytes"] = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
+    out["ok"] = bool(first and second)
+    return out
+
+
+def stage_throughput(work: Path, tokens: int, samples: int, repeats: int, cpu: bool) -> dict:
+    """Extraction throughput on the GPU: `benchmarks/extract_throughput.py` (Eyrie's shards through `extract_shard`,
+    a bare asynchronous client and speculators' `generate-offline-data`, the same samples against one server) with
+    prefix caching off, as the Kimi preset serves, on samples of about `tokens` tokens, against a Llama wide enough
+    that its files are realistic (hidden 2048: 16 KiB of hidden states per token at 4 captured layers)."""
+    import yaml
+
+    from eyrie.target.tiny import build_target
+
+    wide = dict(hidden_size=2048, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+    model = build_target(
+        "tiny-llama", work / "targets" / ("llama-cpu" if cpu else "llama-wide"), **CPU_DIMS["llama"] if cpu else wide
+    )
+    config = pipeline_config("llama", model, work, cpu)
+    config.extraction.concurrency = 32
+    folder = work / "throughput"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    cfg_path = folder / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True), sort_keys=False))
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "extract_throughput.py"),
+        "--config",
+        str(cfg_path),
+        "--work-dir",
+        str(folder / "run"),
+        "--synthetic-tokens",
+        str(tokens),
+        "--no-prefix-caching",
+        "--max-samples",
+        str(samples),
+        "--repeats",
+        str(repeats),
+    ]
+    t = time.time()
+    import subprocess
+
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    (folder / "extract_throughput.log").write_text(proc.stdout + proc.stderr)
+    print(proc.stdout[-3000:], flush=True)
+    out: dict = {"s": since(t), "command": " ".join(cmd[1:]), "rc": proc.returncode}
+    bench = folder / "run" / "bench.json"
+    if proc.returncode or not bench.exists():
+        out["error"] = (proc.stdout + proc.stderr)[-1500:]
+        out["ok"] = False
+        return out
+    result = json.loads(bench.read_text())
+    out.update({k: result[k] for k in ("samples", "tokens", "concurrency", "repeats", "prefix_caching", "results")})
+    out["ratio_eyrie_bare"] = round(result["ratio_eyrie_bare"], 3)
+    out["ratio_eyrie_speculators"] = round(result["ratio_tokens_per_s"], 3)
+    out["agreement"] = result["agreement"]
+    out["ok"] = True
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -667,6 +886,9 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=8, help="chain: training epochs")
     ap.add_argument("--chain-samples", type=int, default=256, help="chain: conversations read (half held out)")
     ap.add_argument("--eval-prompts", type=int, default=128, help="chain: held-out prompts evaluated")
+    ap.add_argument("--tokens", type=int, default=1536, help="throughput: tokens per sample")
+    ap.add_argument("--throughput-samples", type=int, default=256, help="throughput: samples per pass")
+    ap.add_argument("--repeats", type=int, default=3, help="throughput: passes per client")
     ap.add_argument("--budget-s", type=float, default=1e9, help="chain: start no target's chain after this many s")
     a = ap.parse_args()
     work = Path(a.work)
@@ -693,7 +915,12 @@ def main() -> int:
                     raise TimeoutError(f"not started: {a.budget_s} s of this call's budget already spent")
                 rec["chain"] = {}
                 stage_chain(name, work, a.cpu, a.epochs, a.chain_samples, a.eval_prompts, rec["chain"])
-            if not stages & {"preflight", "extract", "serve"}:
+            if "throughput" in stages:  # its own wide target, once per call
+                if "throughput" not in results.get("done", []):
+                    rec["throughput"] = stage_throughput(work, a.tokens, a.throughput_samples, a.repeats, a.cpu)
+                    note(f"throughput {json.dumps(rec['throughput'])[:2500]}")
+                    results.setdefault("done", []).append("throughput")
+            if not stages & {"preflight", "extract", "proof", "serve", "restart"}:
                 raise StopIteration
             t = time.time()
             model = build(name, work, a.cpu)
@@ -709,6 +936,12 @@ def main() -> int:
                 rec["extract"] = stage_extract(name, config, model, work, a.samples)
                 note(f"{name}: extract {json.dumps({k: v for k, v in rec['extract'].items() if k != 'server'})}")
                 note(f"{name}: extraction server {json.dumps(rec['extract']['server'])[:900]}")
+            if "proof" in a.stages:
+                rec["proof"] = stage_proof(name, config, model, work, a.cpu)
+                note(f"{name}: proof {json.dumps({k: v for k, v in rec['proof'].items() if k != 'server'})[:3000]}")
+            if "restart" in a.stages:
+                rec["restart"] = stage_restart(name, config, model, work, path, a.cpu)
+                note(f"{name}: restart {json.dumps(rec['restart'])[:3000]}")
             if "serve" in a.stages:
                 rec["serve"] = stage_serve(name, config, model, work, a.samples, path, a.cpu)
                 note(f"{name}: serve {json.dumps({k: v for k, v in rec['serve'].items() if k != 'server'})}")
@@ -728,7 +961,9 @@ def main() -> int:
             note(f"{name}: FAILED {rec['error'][:800]}")
         rec["wall_s"] = since(T0)
         rec["ok"] = "error" not in rec and all(
-            rec[s].get("ok", True) for s in ("preflight", "extract", "serve", "chain") if s in rec
+            rec[s].get("ok", True)
+            for s in ("preflight", "extract", "proof", "serve", "restart", "throughput", "chain")
+            if s in rec
         )
         ok = ok and rec["ok"]
         results["runs"].append(rec)
