@@ -72,7 +72,7 @@ from train_bench.entry_hooks import _bench_entry
 from train_bench.eyrie import cmd_eyrie
 from train_bench.gen import cmd_gen
 from train_bench.loader import cmd_loader
-from train_bench.profile import cmd_compare
+from train_bench.profiling import cmd_compare
 from train_bench.step import cmd_step
 
 

@@ -9,8 +9,7 @@ the first compiled call from a cold Inductor cache, compiled per call after it, 
 documents' block layout (eyrie/stages/train/block_mask.py), the one the trainer uses, per call. One JSON line per
 layout. Run:
 
-`cd benchmarks && python3 -m train_bench.mask_cost [--seq 4096] [--calls 50] [--device cpu]` (as a module: beside it,
-train_bench/profile.py would shadow the standard library's when run as a script)
+`python3 benchmarks/train_bench/mask_cost.py [--seq 4096] [--calls 50] [--device cpu]`
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from train_bench.common import GpuSampler, dims, emit, gzip_trace, load
-from train_bench.profile import ClockProbe, analyse_trace, write_profile_tables
+from train_bench.profiling import ClockProbe, analyse_trace, write_profile_tables
 
 
 def sync_probe() -> dict:

@@ -104,3 +104,20 @@ def test_the_swapped_attributes_are_counted_and_few():
 
 
 MOST_SWAPS = 8
+
+
+def test_a_wrapper_in_place_of_speculators_train_epoch_is_refused_by_name(monkeypatch):
+    """EyrieTrainer binds speculators' own train_epoch with its view of torch; a wrapper put on the class (a
+    profiler's, a user's) would run with speculators' module globals and fail at the first step with a NameError,
+    after the model's build and compile. It is named at the trainer's construction instead."""
+    from speculators.train import trainer as speculators_trainer
+
+    from eyrie.stages.train.eyrie_trainer import _bind_trainer_view
+    from eyrie.stages.train.patches.switches import Switches
+
+    def measured(self, epoch, *args, **kwargs):
+        return None
+
+    monkeypatch.setattr(speculators_trainer.Trainer, "train_epoch", measured)
+    with pytest.raises(RuntimeError, match=r"Trainer\.train_epoch has been replaced by .*measured.*instance"):
+        _bind_trainer_view(Switches(), object())

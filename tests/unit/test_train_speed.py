@@ -18,10 +18,10 @@ REPO = Path(__file__).resolve().parents[2]
 def bench():
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        import train_bench.profile
+        import train_bench.profiling
         import train_bench.step
 
-        yield types.SimpleNamespace(**{**vars(train_bench.profile), **vars(train_bench.step)})
+        yield types.SimpleNamespace(**{**vars(train_bench.profiling), **vars(train_bench.step)})
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eyrie.hidden_states.check import GREEDY_MIN_AGREEMENT, TIE_NATS, CaptureError
+from eyrie.hidden_states.check import GREEDY_MIN_AGREEMENT, CaptureError
 from eyrie.hidden_states.proof import (
     ANSWER_TOKENS,
     PROOF,
@@ -137,7 +137,8 @@ def prove_server(
         f"capture proved in {figures['seconds']} s on {figures['prompts']} prompts with greedy answers: layer "
         f"{ctx['num_layers']} through the target's head against the server's own ranking from the same forward pass "
         f"at {head.get('positions')} positions: top-1 {head.get('top1_agreement')} (exact {head.get('top1_exact')}; "
-        f"at least {GREEDY_MIN_AGREEMENT} within {TIE_NATS} nats), top-{head.get('top_k')} overlap "
+        f"at least {GREEDY_MIN_AGREEMENT}, a near-tie within {head.get('tie_nats')} nats or "
+        f"{head.get('tie_bf16_steps')} bf16 steps counted in), top-{head.get('top_k')} overlap "
         f"{head.get('topk_overlap')} (exact {head.get('topk_overlap_exact')}; at least {RANK_MIN_OVERLAP}); the greedy "
         f"answers' tokens {greedy.get('agreement')} (top-1 {greedy.get('top1')}, a figure); aux layers "
         + (

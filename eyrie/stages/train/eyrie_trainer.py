@@ -244,4 +244,13 @@ def _bind_trainer_view(switches: Switches, trainer: EyrieTrainer) -> None:
     view, tqdm = _trainer_view(switches, trainer)
     namespace = {**vars(_trainer_module), "torch": view, "tqdm": tqdm}
     for name in ("train_epoch", "val_epoch"):
-        setattr(trainer, name, types.MethodType(with_globals(getattr(Trainer, name), namespace), trainer))
+        fn = getattr(Trainer, name)
+        if getattr(fn, "__globals__", None) is not vars(_trainer_module):
+            # Another function put in its place (a profiler's or a user's wrapper) would run here with speculators'
+            # module globals instead of its own: a NameError at the first step, after the model and the compile.
+            raise RuntimeError(
+                f"speculators' Trainer.{name} has been replaced by {getattr(fn, '__module__', '?')}."
+                f"{getattr(fn, '__qualname__', fn)}; Eyrie binds speculators' own {name} on each EyrieTrainer. Wrap "
+                f"the instance's bound method after EyrieTrainer.__init__ instead of the class attribute"
+            )
+        setattr(trainer, name, types.MethodType(with_globals(fn, namespace), trainer))
