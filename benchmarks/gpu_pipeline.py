@@ -825,7 +825,14 @@ def stage_throughput(work: Path, tokens: int, samples: int, repeats: int, cpu: b
 
     from eyrie.target.tiny import build_target
 
-    wide = dict(hidden_size=2048, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+    wide = dict(
+        hidden_size=2048,
+        intermediate_size=4096,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
+    )
     model = build_target(
         "tiny-llama", work / "targets" / ("llama-cpu" if cpu else "llama-wide"), **CPU_DIMS["llama"] if cpu else wide
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib.util
+import inspect
 
 import pytest
 
@@ -106,18 +107,47 @@ def test_the_swapped_attributes_are_counted_and_few():
 MOST_SWAPS = 8
 
 
-def test_a_wrapper_in_place_of_speculators_train_epoch_is_refused_by_name(monkeypatch):
-    """EyrieTrainer binds speculators' own train_epoch with its view of torch; a wrapper put on the class (a
-    profiler's, a user's) would run with speculators' module globals and fail at the first step with a NameError,
-    after the model's build and compile. It is named at the trainer's construction instead."""
+def test_speculators_epochs_are_bound_with_eyries_view_inside_their_own_decorators(monkeypatch):
+    """EyrieTrainer binds speculators' own train_epoch and val_epoch (val_epoch under its torch.no_grad() decorator)
+    with its view of torch and tqdm; a wrapper put on the class with functools.wraps (a profiler's, a user's) stays
+    around the bound code. A wrapper that hides what it wraps is refused by name at the trainer's construction: bound
+    to speculators' globals it failed with a NameError at the first step, after the model's build and compile."""
+    import functools
+
+    import torch
     from speculators.train import trainer as speculators_trainer
 
     from eyrie.stages.train.eyrie_trainer import _bind_trainer_view
     from eyrie.stages.train.patches.switches import Switches
 
-    def measured(self, epoch, *args, **kwargs):
-        return None
+    class Holder:
+        pass
+
+    seen = []
+    holder = Holder()
+    _bind_trainer_view(Switches(), holder)
+    for name in ("train_epoch", "val_epoch"):
+        fn = getattr(holder, name).__func__
+        code = inspect.unwrap(fn)
+        assert code.__globals__["torch"] is not torch and code.__globals__["torch"].trainer is holder, name
+        assert code.__code__ is inspect.unwrap(getattr(speculators_trainer.Trainer, name)).__code__, name
+    # val_epoch still runs under torch.no_grad(): the decorator kept around the bound code
+    assert holder.val_epoch.__func__.__code__ is speculators_trainer.Trainer.val_epoch.__code__
+
+    original = speculators_trainer.Trainer.train_epoch
+
+    @functools.wraps(original)
+    def measured(self, *args, **kwargs):
+        seen.append("measured")
+        return original(self, *args, **kwargs)
 
     monkeypatch.setattr(speculators_trainer.Trainer, "train_epoch", measured)
-    with pytest.raises(RuntimeError, match=r"Trainer\.train_epoch has been replaced by .*measured.*instance"):
-        _bind_trainer_view(Switches(), object())
+    _bind_trainer_view(Switches(), holder)
+    assert inspect.unwrap(holder.train_epoch.__func__).__globals__["torch"].trainer is holder
+
+    def hiding(self, epoch, *args, **kwargs):
+        return None
+
+    monkeypatch.setattr(speculators_trainer.Trainer, "train_epoch", hiding)
+    with pytest.raises(RuntimeError, match=r"Trainer\.train_epoch: .*hiding is not .*own function.*instance"):
+        _bind_trainer_view(Switches(), holder)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from speculators.train import trainer as _trainer_module
 from speculators.train.trainer import Trainer
 
-from eyrie.stages.train.patches.overlay import _Overlay, with_globals
+from eyrie.stages.train.patches.overlay import _Overlay, rebound
 from eyrie.stages.train.patches.plateau import PlateauReached
 from eyrie.stages.train.patches.switches import Switches
 from eyrie.stages.train.patches.working_weights import _WORKING, _to_master_weights, _WorkingWeights
@@ -244,13 +244,11 @@ def _bind_trainer_view(switches: Switches, trainer: EyrieTrainer) -> None:
     view, tqdm = _trainer_view(switches, trainer)
     namespace = {**vars(_trainer_module), "torch": view, "tqdm": tqdm}
     for name in ("train_epoch", "val_epoch"):
-        fn = getattr(Trainer, name)
-        if getattr(fn, "__globals__", None) is not vars(_trainer_module):
-            # Another function put in its place (a profiler's or a user's wrapper) would run here with speculators'
-            # module globals instead of its own: a NameError at the first step, after the model and the compile.
+        try:
+            fn = rebound(getattr(Trainer, name), namespace, vars(_trainer_module))
+        except RuntimeError as err:
             raise RuntimeError(
-                f"speculators' Trainer.{name} has been replaced by {getattr(fn, '__module__', '?')}."
-                f"{getattr(fn, '__qualname__', fn)}; Eyrie binds speculators' own {name} on each EyrieTrainer. Wrap "
-                f"the instance's bound method after EyrieTrainer.__init__ instead of the class attribute"
-            )
-        setattr(trainer, name, types.MethodType(with_globals(fn, namespace), trainer))
+                f"speculators' Trainer.{name}: {err}. Eyrie binds speculators' own {name} on each EyrieTrainer: wrap "
+                "the instance's bound method after EyrieTrainer.__init__, or the class attribute with functools.wraps"
+            ) from None
+        setattr(trainer, name, types.MethodType(fn, trainer))

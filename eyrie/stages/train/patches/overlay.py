@@ -3,6 +3,7 @@ gives speculators' code its own pieces without replacing anything in speculators
 
 from __future__ import annotations
 
+import functools
 import inspect
 import textwrap
 import types
@@ -45,3 +46,32 @@ def with_globals(fn, namespace: dict, edits: dict[str, str] | None = None):
     made.__kwdefaults__ = fn.__kwdefaults__
     made.__qualname__ = fn.__qualname__
     return made
+
+
+def _holds(cell, obj) -> bool:
+    try:
+        return cell.cell_contents is obj
+    except ValueError:  # an empty cell
+        return False
+
+
+def rebound(fn, namespace: dict, module: dict):
+    """`fn` as a class holds it, decorated or not (speculators' `val_epoch` is wrapped by `torch.no_grad()`): its
+    undecorated function, which must be `module`'s own, as a function of `namespace` (`with_globals`), inside the same
+    decorator (the wrapper's own code, the function it holds replaced). A function that is not `module`'s own, or a
+    decorator that does not hold the function it wraps, raises RuntimeError naming it: bound to `namespace`, another
+    module's function would fail on its first missing global, after the model's build and compile."""
+    inner = inspect.unwrap(fn)
+    where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+    if getattr(inner, "__globals__", None) is not module:
+        raise RuntimeError(f"{where} is not {module.get('__name__')}'s own function: something replaced it")
+    made = with_globals(inner, namespace)
+    if fn is inner:
+        return made
+    closure = fn.__closure__ or ()
+    if not any(_holds(c, inner) for c in closure):
+        raise RuntimeError(f"{where}: its decorator does not hold the function it wraps, so it cannot wrap another")
+    cells = tuple(types.CellType(made) if _holds(c, inner) else c for c in closure)
+    wrapper = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+    wrapper.__kwdefaults__ = fn.__kwdefaults__
+    return functools.update_wrapper(wrapper, made)
