@@ -12,6 +12,7 @@ import ast
 import hashlib
 import importlib.util
 import inspect
+import types
 
 import pytest
 
@@ -131,8 +132,30 @@ def test_speculators_epochs_are_bound_with_eyries_view_inside_their_own_decorato
         code = inspect.unwrap(fn)
         assert code.__globals__["torch"] is not torch and code.__globals__["torch"].trainer is holder, name
         assert code.__code__ is inspect.unwrap(getattr(speculators_trainer.Trainer, name)).__code__, name
-    # val_epoch still runs under torch.no_grad(): the decorator kept around the bound code
+    # val_epoch still runs under torch.no_grad(): the decorator kept around the bound code, which runs
     assert holder.val_epoch.__func__.__code__ is speculators_trainer.Trainer.val_epoch.__code__
+    grad_inside = []
+
+    class Model:
+        def eval(self):
+            pass
+
+        def __call__(self, **batch):
+            grad_inside.append(torch.is_grad_enabled())
+            return None, None, {"loss": batch["x"].sum()}
+
+    holder.__dict__.update(
+        val_loader=torch.utils.data.DataLoader([{"x": torch.ones(2)}], batch_size=None),
+        model=Model(),
+        rank=0,
+        local_rank="cpu",
+        device_type="cpu",
+        is_distributed=False,
+        global_step=0,
+        config=types.SimpleNamespace(hidden_states_dtype=torch.bfloat16, val_call_kwargs=None),
+        _maybe_val_sync=lambda i: None,
+    )
+    assert holder.val_epoch(0) == {"loss_epoch": 2.0} and grad_inside == [False]
 
     original = speculators_trainer.Trainer.train_epoch
 
@@ -141,9 +164,21 @@ def test_speculators_epochs_are_bound_with_eyries_view_inside_their_own_decorato
         seen.append("measured")
         return original(self, *args, **kwargs)
 
+    decorated = speculators_trainer.Trainer.val_epoch  # under torch.no_grad()
+
+    @functools.wraps(decorated)
+    def timed(self, *args, **kwargs):
+        seen.append("timed")
+        return decorated(self, *args, **kwargs)
+
     monkeypatch.setattr(speculators_trainer.Trainer, "train_epoch", measured)
+    monkeypatch.setattr(speculators_trainer.Trainer, "val_epoch", timed)
     _bind_trainer_view(Switches(), holder)
-    assert inspect.unwrap(holder.train_epoch.__func__).__globals__["torch"].trainer is holder
+    for name, wrapper in (("train_epoch", measured), ("val_epoch", timed)):
+        bound = getattr(holder, name).__func__
+        assert bound.__code__ is wrapper.__code__, name  # the wrapper kept, outermost
+        assert inspect.unwrap(bound).__globals__["torch"].trainer is holder, name  # speculators' code, Eyrie's view
+    assert holder.val_epoch.__func__.__wrapped__.__code__ is decorated.__code__  # torch.no_grad() kept inside it
 
     def hiding(self, epoch, *args, **kwargs):
         return None

@@ -56,22 +56,32 @@ def _holds(cell, obj) -> bool:
 
 
 def rebound(fn, namespace: dict, module: dict):
-    """`fn` as a class holds it, decorated or not (speculators' `val_epoch` is wrapped by `torch.no_grad()`): its
-    undecorated function, which must be `module`'s own, as a function of `namespace` (`with_globals`), inside the same
-    decorator (the wrapper's own code, the function it holds replaced). A function that is not `module`'s own, or a
-    decorator that does not hold the function it wraps, raises RuntimeError naming it: bound to `namespace`, another
-    module's function would fail on its first missing global, after the model's build and compile."""
+    """`fn` as a class holds it, decorated or not (speculators' `val_epoch` is wrapped by `torch.no_grad()`, a
+    profiler may wrap either with `functools.wraps`): its undecorated function, which must be `module`'s own, as a
+    function of `namespace` (`with_globals`), inside the same decorators (`_rewrapped`). A function that is not
+    `module`'s own raises RuntimeError naming it: bound to `namespace`, another module's function would fail on its
+    first missing global, after the model's build and compile."""
     inner = inspect.unwrap(fn)
-    where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
     if getattr(inner, "__globals__", None) is not module:
+        where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
         raise RuntimeError(f"{where} is not {module.get('__name__')}'s own function: something replaced it")
-    made = with_globals(inner, namespace)
+    return _rewrapped(fn, inner, with_globals(inner, namespace))
+
+
+def _rewrapped(fn, inner, made):
+    """`fn`, decorators around `inner` each holding the next in its closure (as `functools.wraps` records it in
+    `__wrapped__`), rebuilt around `made`: each wrapper's own code and globals, the function it holds replaced."""
     if fn is inner:
         return made
+    held = fn.__wrapped__
     closure = fn.__closure__ or ()
-    if not any(_holds(c, inner) for c in closure):
-        raise RuntimeError(f"{where}: its decorator does not hold the function it wraps, so it cannot wrap another")
-    cells = tuple(types.CellType(made) if _holds(c, inner) else c for c in closure)
+    if not any(_holds(c, held) for c in closure):
+        raise RuntimeError(
+            f"{fn.__module__}.{fn.__qualname__}: its decorator does not hold the function it wraps, so it cannot wrap "
+            "another"
+        )
+    new = _rewrapped(held, inner, made)
+    cells = tuple(types.CellType(new) if _holds(c, held) else c for c in closure)
     wrapper = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
     wrapper.__kwdefaults__ = fn.__kwdefaults__
-    return functools.update_wrapper(wrapper, made)
+    return functools.update_wrapper(wrapper, new)
