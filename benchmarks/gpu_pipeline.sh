@@ -14,6 +14,10 @@
 #        bash benchmarks/gpu_pipeline.sh --stages preflight,extract
 #   4. carry [.gpu/kit, eyrie.egg-info], timeout 600 (the install is found in /tmp/gpu-site):
 #        bash benchmarks/gpu_pipeline.sh --stages serve
+#    Other stages, each its own call on the warm machine: `--stages preflight,proof` (the capture proof and six planted
+#    wrong captures per target), `--targets llama --stages throughput --throughput-samples 96 --repeats 2`
+#    (extraction throughput against a bare client and speculators), `--targets llama --stages restart` (a server's
+#    second start on a persistent vLLM cache).
 # Results accumulate in $GPU_PIPELINE_WORK/gpu-pipeline.json (default /tmp/gpu-pipeline) across calls on one warm
 # machine; each call copies it and the servers' logs to $OUT. benchmarks/results/gpu-pipeline-*.json keep them.
 #   5. the whole chain (prepare, extraction into shards, vocab, training on cuda, export, evaluation with CUDA graphs)
