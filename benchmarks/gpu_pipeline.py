@@ -95,11 +95,13 @@ def since(t: float) -> float:
 # targets and configs
 
 
-def build(name: str, work: Path, cpu: bool) -> Path:
+def build(name: str, work: Path, cpu: bool, seed: int = 0) -> Path:
+    """The target of contract `name` (another seed: the same shape and tokenizer, other weights)."""
     from eyrie.target.tiny import build_target
 
     dims = (CPU_DIMS if cpu else GPU_DIMS)[name]
-    return build_target(KINDS[name], work / "targets" / f"{name}-{'cpu' if cpu else 'gpu'}", **dims)
+    folder = f"{name}-{'cpu' if cpu else 'gpu'}" + (f"-seed{seed}" if seed else "")
+    return build_target(KINDS[name], work / "targets" / folder, seed, **dims)
 
 
 def reference_folder(name: str, model: Path) -> Path:
@@ -363,7 +365,7 @@ def stage_proof(name: str, config, model: Path, work: Path, cpu: bool) -> dict:
     quiet = lambda m: None  # noqa: E731
     again = judge(ctx, samples, log=quiet)
     out["true_capture"] = {k: again[k] for k in ("head_check", "aux_check")}
-    other_model = build_target_as(name, work, cpu, seed=1)
+    other_model = build(name, work, cpu, seed=1)
     others, _ = reference_states(reference_folder(name, other_model), [s[1] for s in samples], ids)
     verdicts: dict = {}
     for i, (hs, tokens, p, ranking) in enumerate(samples):
@@ -378,14 +380,6 @@ def stage_proof(name: str, config, model: Path, work: Path, cpu: bool) -> dict:
             out["planted"][case] = {"refused": True, "reason": str(err)[:600]}
     out["ok"] = bool(figures.get("passed")) and all(p["refused"] for p in out["planted"].values())
     return out
-
-
-def build_target_as(name: str, work: Path, cpu: bool, seed: int) -> Path:
-    """The target of `build` with other random weights (same shape, same tokenizer)."""
-    from eyrie.target.tiny import build_target
-
-    dims = (CPU_DIMS if cpu else GPU_DIMS)[name]
-    return build_target(KINDS[name], work / "targets" / f"{name}-{'cpu' if cpu else 'gpu'}-seed{seed}", seed, **dims)
 
 
 def _width(config) -> int:
