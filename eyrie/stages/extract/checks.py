@@ -32,12 +32,16 @@ def check_sample(
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """Every value finite, in one float32 sum: a NaN or an infinity anywhere makes the sum NaN or infinite, so a
-    finite sum proves it (13x cheaper than `isfinite` element by element on bf16, on the cores the server needs); a
-    sum that overflows from finite values falls back to the element-wise check."""
+    """Every value finite, from the tensor's smallest and largest values in one pass (`torch.aminmax`, in its own
+    dtype): torch's min and max propagate NaN, and an infinity is the smallest or the largest value. No float32
+    copy and no overflow: 20x cheaper than a float32 sum on bf16 (1.4 ms against 29 ms for a 25 MB file, one core;
+    benchmarks/extract_client_cost.py), which was the costliest step of a file's checks."""
     import torch  # here, not at the top: a run whose files are done imports no torch
 
-    return bool(torch.isfinite(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
+    if t.numel() == 0:
+        return True
+    low, high = torch.aminmax(t)
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
 def load_checked(

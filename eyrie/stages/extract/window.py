@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-# Threads that check, hash and move the files answered (extract_shard), beside the requests in flight. Two keep
-# up with the server (0.3-0.5 ms of CPU a file); eight measured 5-9% slower (benchmarks/extract_throughput.py),
-# holding the GIL away from the request loop and the cores away from the server.
-FILE_THREADS = 2
+
+# Threads that check, hash and move the files answered (extract_shard), beside the requests in flight: one per four
+# cores, two at least and eight at most. On a 2-core CPU server two keep up (0.3-0.5 ms of CPU a file) and eight
+# measured 5-9% slower (benchmarks/extract_throughput.py), holding the GIL away from the request loop and the cores
+# away from the server. A GPU server answers far faster than the files it writes can be hashed on two threads:
+# a 25 MB file (1536 tokens x 4 layers x 2048, bf16) costs ~20 ms of CPU here, most of it the sha256 (14 ms;
+# benchmarks/extract_client_cost.py), while an H200 answers 96 such requests in 0.53 s; a 16-core host gets four.
+def _file_threads() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 2
+    return max(2, min(8, cores // 4))
+
+
+FILE_THREADS = _file_threads()
 
 
 def _one_thread() -> None:
