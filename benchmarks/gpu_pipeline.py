@@ -162,6 +162,13 @@ LOG_KEYS = {
     "compat": re.compile(r"Eyrie's EAGLE-3 compatibility layer (serves .*|: .*)"),
     "aux_layers": re.compile(r"Using Eagle3 auxiliary layers from (?:config|model): (.*)"),
     "ready": re.compile(r"init engine .* took ([\d.]+) s|Application startup complete"),
+    # where a start's time goes: compiling (or loading the compiled graphs), memory profiling, graph capture
+    "startup": re.compile(
+        r"(torch\.compile takes [\d.]+ s in total|Directly load the compiled graph.*"
+        r"|Compiling a graph for .* takes [\d.]+ s|Dynamo bytecode transform time: [\d.]+ s"
+        r"|Graph capturing finished in [\d.]+ ?secs?.*"
+        r"|[Ss]tartup plan.*|Memory profiling takes [\d.]+ seconds.*|init engine .* took [\d.]+ s.*)"
+    ),
 }
 
 
@@ -189,6 +196,23 @@ def read_server_log(path: Path) -> dict:
 
 # ---------------------------------------------------------------------------------------------------------------
 # stages
+
+
+@contextlib.contextmanager
+def running(spec, folder: Path, out: dict, timeout_s: float = 420):
+    """Eyrie's server for `spec` in `folder` for the block, yielding (client, server): its ready time in
+    out["ready_s"]; whatever happens, what its log says (runner, backends, graphs) in out["server"], and it stopped."""
+    from eyrie.vllm.process import VllmServer
+
+    server = VllmServer(folder)
+    t = time.time()
+    try:
+        client = server.ensure(spec, startup_timeout_s=timeout_s, log=note)
+        out["ready_s"] = since(t)
+        yield client, server
+    finally:
+        out["server"] = read_server_log(server.log_path)
+        server.stop(log=note)
 
 
 def stage_preflight(name: str, config) -> dict:
@@ -246,7 +270,6 @@ def stage_extract(name: str, config, model: Path, work: Path, n: int) -> dict:
     from eyrie.stages.extract.answered import _wait_and_release
     from eyrie.stages.extract.checks import load_checked
     from eyrie.stages.preflight.target import captured_layer_ids
-    from eyrie.vllm.process import VllmServer
     from eyrie.vllm.spec import ServerSpec
 
     ids = captured_layer_ids(AUX, LAYERS)
@@ -254,12 +277,8 @@ def stage_extract(name: str, config, model: Path, work: Path, n: int) -> dict:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     spec = ServerSpec.for_extraction(config, ids, str(staging))
-    server = VllmServer(work / "servers" / f"{name}-extract")
     out: dict = {"layer_ids": ids, "command": " ".join(spec.command(0)[1:])}
-    t = time.time()
-    try:
-        client = server.ensure(spec, startup_timeout_s=420, log=note)
-        out["ready_s"] = since(t)
+    with running(spec, work / "servers" / f"{name}-extract", out) as (client, _):
         note(f"{name}: extraction server ready in {out['ready_s']} s")
         samples = chat_samples(model, n)
         t = time.time()
@@ -269,9 +288,6 @@ def stage_extract(name: str, config, model: Path, work: Path, n: int) -> dict:
         out["extract_s"] = since(t)
         out["requests"] = len(samples)
         out["tokens"] = sum(map(len, samples))
-    finally:
-        out["server"] = read_server_log(server.log_path)
-        server.stop(log=note)
     hidden = None
     for p, s in zip(paths, samples):
         load_checked(Path(p), s, len(ids), _width(config), config.extraction.hidden_states_dtype)
@@ -324,7 +340,6 @@ def stage_proof(name: str, config, model: Path, work: Path, cpu: bool) -> dict:
     from eyrie.stages.extract.proof import _captured, _greedy, prove_server
     from eyrie.stages.preflight import run_preflight
     from eyrie.stages.prepare import prepare
-    from eyrie.vllm.process import VllmServer
     from eyrie.vllm.spec import ServerSpec
 
     root = work / "proof" / name
@@ -338,12 +353,8 @@ def stage_proof(name: str, config, model: Path, work: Path, cpu: bool) -> dict:
     staging = root / "staging"
     staging.mkdir(parents=True)
     spec = ServerSpec.for_extraction(config, ids, str(staging))
-    server = VllmServer(root / "server")
     out: dict = {"layer_ids": ids}
-    t = time.time()
-    try:
-        client = server.ensure(spec, startup_timeout_s=420, log=note)
-        out["ready_s"] = since(t)
+    with running(spec, root / "server", out) as (client, server):
         t = time.time()
         figures = prove_server(
             ctx, root / "prepare", root / "capture", server.state, client, spec.max_model_len, log=note
@@ -354,9 +365,6 @@ def stage_proof(name: str, config, model: Path, work: Path, cpu: bool) -> dict:
             tokens = prompt + _greedy(client, prompt, 120)
             hs, ranking = _captured(client, tokens, 120)
             samples.append((hs, tokens, len(prompt), ranking))
-    finally:
-        out["server"] = read_server_log(server.log_path)
-        server.stop(log=note)
     refs, device = reference_states(reference_folder(name, model), [s[1] for s in samples], ids)
     out["device"] = device
     out["vs_transformers"] = {
@@ -463,7 +471,6 @@ def spec_counters(metrics: str) -> dict:
 
 
 def stage_serve(name: str, config, model: Path, work: Path, n: int, path: str, cpu: bool) -> dict:
-    from eyrie.vllm.process import VllmServer
     from eyrie.vllm.spec import ServerSpec
 
     drafter = make_drafter(model, name, work)
@@ -471,12 +478,8 @@ def stage_serve(name: str, config, model: Path, work: Path, n: int, path: str, c
     # CUDA graphs and torch.compile where the EAGLE-3 path allows them: a native class; the compatibility layer's
     # hooks need eager execution (preflight refuses it otherwise).
     spec.enforce_eager = cpu or path == "compat"
-    server = VllmServer(work / "servers" / f"{name}-serve")
     out: dict = {"enforce_eager": spec.enforce_eager, "drafter": "random (vLLM's EAGLE-3 format)"}
-    t = time.time()
-    try:
-        client = server.ensure(spec, startup_timeout_s=480, log=note)
-        out["ready_s"] = since(t)
+    with running(spec, work / "servers" / f"{name}-serve", out, timeout_s=480) as (client, _):
         note(f"{name}: serving server ready in {out['ready_s']} s")
         before = spec_counters(client.metrics())
         t = time.time()
@@ -493,9 +496,6 @@ def stage_serve(name: str, config, model: Path, work: Path, n: int, path: str, c
         out["spec_decode"] = d
         out["acceptance_length"] = round(1 + d["num_accepted_tokens"] / d["num_drafts"], 3) if d["num_drafts"] else None
         out["ok"] = bool(tokens and d["num_drafts"])
-    finally:
-        out["server"] = read_server_log(server.log_path)
-        server.stop(log=note)
     return out
 
 
@@ -646,12 +646,8 @@ def stage_chain(
     staging.mkdir()
     hidden = root / "hidden_states"
     spec = ServerSpec.for_extraction(config, ids, str(staging))
-    server = VllmServer(root / "server-extract")
     ext: dict = {"layer_ids": ids}
-    t = time.time()
-    try:
-        client = server.ensure(spec, startup_timeout_s=420, log=note)
-        ext["ready_s"] = since(t)
+    with running(spec, root / "server-extract", ext) as (client, _):
         t = time.time()
         counts = []
         for shard in load_shards(prepared):
@@ -671,9 +667,6 @@ def stage_chain(
             counts.append(m["extracted_samples"])
         ext["extract_s"] = since(t)
         ext["samples"] = sum(counts)
-    finally:
-        ext["server"] = read_server_log(server.log_path)
-        server.stop(log=note)
     out["extract"] = ext
     note(f"{name}: extract {json.dumps({k: v for k, v in ext.items() if k != 'server'})}")
 
@@ -751,20 +744,13 @@ def stage_chain(
     return out
 
 
-COMPILE_LINES = re.compile(
-    r"(torch\.compile takes [\d.]+ s in total|Directly load the compiled graph.*"
-    r"|Compiling a graph for .* takes [\d.]+ s|Dynamo bytecode transform time: [\d.]+ s"
-    r"|Graph capturing finished in [\d.]+ ?secs?.*"
-    r"|[Ss]tartup plan.*|Memory profiling takes [\d.]+ seconds.*|init engine .* took [\d.]+ s.*)"
-)
-
-
 def stage_restart(name: str, config, model: Path, work: Path, path: str, cpu: bool) -> dict:
-    """The second start of the same serving server against the first (issue: the 27-minute load), with the start-up
+    """The second start of the same serving server against the first (the 27-minute load), with the start-up
     levers Eyrie applies (`eyrie.vllm.levers`) on a persistent vLLM cache: a fresh `VLLM_CACHE_ROOT` on a disk (not a
     temporary folder, where the compile-cache lever does not apply), the server started, stopped and started again.
-    Each start's ready time and its log's compile, profiling and graph-capture lines are recorded."""
-    from eyrie.vllm.process import VllmServer
+    Each start's ready time and its log's compile, profiling and graph-capture lines (`read_server_log`) recorded."""
+    from eyrie.run.environment import child_environment
+    from eyrie.vllm.levers import plan_for
     from eyrie.vllm.spec import ServerSpec
 
     cache = Path.home() / ".cache" / "eyrie-gpu-restart" / name
@@ -778,26 +764,14 @@ def stage_restart(name: str, config, model: Path, work: Path, path: str, cpu: bo
         spec = ServerSpec.for_serving(config, str(drafter))
         spec.enforce_eager = cpu or path == "compat"
         out["enforce_eager"] = spec.enforce_eager
-        from eyrie.run.environment import child_environment
-        from eyrie.vllm.levers import plan_for
-
         out["levers"] = plan_for(config, "serving", child_environment()).as_dict()
         out["startup_args"], out["startup_env"] = spec.startup_args, spec.startup_env
         for i in range(2):
-            server = VllmServer(work / "servers" / f"{name}-restart-{i}")
-            t = time.time()
             start: dict = {}
-            try:
-                client = server.ensure(spec, startup_timeout_s=480, log=note)
-                start["ready_s"] = since(t)
-                start["answer"] = bool(client.chat([{"role": "user", "content": "Hello"}], 8)["usage"])
-            finally:
-                text = server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
-                start["log"] = [m.group(0)[:200] for m in COMPILE_LINES.finditer(text)]
-                start["runner"] = read_server_log(server.log_path).get("runner")
-                server.stop(log=note)
-            note(f"{name}: start {i + 1} ready in {start.get('ready_s')} s: {start['log']}")
             out["starts"].append(start)
+            with running(spec, work / "servers" / f"{name}-restart-{i}", start, timeout_s=480) as (client, _):
+                start["answer"] = bool(client.chat([{"role": "user", "content": "Hello"}], 8)["usage"])
+            note(f"{name}: start {i + 1} ready in {start.get('ready_s')} s: {start['server'].get('startup')}")
     finally:
         if before is None:
             os.environ.pop("VLLM_CACHE_ROOT", None)
