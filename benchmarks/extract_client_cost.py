@@ -43,13 +43,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 KEY = "0123456789abcdef"
 
 
-def _stub_connector(dtype: str):
-    """An object with what the connector's writer reads of itself: its dtype."""
-    from eyrie.vllm.plugin.connector import EyrieHiddenStatesConnector
+def _writer(dtype: str):
+    """The connector's writer (`_write_tensors`, on an object with what it reads of itself: its dtype); where vLLM is
+    not installed (a GPU host's bare Python), the calls that writer makes, in its order, with a note."""
+    try:
+        from eyrie.vllm.plugin.connector import EyrieHiddenStatesConnector
+    except ImportError as err:
+        from safetensors.torch import save_file
 
+        from eyrie.hidden_states.encoding import encode
+        from eyrie.hidden_states.keyed import key_from_name, key_metadata
+
+        print(f"(no vLLM here: {err}; files written by the connector writer's own calls)", flush=True)
+
+        def write(tensors, event, filename, lock_fd) -> None:
+            try:
+                save_file(encode(tensors, dtype), filename, metadata=key_metadata(key_from_name(filename)))
+            finally:
+                os.close(lock_fd)
+
+        return write
     stub = object.__new__(EyrieHiddenStatesConnector)
     stub._hidden_states_dtype = dtype
-    return stub
+    return stub._write_tensors
+
+
+class _Done:  # as the connector's: the copy already happened
+    def synchronize(self) -> None:
+        pass
 
 
 def write_files(staging: Path, rows: list[list[int]], layers: int, hidden: int, dtype: str) -> list[str]:
@@ -59,9 +80,8 @@ def write_files(staging: Path, rows: list[list[int]], layers: int, hidden: int, 
 
     from eyrie.hidden_states.keyed import name_with_key
     from eyrie.run.folder import server_file_name
-    from eyrie.vllm.plugin.connector import _Done
 
-    stub = _stub_connector(dtype)
+    write = _writer(dtype)
     staging.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
     paths = []
@@ -71,7 +91,7 @@ def write_files(staging: Path, rows: list[list[int]], layers: int, hidden: int, 
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
         hs = torch.randn(len(ids), layers, hidden, generator=gen, dtype=torch.float32).to(torch.bfloat16)
         tensors = {"hidden_states": hs, "token_ids": torch.tensor(ids, dtype=torch.long)}
-        stub._write_tensors(tensors, _Done(), filename, lock_fd)
+        write(tensors, _Done(), filename, lock_fd)
         paths.append(filename)
     return paths
 
@@ -145,8 +165,12 @@ def steps_one_thread(work: Path, rows, layers: int, hidden: int, dtype: str) -> 
 def whole_record(work: Path, rows, layers: int, hidden: int, dtype: str) -> Steps:
     """The extraction's own per-file calls, whole: `checked_record` (read, parse, checks, checksum in one), and
     alternatives measured on the same files for comparison."""
-    import blake3
     import torch
+
+    try:
+        import blake3
+    except ImportError:
+        blake3 = None
 
     from eyrie.stages.extract import shard as shard_module
 
@@ -167,10 +191,11 @@ def whole_record(work: Path, rows, layers: int, hidden: int, dtype: str) -> Step
         )
         with open(src, "rb") as f:
             data = f.read()
-        s.timed("alt: blake3 (1 thread)", lambda d=data: blake3.blake3(d).hexdigest())
-        s.timed(
-            "alt: blake3 (max threads)", lambda d=data: blake3.blake3(d, max_threads=blake3.blake3.AUTO).hexdigest()
-        )
+        if blake3 is not None:
+            s.timed("alt: blake3 (1 thread)", lambda d=data: blake3.blake3(d).hexdigest())
+            s.timed(
+                "alt: blake3 (max threads)", lambda d=data: blake3.blake3(d, max_threads=blake3.blake3.AUTO).hexdigest()
+            )
 
         def mapped(src=src) -> str:
             with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
@@ -317,7 +342,11 @@ def main() -> None:
         one = steps_one_thread(work / "one", rows, args.layers, args.hidden, args.dtype)
         whole = whole_record(work / "whole", rows, args.layers, args.hidden, args.dtype)
         shard_size = args.shard_size or max(1, args.files // 4)
-        sched = scheduled(work / "sched", rows, args.layers, args.hidden, args.dtype, shard_size, args.concurrency)
+        try:
+            sched = scheduled(work / "sched", rows, args.layers, args.hidden, args.dtype, shard_size, args.concurrency)
+        except ImportError as err:  # no `datasets` for the prepared rows: the step tables alone
+            print(f"(no extract_shard pass: {err})")
+            sched = None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows_out = table(one, mb)
@@ -329,14 +358,16 @@ def main() -> None:
         rate = "" if r["MB_per_s"] is None else str(r["MB_per_s"])
         print(f"{r['step']:44} {med:>15} {r['total_ms']:>10.1f} {rate:>8}")
     print(f"{'sum of the steps, one thread (per file)':44} {per_file:>15.2f} {per_file * args.files:>10.1f}")
-    tokens = args.files * args.tokens
-    print(
-        f"\nextract_shard, {sched['shards']} shards two at a time, client answering at once: {sched['seconds']:.3f} s "
-        f"= {tokens / sched['seconds']:,.0f} tokens/s, {mb * args.files / sched['seconds']:,.0f} MB/s, "
-        f"{sched['seconds'] / args.files * 1000:.2f} ms/file"
-    )
-    for name, sec in sorted(sched["spent_s"].items(), key=lambda kv: -kv[1]):
-        print(f"  in {name:28} {sec * 1000:10.1f} ms summed over threads")
+    if sched is not None:
+        tokens = args.files * args.tokens
+        print(
+            f"\nextract_shard, {sched['shards']} shards two at a time, client answering at once: "
+            f"{sched['seconds']:.3f} s "
+            f"= {tokens / sched['seconds']:,.0f} tokens/s, {mb * args.files / sched['seconds']:,.0f} MB/s, "
+            f"{sched['seconds'] / args.files * 1000:.2f} ms/file"
+        )
+        for name, sec in sorted(sched["spent_s"].items(), key=lambda kv: -kv[1]):
+            print(f"  in {name:28} {sec * 1000:10.1f} ms summed over threads")
     if args.json:
         Path(args.json).write_text(
             json.dumps({"args": vars(args), "steps": rows_out, "extract_shard": sched}, indent=2)
