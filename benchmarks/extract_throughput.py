@@ -18,6 +18,9 @@ at
   the request Eyrie sends and read the hidden-states path from the answer, nothing else: no waiting for the
   writer, no validation, no checksum, no rename, no fsync, no manifest. The files it leaves in the server's
   staging folder are removed after its pass, untimed, once their writer is done.
+- bare-written: the same, each request counted done only once the connector's writer has finished its file (the
+  lock it holds until then): the server's extraction rate with its writes, which the answers alone run ahead of.
+  Eyrie against it is what Eyrie's own per-file work costs.
 
 `--synthetic-tokens N` builds longer samples than the demo's (its conversations are about 40 tokens): each sample
 joins randomly drawn conversations of the config's local .jsonl source, turn after turn, until its chat-template
@@ -43,7 +46,8 @@ Run from the repository root (make sets the cache and offline variables the serv
     .venv/bin/python benchmarks/extract_throughput.py --work-dir runs/bench-500 --synthetic-tokens 500 \
         --max-samples 400 --concurrency 32 --repeats 3
 
-Prints a side-by-side table and the ratios eyrie/bare and eyrie/speculators; writes `<work-dir>/bench.json`.
+Prints a side-by-side table and the ratios eyrie/bare, eyrie/bare-written and eyrie/speculators; writes
+`<work-dir>/bench.json`.
 """
 
 from __future__ import annotations
@@ -116,7 +120,9 @@ def run_eyrie(
     return {"wall_s": time.perf_counter() - t0}
 
 
-async def _bare_pass(url: str, api_key: str | None, samples, concurrency: int, timeout_s: float) -> list[str]:
+async def _bare_pass(
+    url: str, api_key: str | None, samples, concurrency: int, timeout_s: float, wait_writers: bool = False
+) -> list[str]:
     import aiohttp
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
@@ -135,15 +141,20 @@ async def _bare_pass(url: str, api_key: str | None, samples, concurrency: int, t
                 async with session.post(url + "/v1/completions", json=body) as r:
                     if r.status != 200:
                         raise RuntimeError(f"vLLM answered {r.status}: {(await r.text())[:300]}")
-                    paths.append((await r.json())["kv_transfer_params"]["hidden_states_path"])
+                    path = (await r.json())["kv_transfer_params"]["hidden_states_path"]
+                if wait_writers:  # the file whole on disk, as the server's extraction is only done then
+                    await asyncio.to_thread(_wait_and_release, path)
+                paths.append(path)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return paths
 
 
-def run_bare(url: str, api_key: str | None, samples, concurrency: int, timeout_s: float) -> dict:
+def run_bare(
+    url: str, api_key: str | None, samples, concurrency: int, timeout_s: float, wait_writers: bool = False
+) -> dict:
     t0 = time.perf_counter()
-    paths = asyncio.run(_bare_pass(url, api_key, samples, concurrency, timeout_s))
+    paths = asyncio.run(_bare_pass(url, api_key, samples, concurrency, timeout_s, wait_writers))
     wall = time.perf_counter() - t0
     for p in paths:  # untimed: wait for each file's writer, then drop the file, so no write spills into the next pass
         _wait_and_release(p)
@@ -284,7 +295,8 @@ def main() -> None:
     if not server.healthy():
         clean_staging(plan.staging)
     samples = load_dataset_rows(run.prepare, 0, n)
-    runs: dict[str, list[dict]] = {"eyrie": [], "bare": [], "speculators": []}
+    clients = ["eyrie", "bare", "bare-written", "speculators"]
+    runs: dict[str, list[dict]] = {c: [] for c in clients}
     try:
         server.ensure(plan.spec, config.extraction.startup_timeout_s)
         # As the extraction task builds it (tasks/extract.py): one pooled connection per request in flight.
@@ -303,11 +315,10 @@ def main() -> None:
         # Every sample once, untimed: with prefix caching on (vLLM's default) a sample's second pass reuses its
         # blocks, so without this the client that happened to go first in a repeat would pay for all the others.
         run_bare(server.url(), plan.spec.api_key(), samples, concurrency, timeout_s)
-        clients = ["eyrie", "bare", "speculators"]
         for r in range(args.repeats):
             for p in (eyrie_out, spec_out, work / "eyrie_hs_manifests"):
                 shutil.rmtree(p, ignore_errors=True)
-            order = clients[r % 3 :] + clients[: r % 3]  # each client goes first once in three repeats
+            order = clients[r % len(clients) :] + clients[: r % len(clients)]  # a different client first each repeat
             for name in order:
                 print(f"repeat {r + 1}/{args.repeats}: {name} ...", flush=True)
                 # Untimed: the previous pass's files written out, so no pass pays for another's writeback (Eyrie's
@@ -316,8 +327,9 @@ def main() -> None:
                 if name == "eyrie":
                     res = run_eyrie(client, plan, shards, run.prepare, eyrie_out, concurrency, timeout_s)
                     res["files"], res["bytes"] = output_size(eyrie_out)
-                elif name == "bare":
-                    res = run_bare(server.url(), plan.spec.api_key(), samples, concurrency, timeout_s)
+                elif name in ("bare", "bare-written"):
+                    written = name == "bare-written"
+                    res = run_bare(server.url(), plan.spec.api_key(), samples, concurrency, timeout_s, written)
                 else:
                     res = run_speculators(endpoint, run.prepare / "dataset", spec_out, n, concurrency, timeout_s)
                     res["files"], res["bytes"] = output_size(spec_out)
@@ -352,13 +364,14 @@ def main() -> None:
         }
     ratio = rows["eyrie"]["tokens_per_s"] / rows["speculators"]["tokens_per_s"]
     ratio_bare = rows["eyrie"]["tokens_per_s"] / rows["bare"]["tokens_per_s"]
+    ratio_written = rows["eyrie"]["tokens_per_s"] / rows["bare-written"]["tokens_per_s"]
     ratio_inproc = rows["eyrie"]["tokens_per_s"] / rows["speculators"]["in_process_tokens_per_s"] if inproc else None
 
     print(
         f"\n{n} samples, {tokens} tokens ({tokens / n:.0f} per sample), concurrency {concurrency}, "
         f"{args.repeats} repeat(s) (medians); model {plan.spec.model}"
     )
-    print(f"{'':24}{'eyrie':>14}{'bare':>14}{'speculators':>14}")
+    print(f"{'':24}" + "".join(f"{c:>14}" for c in clients))
     for key, fmt in [
         ("wall_s", ".2f"),
         ("samples_per_s", ".1f"),
@@ -369,9 +382,10 @@ def main() -> None:
         ("in_process_tokens_per_s", ".0f"),
         ("startup_s", ".2f"),
     ]:
-        cells = [format(rows[c][key], fmt) if key in rows[c] else "-" for c in ("eyrie", "bare", "speculators")]
-        print(f"{key:24}{cells[0]:>14}{cells[1]:>14}{cells[2]:>14}")
+        cells = [format(rows[c][key], fmt) if key in rows[c] else "-" for c in clients]
+        print(f"{key:24}" + "".join(f"{cell:>14}" for cell in cells))
     print(f"ratio eyrie/bare (tokens/s): {ratio_bare:.3f}x")
+    print(f"ratio eyrie/bare-written (tokens/s, the bare client waiting for each file's writer): {ratio_written:.3f}x")
     print(f"ratio eyrie/speculators (tokens/s, end to end): {ratio:.2f}x")
     if ratio_inproc is not None:
         print(f"ratio eyrie/speculators (tokens/s, speculators in-process): {ratio_inproc:.2f}x")
@@ -393,6 +407,7 @@ def main() -> None:
         "results": rows,
         "ratio_tokens_per_s": ratio,
         "ratio_eyrie_bare": ratio_bare,
+        "ratio_eyrie_bare_written": ratio_written,
         "ratio_eyrie_speculators_in_process": ratio_inproc,
         "runs": runs,
         "agreement": agreement,

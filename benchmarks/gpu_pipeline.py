@@ -841,6 +841,7 @@ def stage_throughput(work: Path, tokens: int, samples: int, repeats: int, cpu: b
     result = json.loads(bench.read_text())
     out.update({k: result[k] for k in ("samples", "tokens", "concurrency", "repeats", "prefix_caching", "results")})
     out["ratio_eyrie_bare"] = round(result["ratio_eyrie_bare"], 3)
+    out["ratio_eyrie_bare_written"] = round(result["ratio_eyrie_bare_written"], 3)
     out["ratio_eyrie_speculators"] = round(result["ratio_tokens_per_s"], 3)
     out["agreement"] = result["agreement"]
     out["ok"] = True
