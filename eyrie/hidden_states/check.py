@@ -222,17 +222,20 @@ def _masks(prepare_dir: Path, start: int, stop: int) -> list[list[int]] | None:
 
 def row_problems(hs: torch.Tensor, layer_ids: list[int], where: str) -> list[str]:
     """Dead rows per layer: all zero, or constant over the hidden dimension. `hs` [T, n_layers, H] float32."""
+    import torch
 
     problems = []
+    lo, hi = torch.aminmax(hs, dim=-1)  # [T, n_layers], one pass over the states
+    magnitude = torch.maximum(lo.abs(), hi.abs())  # each row's largest |value|
+    rows = hs.shape[0]
     for j, lid in enumerate(layer_ids):
-        x = hs[:, j, :]
-        zero = int((x.abs().amax(-1) == 0).sum())
-        spread = (x.amax(-1) - x.amin(-1)).abs()
-        constant = int(((spread <= 1e-6 * x.abs().amax(-1).clamp(min=1e-30)) & (x.abs().amax(-1) > 0)).sum())
+        zero = int((magnitude[:, j] == 0).sum())
+        spread = hi[:, j] - lo[:, j]
+        constant = int(((spread <= 1e-6 * magnitude[:, j].clamp(min=1e-30)) & (magnitude[:, j] > 0)).sum())
         if zero:
-            problems.append(f"layer {lid}: {zero} of {x.shape[0]} rows are all zero ({where})")
+            problems.append(f"layer {lid}: {zero} of {rows} rows are all zero ({where})")
         if constant:
-            problems.append(f"layer {lid}: {constant} of {x.shape[0]} rows are constant over the hidden size ({where})")
+            problems.append(f"layer {lid}: {constant} of {rows} rows are constant over the hidden size ({where})")
     return problems
 
 
