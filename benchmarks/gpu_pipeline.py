@@ -43,6 +43,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 import traceback
@@ -336,8 +337,8 @@ def stage_proof(name: str, config, model: Path, work: Path, cpu: bool) -> dict:
     import torch
 
     from eyrie.hidden_states.check import CaptureError, context_for
-    from eyrie.hidden_states.proof import judge, proof_prompts
-    from eyrie.stages.extract.proof import _captured, _greedy, prove_server
+    from eyrie.hidden_states.proof import judge
+    from eyrie.stages.extract.proof import proof_samples, prove_server
     from eyrie.stages.preflight import run_preflight
     from eyrie.stages.prepare import prepare
     from eyrie.vllm.spec import ServerSpec
@@ -360,11 +361,7 @@ def stage_proof(name: str, config, model: Path, work: Path, cpu: bool) -> dict:
             ctx, root / "prepare", root / "capture", server.state, client, spec.max_model_len, log=note
         )
         out["prove_server"] = {"s": since(t), **{k: figures.get(k) for k in ("prompts", "head_check", "aux_check")}}
-        samples = []
-        for prompt in proof_prompts(root / "prepare", spec.max_model_len):
-            tokens = prompt + _greedy(client, prompt, 120)
-            hs, ranking = _captured(client, tokens, 120)
-            samples.append((hs, tokens, len(prompt), ranking))
+        samples = proof_samples(client, root / "prepare", spec.max_model_len, 120)  # again, for the planted cases
     refs, device = reference_states(reference_folder(name, model), [s[1] for s in samples], ids)
     out["device"] = device
     out["vs_transformers"] = {
@@ -827,8 +824,6 @@ def stage_throughput(work: Path, tokens: int, samples: int, repeats: int, cpu: b
         str(repeats),
     ]
     t = time.time()
-    import subprocess
-
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     (folder / "extract_throughput.log").write_text(proc.stdout + proc.stderr)
     print(proc.stdout[-3000:], flush=True)

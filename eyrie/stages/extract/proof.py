@@ -79,18 +79,27 @@ def _captured(client, ids: list[int], timeout_s: float) -> tuple[torch.Tensor, R
     return data["hidden_states"].float(), ranking
 
 
+def proof_samples(
+    client, source_dir: Path, max_model_len: int, timeout_s: float = 600
+) -> list[tuple[torch.Tensor, list[int], int, Ranking]]:
+    """What the proof judges, from the server `client` talks to: for each proof prompt of the data, the server's
+    greedy answer, then its capture of prompt and answer with its own ranking from that forward pass
+    ([(hs, token ids, prompt length, ranking)], as `judge` takes them)."""
+    samples = []
+    for prompt in proof_prompts(source_dir, max_model_len):
+        ids = prompt + _greedy(client, prompt, timeout_s)
+        hs, ranking = _captured(client, ids, timeout_s)
+        samples.append((hs, ids, len(prompt), ranking))
+    return samples
+
+
 def prove_capture(
     client, ctx: dict, source_dir: Path, capture_dir: Path, max_model_len: int, timeout_s: float = 600, log=print
 ) -> dict:
     """Run the proof on the server `client` talks to (see the module's docstring). Records the figures (or the
     problems) in `capture_dir/proof.json`; raises CaptureError on a refusal."""
     t0 = time.perf_counter()
-    samples = []
-    for prompt in proof_prompts(source_dir, max_model_len):
-        answer = _greedy(client, prompt, timeout_s)
-        ids = prompt + answer
-        hs, ranking = _captured(client, ids, timeout_s)
-        samples.append((hs, ids, len(prompt), ranking))
+    samples = proof_samples(client, source_dir, max_model_len, timeout_s)
     served = time.perf_counter() - t0
     capture_dir.mkdir(parents=True, exist_ok=True)
     try:
