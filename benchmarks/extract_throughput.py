@@ -97,10 +97,17 @@ FLOW_SHARD_TASKS = 2
 
 
 def run_eyrie(
-    client, plan: ExtractionPlan, shards, prepare_dir: Path, out: Path, concurrency: int, timeout_s: float
+    client,
+    plan: ExtractionPlan,
+    shards,
+    prepare_dir: Path,
+    out: Path,
+    concurrency: int,
+    timeout_s: float,
+    shard_tasks: int = FLOW_SHARD_TASKS,
 ) -> dict:
-    def one(s) -> None:
-        extract_shard(
+    def one(s) -> dict:
+        return extract_shard(
             client,
             prepare_dir,
             s,
@@ -115,9 +122,15 @@ def run_eyrie(
         )
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=FLOW_SHARD_TASKS) as tasks:
-        list(tasks.map(one, shards))  # in shard order, two at a time, as the flow submits them
-    return {"wall_s": time.perf_counter() - t0}
+    with ThreadPoolExecutor(max_workers=shard_tasks) as tasks:
+        manifests = list(tasks.map(one, shards))  # in shard order, two at a time, as the flow submits them
+    wall = time.perf_counter() - t0
+    # Each shard's own account of its time (the manifest's phases_s), summed over the pass's shards.
+    phases: dict[str, float] = {}
+    for m in manifests:
+        for name, s in m.get("phases_s", {}).items():
+            phases[name] = phases.get(name, 0.0) + s
+    return {"wall_s": wall, "phases_s": {k: round(v, 3) for k, v in phases.items()}}
 
 
 async def _bare_pass(
@@ -257,6 +270,11 @@ def main() -> None:
     ap.add_argument(
         "--shard-size", type=int, help="rows per shard (default: the config's; 256 with --synthetic-tokens)"
     )
+    ap.add_argument(
+        "--shard-tasks",
+        default="",
+        help="also Eyrie with this many shard tasks at once (comma-separated; the flow runs 2): clients eyrie-N",
+    )
     args = ap.parse_args()
 
     config = load_config(args.config)
@@ -295,7 +313,8 @@ def main() -> None:
     if not server.healthy():
         clean_staging(plan.staging)
     samples = load_dataset_rows(run.prepare, 0, n)
-    clients = ["eyrie", "bare", "bare-written", "speculators"]
+    variants = {f"eyrie-{k}": int(k) for k in args.shard_tasks.split(",") if k and int(k) != FLOW_SHARD_TASKS}
+    clients = ["eyrie", *variants, "bare", "bare-written", "speculators"]
     runs: dict[str, list[dict]] = {c: [] for c in clients}
     try:
         server.ensure(plan.spec, config.extraction.startup_timeout_s)
@@ -324,8 +343,11 @@ def main() -> None:
                 # Untimed: the previous pass's files written out, so no pass pays for another's writeback (Eyrie's
                 # fsyncs waited for speculators' 100 MB when they ran next).
                 os.sync()
-                if name == "eyrie":
-                    res = run_eyrie(client, plan, shards, run.prepare, eyrie_out, concurrency, timeout_s)
+                if name == "eyrie" or name in variants:
+                    shutil.rmtree(eyrie_out, ignore_errors=True)
+                    shutil.rmtree(eyrie_out.with_name(eyrie_out.name + "_manifests"), ignore_errors=True)
+                    tasks = variants.get(name, FLOW_SHARD_TASKS)
+                    res = run_eyrie(client, plan, shards, run.prepare, eyrie_out, concurrency, timeout_s, tasks)
                     res["files"], res["bytes"] = output_size(eyrie_out)
                 elif name in ("bare", "bare-written"):
                     written = name == "bare-written"
@@ -366,6 +388,7 @@ def main() -> None:
     ratio_bare = rows["eyrie"]["tokens_per_s"] / rows["bare"]["tokens_per_s"]
     ratio_written = rows["eyrie"]["tokens_per_s"] / rows["bare-written"]["tokens_per_s"]
     ratio_inproc = rows["eyrie"]["tokens_per_s"] / rows["speculators"]["in_process_tokens_per_s"] if inproc else None
+    ratio_variants = {name: rows[name]["tokens_per_s"] / rows["bare-written"]["tokens_per_s"] for name in variants}
 
     print(
         f"\n{n} samples, {tokens} tokens ({tokens / n:.0f} per sample), concurrency {concurrency}, "
@@ -389,6 +412,14 @@ def main() -> None:
     print(f"ratio eyrie/speculators (tokens/s, end to end): {ratio:.2f}x")
     if ratio_inproc is not None:
         print(f"ratio eyrie/speculators (tokens/s, speculators in-process): {ratio_inproc:.2f}x")
+    for name, r in ratio_variants.items():
+        print(f"ratio {name}/bare-written (Eyrie with {variants[name]} shard tasks at once): {r:.3f}x")
+    # Eyrie's time by phase (the median pass's shard manifests, summed over shards; the file phases are summed over
+    # the file threads, so they can exceed the wall): where a shortfall against bare-written comes from.
+    median_pass = sorted(runs["eyrie"], key=lambda r: r["wall_s"])[len(runs["eyrie"]) // 2]
+    print(f"eyrie's phases (s, summed over {len(shards)} shard(s), the median pass of {median_pass['wall_s']:.2f} s):")
+    for name, s in median_pass["phases_s"].items():
+        print(f"  {name:32}{s:9.3f}")
     print(
         f"outputs agree: {agreement['files']} files each; files {agreement['checked']} "
         f"{'identical' if agreement['identical'] else 'allclose'} (max abs diff {agreement['max_abs_diff']:.3g})"
@@ -409,6 +440,8 @@ def main() -> None:
         "ratio_eyrie_bare": ratio_bare,
         "ratio_eyrie_bare_written": ratio_written,
         "ratio_eyrie_speculators_in_process": ratio_inproc,
+        "eyrie_phases_s": median_pass["phases_s"],
+        "ratio_variants_bare_written": ratio_variants,
         "runs": runs,
         "agreement": agreement,
     }

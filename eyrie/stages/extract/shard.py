@@ -9,6 +9,7 @@ import contextlib
 import errno
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -141,6 +142,17 @@ def extract_shard(
     if progress:
         progress(done[0], len(rows))
     t0 = time.perf_counter()
+    # Where the shard's time went, for its manifest: the request pass (to the last answer), what the file threads did
+    # with the answered files (summed over threads), the tail after the last answer, the fsync batch, the capture
+    # check beside it. A throughput shortfall then names its cause (benchmarks/extract_throughput.py prints them).
+    phases: dict[str, float] = {}
+    phases_lock = threading.Lock()
+
+    def spent(name: str, since: float) -> float:
+        now = time.perf_counter()
+        with phases_lock:
+            phases[name] = phases.get(name, 0.0) + now - since
+        return now
 
     def disk_full(idx: int, ids: list[int]) -> DiskFullError | None:
         need = len(ids) * num_layers * hidden_size * 4 + (1 << 16)  # float32 at most, plus header room
@@ -162,11 +174,13 @@ def extract_shard(
     records: dict[str, dict] = {}  # manifest entries of the files extracted here, hashed as they arrive
     finishing: list[tuple[int, Future]] = []
 
-    def finish(idx: int, ids: list[int], src: str) -> None:
+    def finish(idx: int, ids: list[int], src: str, queued: float) -> None:
         # Moved and deleted below: only a file in this run's staging folders (eyrie.run.folder.answered_file).
         what = f"{shard.name}: sample {idx}"
         answered_file(src, hidden_dir.parent, hidden_dir, what, written=False)
+        t = spent("files_queued", queued)
         _wait_and_release(src)
+        t = spent("files_writer_wait", t)
         answered_file(src, hidden_dir.parent, hidden_dir, what)
         try:
             rec = checked_record(Path(src), ids, num_layers, hidden_size, hidden_states_dtype, made_under)
@@ -186,6 +200,7 @@ def extract_shard(
                 ) from None
             raise
         start_writeback(os.fspath(dest))
+        spent("files_checked_hashed_moved", t)
         records[str(idx)] = rec
         done[0] += 1
         if progress:
@@ -202,7 +217,7 @@ def extract_shard(
                     if err := disk_full(idx, ids):
                         raise err
                     src = await window.extract(ids, timeout_s, made_under)
-                finishing.append((idx, window.files.submit(finish, idx, ids, src)))
+                finishing.append((idx, window.files.submit(finish, idx, ids, src, time.perf_counter())))
             except Exception as err:
                 failed[idx] = err
 
@@ -228,7 +243,9 @@ def extract_shard(
                 try:
                     failed = window.run(send_all(window))
                 finally:  # every file answered is checked and moved (or failed) before this shard goes on
+                    answered = spent("requests", t0)
                     wait([f for _, f in finishing])
+                    spent("files_after_last_answer", answered)
             for idx, f in finishing:
                 if (exc := f.exception()) is not None:
                     failed[idx] = exc
@@ -244,9 +261,16 @@ def extract_shard(
     # files: ~170 ms of CPU each for the proof on 2 cores, benchmarks/extract_client_cost.py). Its verdict comes
     # first: a shard it proves wrong has its files removed, which the fsyncs may then miss.
     with full_disk_explained():  # the check records its figures: a disk filled since may have no room for them
+
+        def checked_shard() -> None:
+            t = time.perf_counter()
+            check_shard(hidden_dir, manifest_path, prepare_dir, shard, log=log)
+            spent("capture_check", t)
+
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="eyrie-proof") as proof_thread:
-            proof = proof_thread.submit(check_shard, hidden_dir, manifest_path, prepare_dir, shard, log=log)
+            proof = proof_thread.submit(checked_shard)
             synced: BaseException | None = None
+            t = time.perf_counter()
             try:
                 for offset in range(len(rows)):
                     idx = shard.start + offset
@@ -255,7 +279,9 @@ def extract_shard(
                 fsync_path(hidden_dir)
             except BaseException as err:  # noqa: BLE001 - raised below, after the proof's own verdict
                 synced = err
+            t = spent("fsync", t)
             proof.result()
+            spent("capture_check_after_fsync", t)
             if synced is not None:
                 raise synced
     files = {}
@@ -265,8 +291,10 @@ def extract_shard(
         # leaves them to be packed again, and the pack it may leave is removed above.
         name = pack_name(shard.start, shard.stop)
         samples = [(i, sample_path(hidden_dir, i)) for i in range(shard.start, shard.stop)]
+        t = time.perf_counter()
         with full_disk_explained():
             pack = write_pack(samples, hidden_dir / name, key)
+        spent("pack", t)
         tokens_in = sum(len(ids) for ids in rows)
         files[name] = {
             **{k: pack[k] for k in ("bytes", "sha256")},
@@ -301,6 +329,7 @@ def extract_shard(
         "extracted_tokens": tokens,
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 1) if todo and seconds > 0 else None,
+        "phases_s": {name: round(v, 3) for name, v in phases.items()},
     }
     if storage != FILES:  # absent for files, as the key's
         manifest["storage"] = storage
