@@ -31,6 +31,9 @@ Stages (`--stages`, default preflight,extract,serve), each target through each:
              and evaluation's `measure` on the proof's server (CUDA graphs for a native target). The Llama is the
              demo's taught target, built here into .gpu/work/targets/llama-chat and carried; the Kimi wrapper keeps
              random weights (no teaching recipe). Needs speculators (wheels: benchmarks/gpu_pipeline.sh).
+  regen-throughput  regeneration throughput (`benchmarks/regenerate_throughput.py`) on the throughput stage's wide
+             Llama (hidden 2048): Eyrie's `regenerate_shard` against a bare client replaying the bodies Eyrie sent,
+             prefix caching off (`stage_regen_throughput`).
 Every server's model runner (V1/V2), attention backend, CUDA-graph mode and start-up time are read from its log.
 Results: one JSON (`--out`), appended per target and stage, so a later device call adds to an earlier one's.
 """
@@ -852,6 +855,78 @@ def stage_throughput(work: Path, tokens: int, samples: int, repeats: int, cpu: b
     return out
 
 
+def stage_regen_throughput(work: Path, samples: int, max_tokens: int, repeats: int, cpu: bool) -> dict:
+    """Regeneration throughput on the GPU: `benchmarks/regenerate_throughput.py` (Eyrie's shards through
+    `regenerate_shard`, two at a time as the flow runs them, against a bare asynchronous client replaying the very
+    bodies Eyrie sent, on one extraction server) with prefix caching off, on the same wide Llama as the throughput
+    stage (hidden 2048; tiny CPU widths with --cpu).
+
+    Sizes: `samples` conversations of the demo's chat data in 4 shards, regenerate.concurrency 16 (32 in flight
+    while two shards run), up to `max_tokens` new tokens per turn. The target's weights are random, so nearly every
+    answer runs to `max_tokens` and ends its conversation there (one turn each): 256 x 128 is 32k generated tokens
+    per pass, a few seconds on the H200; the untimed recording pass and 3 repeats of both clients fit beside the
+    server's start (~100 s) within ~200 s."""
+    import yaml
+
+    from eyrie.target.tiny import build_target
+
+    wide = dict(
+        hidden_size=2048,
+        intermediate_size=4096,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
+    )
+    model = build_target(
+        "tiny-llama", work / "targets" / ("llama-cpu" if cpu else "llama-wide"), **CPU_DIMS["llama"] if cpu else wide
+    )
+    config = pipeline_config("llama", model, work, cpu)
+    config.regenerate.enabled = True
+    config.regenerate.concurrency = 16
+    # A prompt of the demo's data (about 40 tokens) and its answer fit; later turns have room too.
+    config.data.max_length = 512
+    config.target.max_model_len = 1024
+    folder = work / "regen-throughput"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    cfg_path = folder / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True), sort_keys=False))
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "regenerate_throughput.py"),
+        "--config",
+        str(cfg_path),
+        "--work-dir",
+        str(folder / "run"),
+        "--no-prefix-caching",
+        "--max-samples",
+        str(samples),
+        "--shard-size",
+        str(max(1, samples // 4)),
+        "--max-tokens",
+        str(max_tokens),
+        "--repeats",
+        str(repeats),
+    ]
+    t = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    (folder / "regenerate_throughput.log").write_text(proc.stdout + proc.stderr)
+    print(proc.stdout[-3000:], flush=True)
+    out: dict = {"s": since(t), "command": " ".join(cmd[1:]), "rc": proc.returncode}
+    bench = folder / "run" / "bench.json"
+    if proc.returncode or not bench.exists():
+        out["error"] = (proc.stdout + proc.stderr)[-1500:]
+        out["ok"] = False
+        return out
+    result = json.loads(bench.read_text())
+    keys = ("conversations", "shards", "turns_per_conversation", "max_tokens", "concurrency", "bare_window")
+    out.update({k: result[k] for k in (*keys, "repeats", "prefix_caching", "results", "agreement_min")})
+    out["ratio_eyrie_bare"] = round(result["ratio_eyrie_bare"], 3)
+    out["ok"] = True
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -868,7 +943,9 @@ def main() -> int:
     ap.add_argument("--eval-prompts", type=int, default=128, help="chain: held-out prompts evaluated")
     ap.add_argument("--tokens", type=int, default=1536, help="throughput: tokens per sample")
     ap.add_argument("--throughput-samples", type=int, default=256, help="throughput: samples per pass")
-    ap.add_argument("--repeats", type=int, default=3, help="throughput: passes per client")
+    ap.add_argument("--repeats", type=int, default=3, help="throughput, regen-throughput: passes per client")
+    ap.add_argument("--regen-samples", type=int, default=256, help="regen-throughput: conversations per pass")
+    ap.add_argument("--regen-max-tokens", type=int, default=128, help="regen-throughput: most tokens per answer")
     ap.add_argument("--budget-s", type=float, default=1e9, help="chain: start no target's chain after this many s")
     a = ap.parse_args()
     work = Path(a.work)
@@ -900,6 +977,13 @@ def main() -> int:
                     rec["throughput"] = stage_throughput(work, a.tokens, a.throughput_samples, a.repeats, a.cpu)
                     note(f"throughput {json.dumps(rec['throughput'])[:2500]}")
                     results.setdefault("done", []).append("throughput")
+            if "regen-throughput" in stages:  # the same wide target, once per call
+                if "regen-throughput" not in results.get("done", []):
+                    rec["regen-throughput"] = stage_regen_throughput(
+                        work, a.regen_samples, a.regen_max_tokens, a.repeats, a.cpu
+                    )
+                    note(f"regen-throughput {json.dumps(rec['regen-throughput'])[:2500]}")
+                    results.setdefault("done", []).append("regen-throughput")
             if not stages & {"preflight", "extract", "proof", "serve", "restart"}:
                 raise StopIteration
             t = time.time()
@@ -942,7 +1026,7 @@ def main() -> int:
         rec["wall_s"] = since(T0)
         rec["ok"] = "error" not in rec and all(
             rec[s].get("ok", True)
-            for s in ("preflight", "extract", "proof", "serve", "restart", "throughput", "chain")
+            for s in ("preflight", "extract", "proof", "serve", "restart", "throughput", "regen-throughput", "chain")
             if s in rec
         )
         ok = ok and rec["ok"]

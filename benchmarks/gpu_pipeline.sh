@@ -16,7 +16,8 @@
 #        bash benchmarks/gpu_pipeline.sh --stages serve
 #    Other stages, each its own call on the warm machine: `--stages preflight,proof` (the capture proof and six planted
 #    wrong captures per target), `--targets llama --stages throughput --throughput-samples 96 --repeats 2`
-#    (extraction throughput against a bare client and speculators), `--targets llama --stages restart` (a server's
+#    (extraction throughput against a bare client and speculators), `--targets llama --stages regen-throughput`
+#    (regeneration throughput against a bare client, ~200 s), `--targets llama --stages restart` (a server's
 #    second start on a persistent vLLM cache).
 # Results accumulate in $GPU_PIPELINE_WORK/gpu-pipeline.json (default /tmp/gpu-pipeline) across calls on one warm
 # machine; each call copies it and the servers' logs to $OUT. benchmarks/results/gpu-pipeline-*.json keep them.
