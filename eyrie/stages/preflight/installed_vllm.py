@@ -238,6 +238,7 @@ def check_vllm_version(required: str | None, installed: str) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 # The model runner each server will use
 
+# vLLM's runner switch, read up to 0.33 (0.34 has no V1 runner and no switch).
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
@@ -297,16 +298,19 @@ def _text_facts(cfg: dict) -> dict:
 def server_model_runner(parsed: argparse.Namespace, cfg: dict, env: dict[str, str]) -> tuple[str, str]:
     """The model runner ("V1", "V2" or "unknown") a server started with `parsed` arguments and `env` would use for the
     target of config.json `cfg`, decided by the installed vLLM's own rule (`VllmConfig.use_v2_model_runner`) on what
-    preflight knows before any load, and why."""
+    preflight knows before any load, and why. A vLLM without the rule has one runner (`runner_without_rule`): V1
+    before V2 was selectable, V2 once V1 is gone (0.34); neither the rule nor the reasons a server stays on V1 are
+    asked of it."""
     from vllm.config import VllmConfig
+
+    rule = inspect.getattr_static(VllmConfig, "use_v2_model_runner", None)
+    if not isinstance(rule, property) or rule.fget is None:
+        return runner_without_rule(_version(), has_v1_runner(), env)
     from vllm.config import vllm as vllm_config_module
     from vllm.model_executor.models.registry import _ModelInfo
 
     from eyrie.stages.preflight.target import resolve_vllm_class
 
-    rule = inspect.getattr_static(VllmConfig, "use_v2_model_runner", None)
-    if not isinstance(rule, property) or rule.fget is None:
-        return "V1", f"vLLM {_version()} has no Model Runner V2 rule (VllmConfig.use_v2_model_runner)"
     archs = cfg.get("architectures") or []
     cls = resolve_vllm_class(archs[0]) if archs else None
     info = _ModelInfo.from_model_cls(cls) if cls is not None else None
@@ -378,6 +382,32 @@ def server_model_runner(parsed: argparse.Namespace, cfg: dict, env: dict[str, st
             os.environ.pop(RUNNER_ENV, None)
         else:
             os.environ[RUNNER_ENV] = saved
+
+
+# V1's runner module: 0.34 removed it with Model Runner V1, leaving V2 the only runner.
+V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+
+
+def has_v1_runner() -> bool:
+    """Whether the installed vLLM has Model Runner V1's module (looked up, not imported: it pulls in the runner)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(V1_RUNNER_MODULE) is not None
+    except ModuleNotFoundError:  # a parent package is missing too
+        return False
+
+
+def runner_without_rule(version: str, v1_runner: bool, env: dict[str, str]) -> tuple[str, str]:
+    """The runner of a vLLM without a V2 selection rule, and why: one that still has V1's runner predates V2's
+    selection (V1); one without it has only Model Runner V2 (0.34 on), whatever RUNNER_ENV says, which it no longer
+    reads."""
+    if v1_runner:
+        return "V1", f"vLLM {version} has no Model Runner V2 rule (VllmConfig.use_v2_model_runner)"
+    why = f"vLLM {version} has no V1 runner ({V1_RUNNER_MODULE} is gone): Model Runner V2 is its only one"
+    if RUNNER_ENV in env:
+        why += f"; {RUNNER_ENV}={env[RUNNER_ENV]} in the server's environment is not read by it"
+    return "V2", why
 
 
 def _version() -> str:

@@ -29,7 +29,8 @@ from eyrie.target.metadata import file_identity
 
 VERDICT = "preflight-verdict.json"
 # The variables the checks read (eyrie.stages.preflight.target: the compatibility layer's switch; the test hook that
-# hides a class's EAGLE-3 interface; installed_vllm: vLLM's model-runner switch, which the servers inherit;
+# hides a class's EAGLE-3 interface; installed_vllm: vLLM's model-runner switch, which the servers inherit (up to
+# 0.33: 0.34 has only V2 and does not read it, and the runner rule says so);
 # startup: where the servers' vLLM cache is and whether the start-up plan is set already, eyrie.vllm.levers).
 ENVIRONMENT = (
     "EYRIE_EAGLE3_COMPAT",

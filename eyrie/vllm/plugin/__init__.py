@@ -28,8 +28,6 @@ def _hide_eagle3(names: set[str]) -> None:
     """vLLM asks `supports_eagle3(model)` before it requests aux hidden states: answer no for the named classes
     (a subclass Eyrie's compatibility layer makes of them is answered as usual), in every module that asks."""
     from vllm.model_executor.models import interfaces
-    from vllm.v1.worker import gpu_model_runner
-    from vllm.v1.worker.gpu.spec_decode.eagle import eagle3_utils
 
     original = interfaces.supports_eagle3
     if getattr(original, "_eyrie_hides", None) is not None:
@@ -40,8 +38,25 @@ def _hide_eagle3(names: set[str]) -> None:
         return cls.__name__ not in names and original(model)
 
     supports_eagle3._eyrie_hides = names  # type: ignore[attr-defined]
-    for module in (interfaces, gpu_model_runner, eagle3_utils):
-        module.supports_eagle3 = supports_eagle3  # type: ignore[attr-defined]
+    for module in (interfaces, *(_runner_module(name) for name in RUNNER_MODULES)):
+        if module is not None:
+            module.supports_eagle3 = supports_eagle3  # type: ignore[attr-defined]
+
+
+# The modules that ask `supports_eagle3` by a name of their own: V1's runner (absent from 0.34, which has no V1)
+# and V2's EAGLE-3 setup. One a vLLM lacks is skipped.
+RUNNER_MODULES = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils")
+
+
+def _runner_module(name: str):
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name is not None and f"{name}.".startswith(f"{err.name}."):  # absent here, not a broken import
+            return None
+        raise
 
 
 def register() -> None:

@@ -13,11 +13,13 @@ embeddings are also exposed where vLLM's proposer looks for them (`model.embed_t
 the interface are never touched. Hooks need eager execution (`enforce_eager`), which preflight checks.
 
 vLLM has two model runners, and each asks for the interface in its own place: V1 (`GPUModelRunner`, the only one on
-the CPU build, which has no Triton) in `_setup_eagle3_aux_hidden_state_outputs`; Model Runner V2 (`vllm.v1.worker.gpu`,
-what GPU vLLM picks when Triton is present; 0.34 has no V1) in `eagle3_utils.set_eagle3_aux_hidden_state_layers`,
+the CPU build up to 0.33, which has no Triton) in `_setup_eagle3_aux_hidden_state_outputs`; Model Runner V2
+(`vllm.v1.worker.gpu`, what GPU vLLM picks when Triton is present) in `eagle3_utils.set_eagle3_aux_hidden_state_layers`,
 called right after the load, which raises "Model does not support EAGLE3 interface". Both are wrapped, each where
 the installed vLLM has it (`HOOKS`); `missing_hooks` names a runner whose hook this vLLM lacks, for preflight to
-refuse before any load.
+refuse before any load. vLLM 0.34 removed V1 (its module is gone, so only V2's hook is installed): its GPU runner
+and its CPU one (`vllm.v1.worker.cpu.model_runner`, a subclass of V2's) both call V2's hook, with
+`(model, spec_config, use_pp)`; the wrapper passes on whatever follows the model.
 """
 
 from __future__ import annotations
@@ -338,7 +340,7 @@ def _install_v2() -> bool:
     from vllm.model_executor.models import interfaces
 
     def set_eagle3_aux_hidden_state_layers(model, *args, **kwargs) -> None:
-        # Whatever vLLM passes on: (model, spec_config) up to 0.32, (model, spec_config, use_pp) from 0.33.
+        # Whatever vLLM passes on: (model, spec_config) up to 0.32, (model, spec_config, use_pp) in 0.33 and 0.34.
         # interfaces' own, read now: the test hook that hides the interface (plugin/__init__.py) replaces it there
         if not isinstance(model, type) and not interfaces.supports_eagle3(model):
             graft_eagle3(model)

@@ -96,11 +96,17 @@ def preloads_not_mapped(ld_preload: str, maps: Path = Path("/proc/self/maps")) -
 
 def scan_only_plain_namespaces() -> None:
     """vLLM's kernel-override scan (`vllm.triton_utils.dispatcher._rebind_kernels`) with the modules and module
-    attributes whose `__dict__` is not a mapping hidden for its length (idempotent)."""
-    import vllm.triton_utils.dispatcher as dispatcher
-
-    rebind = dispatcher._rebind_kernels
-    if getattr(rebind, "_eyrie_plain", False):
+    attributes whose `__dict__` is not a mapping hidden for its length (idempotent). A vLLM without that scan is left
+    as it is: 0.26 has no dispatcher, and 0.34 replaced the scan with `_rebind_impls`, which reads an object's
+    namespace only when `vars()` gives a real dict (the guard this wrapper adds)."""
+    try:
+        import vllm.triton_utils.dispatcher as dispatcher
+    except ModuleNotFoundError as err:
+        if err.name not in ("vllm.triton_utils", "vllm.triton_utils.dispatcher"):
+            raise
+        return
+    rebind = getattr(dispatcher, "_rebind_kernels", None)
+    if rebind is None or getattr(rebind, "_eyrie_plain", False):
         return
 
     def plain(value) -> bool:
