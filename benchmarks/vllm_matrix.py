@@ -23,10 +23,14 @@ What cannot be named that way (an attribute of an object whose type the code doe
 Each fact is looked up in each version's `.py` files (a wheel is read as a zip; the installed vLLM as its folder, found
 without importing it): present (file:line of its definition, re-exports followed), missing, moved (not where Eyrie
 looks, but defined elsewhere in that version: file:line) or changed (present, but a function's parameters differ from
-the reference version's, the first column: the one the test suite runs). For the installed vLLM the script also
-imports every module and symbol fact for real (a check of the static reading), imports Eyrie's vLLM plugin and runs its
-`register()`, and runs the probe (`python -m eyrie.ops.vllm_probe`) as the flow does: `drafter_flags`, and
-`check_target` on a native and a compatibility-layer tiny target built for it.
+the reference version's, the first column: the one the test suite runs). A fact Eyrie's code has a path without
+(`HANDLED`: 0.34's missing V1 runner, the runner switch it no longer reads, ...) counts as handled, named with that
+path and the test that runs it; a wrapped function whose parameters change only after those Eyrie reads
+(`PASSED_ON`) as passed on. Each version's paths through Eyrie's plugin and preflight (the hooks compat installs,
+the runner rule's answer) are decided from the same facts, by preflight's own function where it has one. For the
+installed vLLM the script also imports every module and symbol fact for real (a check of the static reading), imports
+Eyrie's vLLM plugin and runs its `register()`, and runs the probe (`python -m eyrie.ops.vllm_probe`) as the flow
+does: `drafter_flags`, and `check_target` on a native and a compatibility-layer tiny target built for it.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ ANY_OF = {
         [
             "symbol:vllm.entrypoints.launchers.cli_args:make_arg_parser",
             "symbol:vllm.entrypoints.openai.cli_args:make_arg_parser",
+            "symbol:vllm.entrypoints.common.cli_args:make_arg_parser",
         ],
     ),
 }
@@ -166,6 +171,24 @@ EXTRA_FACTS = [
         "preflight: refusals",
     ),
     ("symbol", "vllm.model_executor.models.registry", "_LazyRegisteredModel.load_model_cls", "preflight"),
+    (
+        "symbol",
+        "vllm.v1.worker.gpu.model_runner",
+        "set_eagle3_aux_hidden_state_layers",
+        "V2's runner imports V2's EAGLE-3 hook by name: compat rebinds that name too",
+    ),
+    (
+        "text",
+        "vllm.v1.worker.gpu.model_runner",
+        "set_eagle3_aux_hidden_state_layers(",
+        "V2's runner calls the hook compat wraps after the load",
+    ),
+    (
+        "text",
+        "vllm.v1.worker.cpu.model_runner",
+        "class CPUModelRunner(GPUModelRunner)",
+        "from 0.34 the CPU build's runner is V2's subclass, so V2's hook serves it",
+    ),
     ("text", "vllm.plugins", "vllm.general_plugins", "the entry-point group Eyrie's plugin is registered under"),
     (
         "text",
@@ -186,6 +209,67 @@ EXTRA_FACTS = [
         "a speculators flag vLLM's EAGLE-3 adapter reads (export.flags_vllm_reads)",
     ),
 ]
+
+# Facts Eyrie's code has a path for where a version lacks them (a module fact covers its symbols): what it does then,
+# and the test that runs that path (tests/unit/test_vllm_034.py builds 0.34's layout; the others run the installed
+# vLLM; none where there is no path to run). A missing fact not named here is one Eyrie needs.
+V1_GONE = "0.34 has no Model Runner V1"
+HANDLED = {
+    "module:vllm.v1.worker.gpu_model_runner:": (
+        f"{V1_GONE}: compat installs only V2's hook, the hidden-interface switch skips V1's module, preflight's "
+        "runner rule says V2 (its only runner)",
+        "tests/unit/test_vllm_034.py",
+    ),
+    "module:vllm.v1.worker:gpu_model_runner": (f"{V1_GONE}: as its module", "tests/unit/test_vllm_034.py"),
+    "module:vllm.v1.spec_decode.llm_base_proposer:": (
+        f"{V1_GONE}: V1's drafter embedding sharing is not wrapped (V2 reads the graft's `model.embed_tokens`)",
+        "tests/unit/test_vllm_034.py",
+    ),
+    "symbol:vllm.config:VllmConfig.use_v2_model_runner": (
+        "preflight's runner rule: V2 where V1's runner module is gone too, V1 where it is not (a vLLM before V2)",
+        "tests/unit/test_vllm_034.py",
+    ),
+    "symbol:vllm.config:VllmConfig._get_v2_model_runner_unsupported_features": (
+        "not asked: only a vLLM with the V2 rule has servers that stay on V1",
+        "tests/unit/test_vllm_034.py",
+    ),
+    "symbol:vllm.config:vllm.HAS_TRITON": (
+        "read with a default, only under the V2 rule (the reason a server stays on V1)",
+        "tests/unit/test_model_runner_rule.py",
+    ),
+    "env:vllm.envs:VLLM_USE_V2_MODEL_RUNNER": (
+        "a vLLM without V1 does not read it: preflight's runner rule says so when a server sets it",
+        "tests/unit/test_vllm_034.py",
+    ),
+    "module:vllm.triton_utils.dispatcher:": (
+        "the CPU engine fork leaves a vLLM without the kernel scan as it is",
+        "tests/unit/test_vllm_034.py",
+    ),
+    "symbol:vllm.triton_utils.dispatcher:_rebind_kernels": (
+        "the CPU engine fork leaves 0.34's scan (`_rebind_impls`, which guards the namespaces itself) as it is",
+        "tests/unit/test_vllm_034.py",
+    ),
+    "env:vllm.envs:VLLM_ENGINE_ITERATION_TIMEOUT_S": (
+        "Eyrie only keeps it out of the servers' keys (`SCHEDULING_ENV`, a variable that does not change outputs): "
+        "a vLLM that does not read it loses nothing",
+        "",
+    ),
+    "text:vllm.v1.worker.cpu.model_runner:class CPUModelRunner(GPUModelRunner)": (
+        "before 0.34 the CPU build runs V1 (its runner in `vllm.v1.worker.cpu_model_runner`), whose hook compat wraps",
+        "tests/unit/test_compat_contracts.py",
+    ),
+}
+# Functions Eyrie wraps and calls with what vLLM passed: a change of parameters after the first n is passed on.
+PASSED_ON = {
+    "symbol:vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils:set_eagle3_aux_hidden_state_layers": 1,
+    "symbol:vllm.v1.worker.gpu.model_runner:set_eagle3_aux_hidden_state_layers": 1,  # the same function, imported
+}
+
+
+def handled(key: str) -> tuple[str, str] | None:
+    """What Eyrie does without the fact `key`, and the test that runs it; None where Eyrie needs it."""
+    kind, module, _ = key.split(":", 2)
+    return HANDLED.get(key) or (HANDLED.get(f"module:{module}:") if kind == "symbol" else None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -780,8 +864,18 @@ def matrix(facts: dict[str, Fact], sources: list[Source]) -> dict[str, dict[str,
             ):
                 found.status = "changed"
                 found.note = f"parameters {found.shape[8:]}, {sources[0].version} has {ref.shape[8:]}"
+                first = PASSED_ON.get(key)
+                if first and _params(found.shape)[:first] == _params(ref.shape)[:first]:
+                    found.note += f"; Eyrie's wrapper reads the first {first} and passes the rest on"
+                    found.status = "passed on"
         out[key] = row
     return out
+
+
+def _params(shape: str) -> list[str]:
+    """The parameter names of a `function(...)` shape."""
+    inner = shape[shape.find("(") + 1 : shape.rfind(")")]
+    return [p.strip().split("=")[0].split(":")[0].strip() for p in inner.split(",") if p.strip()]
 
 
 def _label(fact: Fact) -> str:
@@ -813,10 +907,50 @@ def _cell(found: Found) -> str:
         return f"present `{where}`"
     if found.status in ("moved", "changed"):
         return f"**{found.status}** `{where}`"
+    if found.status == "passed on":
+        return f"changed, passed on `{where}`"
     return "**missing**"
 
 
-STATUSES = ("present", "missing", "moved", "changed")
+STATUSES = ("present", "missing", "moved", "changed", "passed on")
+COUNTS = ("present", "passed on", "handled", "missing", "moved", "changed")
+
+
+def _count(status: str, key: str) -> str:
+    """The summary's column: a fact Eyrie has a path without counts as handled, whatever its status."""
+    return "handled" if status in ("missing", "moved", "changed") and handled(key) else status
+
+
+def eyrie_paths(facts: dict[str, Fact], table: dict[str, dict[str, Found]], version: str) -> dict[str, str]:
+    """What Eyrie's plugin and preflight do on `version`, decided from its source as their code decides it on an
+    installed vLLM (the same facts; the runner rule's answer from preflight's own function)."""
+    from eyrie.stages.preflight.installed_vllm import runner_without_rule
+
+    def has(key: str) -> bool:
+        row = table.get(key)
+        return row is not None and row[version].status in ("present", "passed on")
+
+    v1 = has("module:vllm.v1.worker.gpu_model_runner:")
+    v1_hook = v1 and has("symbol:vllm.v1.worker.gpu_model_runner:GPUModelRunner._setup_eagle3_aux_hidden_state_outputs")
+    v2_hook = has("symbol:vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils:set_eagle3_aux_hidden_state_layers")
+    if has("symbol:vllm.config:VllmConfig.use_v2_model_runner"):
+        rule = "the version's own rule (`VllmConfig.use_v2_model_runner`), run by preflight on each server's arguments"
+    else:
+        runner, why = runner_without_rule(version, v1, {})
+        rule = f"{runner}: {why}"
+    return {
+        "compat hooks installed": ", ".join(r for r, ok in (("V1", v1_hook), ("V2", v2_hook)) if ok) or "none",
+        "V2 hook's call": (
+            "rebound in the V2 runner too"
+            if has("symbol:vllm.v1.worker.gpu.model_runner:set_eagle3_aux_hidden_state_layers")
+            else "not imported by the V2 runner by name"
+        ),
+        "hidden-interface switch": "interfaces, " + ("V1's runner, " if v1 else "") + "V2's eagle3_utils",
+        "preflight's runner rule": rule,
+        "CPU engine fork's kernel scan": (
+            "wrapped" if has("symbol:vllm.triton_utils.dispatcher:_rebind_kernels") else "left as vLLM has it"
+        ),
+    }
 
 
 def _version_key(version: str) -> tuple:
@@ -827,29 +961,38 @@ def markdown(facts, table, sources, runs: dict | None, header: str) -> str:
     sources = sorted(sources, key=lambda s: _version_key(s.version))
     versions = [s.version for s in sources]
     lines = [header, ""]
-    lines.append("| vLLM | source read | " + " | ".join(["present", "missing", "moved", "changed"]) + " |")
-    lines.append("|---|---|---|---|---|---|")
+    lines.append("| vLLM | source read | " + " | ".join(COUNTS) + " |")
+    lines.append("|---|---|" + "---|" * len(COUNTS))
     for s in sources:
-        counts = {
-            k: sum(row[s.version].status == k for row in table.values())
-            for k in ("present", "missing", "moved", "changed")
-        }
+        counts = {k: sum(_count(row[s.version].status, key) == k for key, row in table.items()) for k in COUNTS}
         lines.append(f"| {s.version} | {s.origin} | " + " | ".join(str(counts[k]) for k in counts) + " |")
     lines += [
         "",
-        "Facts that differ between the versions (cell: status and where, file:line under `vllm/`; changed: a "
-        "function's parameters differ from the reference's, the installed vLLM):",
+        "present: where Eyrie looks; passed on: a function Eyrie wraps whose parameters after those it reads differ "
+        "from the reference's (the installed vLLM); handled: missing, moved or changed, and Eyrie's code has a path "
+        "without it (the last column says which, and the test that runs it); missing, moved, changed: the rest, "
+        "which Eyrie needs.",
+        "",
+        "Facts that differ between the versions (cell: status and where, file:line under `vllm/`):",
         "",
     ]
-    lines.append("| fact | " + " | ".join(versions) + " | Eyrie relies on it at |")
-    lines.append("|---|" + "---|" * len(versions) + "---|")
+    lines.append("| fact | " + " | ".join(versions) + " | Eyrie relies on it at | where a version lacks it |")
+    lines.append("|---|" + "---|" * len(versions) + "---|---|")
     same, differ = [], []
     for key, row in table.items():
         (same if all(f.status == "present" for f in row.values()) else differ).append(key)
     for key in differ:
         fact = facts[key]
         cells = [_cell(table[key][v]) for v in versions]
-        lines.append(f"| {_label(fact)} | " + " | ".join(cells) + f" | {_uses(fact)} |")
+        path = handled(key)
+        without = (f"{path[0]} (`{path[1]}`)" if path[1] else path[0]) if path else "**needed**"
+        lines.append(f"| {_label(fact)} | " + " | ".join(cells) + f" | {_uses(fact)} | {without} |")
+    lines += ["", "Eyrie's paths on each version, decided from its source as Eyrie's code decides them:", ""]
+    paths = {v: eyrie_paths(facts, table, v) for v in versions}
+    lines.append("| | " + " | ".join(versions) + " |")
+    lines.append("|---|" + "---|" * len(versions))
+    for what in paths[versions[0]]:
+        lines.append(f"| {what} | " + " | ".join(paths[v][what] for v in versions) + " |")
     lines += ["", f"Present in every version ({len(same)}):", ""]
     lines.append("| fact | " + " | ".join(versions) + " |")
     lines.append("|---|" + "---|" * len(versions))
@@ -1048,8 +1191,10 @@ def main(argv: list[str] | None = None) -> None:
         data = {
             "versions": [{"version": s.version, "source": s.origin} for s in sources],
             "facts": [
-                {**asdict(facts[k]), "found": {v: asdict(f) for v, f in row.items()}} for k, row in table.items()
+                {**asdict(facts[k]), "found": {v: asdict(f) for v, f in row.items()}, "without_it": handled(k)}
+                for k, row in table.items()
             ],
+            "eyrie_paths": {s.version: eyrie_paths(facts, table, s.version) for s in sources},
             "installed_run": runs,
         }
         args.out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")

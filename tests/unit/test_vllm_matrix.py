@@ -131,3 +131,27 @@ def test_flags_from_a_literal_or_an_argument_field(vm):
     assert find(vm.Fact("", "flag", "vllm serve", "--max-model-len")).where == "vllm/engine/arg_utils.py:2"
     assert find(vm.Fact("", "flag", "vllm serve", "--host")).where == "vllm/entrypoints/cli.py:1"
     assert find(vm.Fact("", "flag", "vllm serve", "--gone")).status == "missing"
+
+
+def test_a_wrapped_function_changed_after_what_eyrie_reads_is_passed_on(vm, tmp_path, monkeypatch):
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__init__.py").write_text(APP)
+    facts = {k: f for k, f in vm.collect_facts(tmp_path, "app").items() if "EXTRA_FACTS" not in f.used_at[0]}
+    facts = {k: f for k, f in facts.items() if f.name not in vm.ANY_OF}
+    key = "symbol:vllm.runner:Runner.setup"
+    newer = dict(VLLM, **{"vllm/runner.py": "class Runner:\n    def setup(self, model, extra):\n        pass\n"})
+    renamed = dict(VLLM, **{"vllm/runner.py": "class Runner:\n    def setup(self, other):\n        pass\n"})
+    monkeypatch.setitem(vm.PASSED_ON, key, 2)  # (self, model) read, the rest passed on
+    sources = [vm.Source(VLLM, "1.0", "s"), vm.Source(newer, "2.0", "s"), vm.Source(renamed, "3.0", "s")]
+    table = vm.matrix(facts, sources)
+    assert [table[key][v].status for v in ("1.0", "2.0", "3.0")] == ["present", "passed on", "changed"]
+
+
+def test_a_missing_fact_eyrie_has_a_path_without_counts_as_handled(vm):
+    assert vm.handled("module:vllm.v1.worker.gpu_model_runner:")[1] == "tests/unit/test_vllm_034.py"
+    assert vm.handled("symbol:vllm.v1.worker.gpu_model_runner:GPUModelRunner.get_model")  # its module's path
+    assert vm.handled("symbol:vllm.a:Missing") is None
+    assert vm._count("missing", "env:vllm.envs:VLLM_USE_V2_MODEL_RUNNER") == "handled"
+    assert vm._count("missing", "symbol:vllm.a:Missing") == "missing"
+    for test in {t for _, t in vm.HANDLED.values() if t}:  # each path names a test that exists
+        assert (REPO / test).is_file(), test
