@@ -985,7 +985,8 @@ def markdown(facts, table, sources, runs: dict | None, header: str) -> str:
         fact = facts[key]
         cells = [_cell(table[key][v]) for v in versions]
         path = handled(key)
-        without = (f"{path[0]} (`{path[1]}`)" if path[1] else path[0]) if path else "**needed**"
+        lacking = any(f.status in ("missing", "moved", "changed") for f in table[key].values())
+        without = (f"{path[0]} (`{path[1]}`)" if path[1] else path[0]) if path else "**needed**" if lacking else ""
         lines.append(f"| {_label(fact)} | " + " | ".join(cells) + f" | {_uses(fact)} | {without} |")
     lines += ["", "Eyrie's paths on each version, decided from its source as Eyrie's code decides them:", ""]
     paths = {v: eyrie_paths(facts, table, v) for v in versions}
