@@ -229,20 +229,28 @@ def test_without_the_compatibility_layer_0_34_refuses_as_it_does(tree):
 
 RULE = """
 import argparse, json
-from eyrie.stages.preflight.installed_vllm import has_v1_runner, server_model_runner
+from eyrie.stages.preflight.installed_vllm import has_v1_runner, runner_switch_refusal, server_model_runner
 env = json.loads({env!r})
-print(json.dumps([has_v1_runner(), *server_model_runner(argparse.Namespace(), {{"architectures": ["X"]}}, env)]))
+runner, why = server_model_runner(argparse.Namespace(), {{"architectures": ["X"]}}, env)
+print(json.dumps([has_v1_runner(), runner, why, runner_switch_refusal(has_v1_runner(), env)]))
 """
 
 
 @needs_wheel
-@pytest.mark.parametrize("env", [{}, {RUNNER_ENV: "0"}])
+@pytest.mark.parametrize("env", [{}, {RUNNER_ENV: "1"}, {RUNNER_ENV: "0"}])
 def test_preflights_runner_rule_says_v2_on_0_34_because_it_has_no_v1(tree, env):
-    has_v1, runner, why = run_on(tree, RULE.format(env=json.dumps(env)))
+    """0.34 refuses to start with the runner switch set to anything but 1 (`Platform.validate_environ`): preflight
+    says so, and refuses the server (check_model_runners turns the refusal into a failure)."""
+    has_v1, runner, why, refusal = run_on(tree, RULE.format(env=json.dumps(env)))
     assert has_v1 is False
     assert runner == "V2"
-    assert "vLLM 0.34.0 has no V1 runner" in why and "V1" not in why.replace("no V1 runner", "")
-    assert (f"{RUNNER_ENV}=0" in why) == bool(env)
+    assert why.startswith("vLLM 0.34.0 has no V1 runner")
+    assert "V1" not in why.replace("no V1 runner", "")
+    assert (f"{RUNNER_ENV}=" in why) == bool(env)
+    if env.get(RUNNER_ENV) == "0":
+        assert "refuse to start" in why and "Unset VLLM_USE_V2_MODEL_RUNNER" in refusal
+    else:
+        assert refusal is None
 
 
 def test_a_vllm_without_the_rule_but_with_v1_stays_on_v1():

@@ -406,8 +406,22 @@ def runner_without_rule(version: str, v1_runner: bool, env: dict[str, str]) -> t
         return "V1", f"vLLM {version} has no Model Runner V2 rule (VllmConfig.use_v2_model_runner)"
     why = f"vLLM {version} has no V1 runner ({V1_RUNNER_MODULE} is gone): Model Runner V2 is its only one"
     if RUNNER_ENV in env:
-        why += f"; {RUNNER_ENV}={env[RUNNER_ENV]} in the server's environment is not read by it"
+        why += f"; {RUNNER_ENV}={env[RUNNER_ENV]} in the server's environment " + (
+            "is redundant" if env[RUNNER_ENV] == "1" else "makes it refuse to start"
+        )
     return "V2", why
+
+
+def runner_switch_refusal(v1_runner: bool, env: dict[str, str]) -> str | None:
+    """Why a vLLM without V1 would refuse to start a server with `env`, or None: 0.34 raises at its config for any
+    RUNNER_ENV but 1 ('no longer supported: Model Runner V1 has been removed', `Platform.validate_environ`)."""
+    if v1_runner or RUNNER_ENV not in env or env[RUNNER_ENV] == "1":
+        return None
+    return (
+        f"{RUNNER_ENV}={env[RUNNER_ENV]} is set for it, and vLLM {_version()} has no Model Runner V1: it refuses to "
+        f"start with that variable set to anything but 1. Unset {RUNNER_ENV} (extraction.server_env, or the "
+        "environment the flow runs in)"
+    )
 
 
 def _version() -> str:
@@ -421,7 +435,8 @@ def check_model_runners(
 ) -> tuple[dict[str, dict], list[str]]:
     """Each server's model runner by the installed vLLM's rule ({label: {"runner", "why"}}), and the failures: a
     target on Eyrie's compatibility layer whose runner's hook this vLLM lacks (`compat.missing_hooks`), refused
-    before any load instead of failing after it with 'Model does not support EAGLE3 interface'."""
+    before any load instead of failing after it with 'Model does not support EAGLE3 interface'; and a server whose
+    environment asks a vLLM without V1 for V1 (`runner_switch_refusal`), which that vLLM refuses at start."""
     from eyrie.vllm.plugin.compat import HOOKS, missing_hooks
     from eyrie.vllm.spec import ServerSpec
 
@@ -435,8 +450,11 @@ def check_model_runners(
             parsed = parse_server_arguments(spec.arguments(spec.port or PLACEHOLDER_PORT))
         except (ServerArgumentError, AssertionError):
             continue  # check_server_arguments reports it
-        runner, why = server_model_runner(parsed, cfg, {**os.environ, **spec.server_env})
+        env = {**os.environ, **spec.server_env}
+        runner, why = server_model_runner(parsed, cfg, env)
         runners[label] = {"runner": runner, "why": why}
+        if runner == "V2" and (refusal := runner_switch_refusal(has_v1_runner(), env)):
+            failures.append(f"the {label} server would not start: {refusal}")
         if eagle3_path != "compat":
             continue
         asked = set(HOOKS) if runner == "unknown" else {runner}
