@@ -6,21 +6,21 @@ Eyrie's connector; served model "target"):
 
 - eyrie: `eyrie.stages.regenerate.regenerate_shard` over every shard, in this process, into a fresh stage folder per
   repeat, two shards at a time as the regenerate flow's task runner runs them (flows/regenerate.py), each with its
-  own `ServerClient` built as tasks/regenerate.py builds it and its own pool of `regenerate.concurrency`
-  conversations. Timed wall, from the first shard's start to the last shard's manifest: the rows and manifests
-  written, as the stage writes them.
+  own `ServerClient` built as tasks/regenerate.py builds it; the shards share the server's window of request slots
+  (`eyrie.stages.regenerate.window`), `regenerate.concurrency` of them each. Timed wall, from the first shard's
+  start to the last shard's manifest: the rows and manifests written, as the stage writes them.
 - bare: the server's pace for the same requests. One asyncio loop and one aiohttp session replay exactly the
   request bodies Eyrie's client sent (recorded, body for body, during an untimed first Eyrie pass: token-id
   prompt, max_tokens, temperature, top_p, seed, cache salt, the hidden-states skip), each conversation's turns in
   order and one at a time (turn k's prompt holds Eyrie's answers of the earlier turns), and read `token_ids` from
   each answer, nothing else: no template, no row, no parquet, no manifest.
 
-Requests in flight: Eyrie's shards each keep min(`concurrency`, the shard's rows) conversations going, one request
-each, and two shards run at once, so Eyrie holds up to the sum of that over its first two shards (32 at the
-demo's concurrency 16 and shards of 16 or more). The bare client keeps exactly that many conversations going all
-pass long, each worker taking the next conversation when its last turn is answered. It is Eyrie's peak, not its
-mean: a shard's slots stay idle while its last conversations finish (the shard ends when its slowest does), and the
-bare client does not give that away, so what the shard structure costs is part of the ratio.
+Requests in flight: two shards run at once, each bringing `concurrency` slots to the window, so Eyrie holds up to
+the sum of min(`concurrency`, the shard's rows) over its first two shards (32 at the demo's concurrency 16 and
+shards of 16 or more). The bare client keeps exactly that many conversations going all pass long, each worker
+taking the next conversation when its last turn is answered. It is Eyrie's peak, not its mean: whatever leaves
+slots idle in Eyrie (a shard's start, the threads waiting for slots) the bare client does not give away, so it is
+part of the ratio.
 
 Agreement: the share of the bare client's answers whose generated token ids equal the ones Eyrie's recorded pass
 got for the same body, of their first tokens, and of generated tokens before the first difference. Greedy (or
@@ -42,7 +42,8 @@ Run from the repository root (make sets the cache and offline variables the serv
     .venv/bin/python benchmarks/regenerate_throughput.py --max-samples 128 --shard-size 32 --max-tokens 128
 
 Prints both clients' wall, requests, generated tokens, generated tokens/s and CPU seconds, the ratio eyrie/bare
-(generated tokens/s) and the agreement; writes `<work-dir>/bench.json`.
+(generated tokens/s), the requests in flight (time-weighted mean and peak, each counted while its POST is open) and
+the agreement; writes `<work-dir>/bench.json` (with each Eyrie pass's shard spans and in-flight steps).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ from eyrie.stages.preflight import run_preflight
 from eyrie.stages.prepare import load_shards, prepare
 from eyrie.stages.regenerate import RegenerationPlan, regenerate_shard, shared_tokenizer
 from eyrie.stages.regenerate.shard import conversations_digest, load_conversations
+from eyrie.stages.regenerate.window import client_connections
 from eyrie.target.tiny import build_target
 from eyrie.vllm.client import ServerClient
 from eyrie.vllm.process import VllmServer
@@ -101,6 +103,54 @@ def load_conversations_unchecked(prepare_dir: Path, shard) -> list[list[dict]]:
         for _ in range(shard.stop - shard.start):
             rows.append(json.loads(f.readline())["messages"])
     return rows
+
+
+class InFlight:
+    """Requests in flight over a pass, time-weighted: what a client keeps the server busy with. `mean` is the
+    integral of the count over the pass's wall, divided by it; `peak` the most at once."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.start()
+
+    def start(self) -> None:
+        """The pass starts now: nothing counted before."""
+        with self._lock:
+            self.count = self.peak = 0
+            self.area = 0.0
+            self.steps: list[tuple[float, int]] = []  # (seconds into the pass, requests in flight from then)
+            self.t0 = self._last = time.perf_counter()
+
+    def _move(self, by: int) -> None:
+        with self._lock:
+            now = time.perf_counter()
+            self.area += self.count * (now - self._last)
+            self._last = now
+            self.count += by
+            self.peak = max(self.peak, self.count)
+            if by:
+                self.steps.append((round(now - self.t0, 4), self.count))
+
+    def __enter__(self) -> None:
+        self._move(1)
+
+    def __exit__(self, *exc) -> None:
+        self._move(-1)
+
+    def summary(self) -> dict:
+        self._move(0)
+        wall = self._last - self.t0
+        return {"in_flight_mean": self.area / wall if wall > 0 else 0.0, "in_flight_peak": self.peak}
+
+    def wrap_client(self, client: ServerClient) -> ServerClient:
+        post = client.session.post
+
+        def counted_post(url, *args, **kw):
+            with self:
+                return post(url, *args, **kw)
+
+        client.session.post = counted_post  # type: ignore[method-assign]
+        return client
 
 
 class Recorder:
@@ -145,11 +195,17 @@ def run_eyrie(base_url, api_key, tokenizer, prepare_dir, out: Path, shards, keys
     """Eyrie's pass: every shard through `regenerate_shard`, two at a time as the flow runs them, each with its own
     client (tasks/regenerate.py); `rec` records the bodies (the untimed first pass)."""
 
+    meter = InFlight()
+    spans: list[tuple[str, float, float]] = []  # each shard task's start and return, seconds into the pass
+
     def one(s) -> dict:
-        client = ServerClient(base_url, api_key, max(10, cfg.concurrency))
+        client = meter.wrap_client(ServerClient(base_url, api_key, client_connections(cfg.concurrency)))
         if rec is not None:
             rec.wrap_client(client)
-        return regenerate_shard(client, tokenizer, prepare_dir, out, s, keys[s.name], cfg, max_length, None, variants)
+        started = time.perf_counter() - meter.t0
+        m = regenerate_shard(client, tokenizer, prepare_dir, out, s, keys[s.name], cfg, max_length, None, variants)
+        spans.append((s.name, round(started, 3), round(time.perf_counter() - meter.t0, 3)))
+        return m
 
     shutil.rmtree(out, ignore_errors=True)
     original = shard_module.regenerate_conversation
@@ -157,6 +213,7 @@ def run_eyrie(base_url, api_key, tokenizer, prepare_dir, out: Path, shards, keys
         shard_module.regenerate_conversation = rec.wrap_conversation(original)
     try:
         t0, cpu0 = time.perf_counter(), time.process_time()
+        meter.start()
         with ThreadPoolExecutor(max_workers=FLOW_SHARD_TASKS) as tasks:
             manifests = list(tasks.map(one, shards))
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
@@ -177,6 +234,9 @@ def run_eyrie(base_url, api_key, tokenizer, prepare_dir, out: Path, shards, keys
         "length_capped": sum(s["length_capped"] for s in stats),
         "failed": failed,
         "shards_s": [m["seconds"] for m in manifests],  # each shard's own time (its manifest)
+        **meter.summary(),
+        "shard_spans": spans,
+        "in_flight_steps": meter.steps,
     }
 
 
@@ -186,6 +246,7 @@ async def _bare_pass(url: str, api_key: str | None, conversations, window: int, 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     todo = iter(enumerate(conversations))
     answers: list[list[list[int]]] = [[] for _ in conversations]
+    meter = InFlight()
 
     async with aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=window),
@@ -196,18 +257,20 @@ async def _bare_pass(url: str, api_key: str | None, conversations, window: int, 
         async def worker() -> None:
             for i, turns in todo:  # one shared iterator: a worker takes the next conversation when its own is done
                 for turn in turns:  # in order: turn k's prompt holds the answers of the earlier turns
-                    async with session.post(url + "/v1/completions", json=turn["body"]) as r:
-                        if r.status != 200:
-                            raise RuntimeError(f"vLLM answered {r.status}: {(await r.text())[:300]}")
-                        answers[i].append((await r.json())["choices"][0]["token_ids"])
+                    with meter:
+                        async with session.post(url + "/v1/completions", json=turn["body"]) as r:
+                            if r.status != 200:
+                                raise RuntimeError(f"vLLM answered {r.status}: {(await r.text())[:300]}")
+                            answers[i].append((await r.json())["choices"][0]["token_ids"])
 
+        meter.start()
         await asyncio.gather(*(worker() for _ in range(window)))
-    return answers
+    return answers, meter.summary()
 
 
 def run_bare(url: str, api_key: str | None, conversations, window: int, timeout_s: float) -> dict:
     t0, cpu0 = time.perf_counter(), time.process_time()
-    answers = asyncio.run(_bare_pass(url, api_key, conversations, window, timeout_s))
+    answers, in_flight = asyncio.run(_bare_pass(url, api_key, conversations, window, timeout_s))
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     pairs = [(a, t["token_ids"]) for conv, got in zip(conversations, answers) for t, a in zip(conv, got)]
     return {
@@ -215,6 +278,7 @@ def run_bare(url: str, api_key: str | None, conversations, window: int, timeout_
         "client_cpu_s": cpu,
         "requests": len(pairs),
         "generated_tokens": sum(len(a) for a, _ in pairs),
+        **in_flight,
         **agreement(pairs),
     }
 
@@ -351,7 +415,8 @@ def main() -> None:
                 res["tokens_per_s"] = res["generated_tokens"] / res["wall_s"]
                 print(
                     f"  {res['wall_s']:.2f} s, {res['requests']} requests, {res['generated_tokens']} tokens, "
-                    f"{res['tokens_per_s']:,.0f} generated tokens/s",
+                    f"{res['tokens_per_s']:,.0f} generated tokens/s, {res['in_flight_mean']:.1f} requests in flight "
+                    f"(mean; peak {res['in_flight_peak']})",
                     flush=True,
                 )
                 runs[name].append(res)
@@ -367,6 +432,9 @@ def main() -> None:
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
             # This process's CPU time in the pass (every thread): what the client takes from the server's cores.
             "client_cpu_s": statistics.median(r["client_cpu_s"] for r in rs),
+            # Requests in flight, time-weighted over the pass's wall (mean) and at most (peak).
+            "in_flight_mean": statistics.median(r["in_flight_mean"] for r in rs),
+            "in_flight_peak": max(r["in_flight_peak"] for r in rs),
         }
     ratio = rows["eyrie"]["tokens_per_s"] / rows["bare"]["tokens_per_s"]
     agree = {k: [r[k] for r in runs["bare"]] for k in ("agreement", "first_token_agreement", "token_agreement")}
@@ -388,6 +456,8 @@ def main() -> None:
         ("generated_tokens", ".0f"),
         ("tokens_per_s", ",.0f"),
         ("client_cpu_s", ".2f"),
+        ("in_flight_mean", ".1f"),
+        ("in_flight_peak", ".0f"),
     ]:
         print(f"{key:24}" + "".join(f"{format(rows[c][key], fmt):>14}" for c in clients))
     print(f"ratio eyrie/bare (generated tokens/s): {ratio:.3f}x")

@@ -307,8 +307,10 @@ class RegenerateConfig(_Section):
     concurrency: int = Field(
         16,
         ge=1,
-        description="Conversations in flight per shard (each sends its turns one after another). The server "
-        "runs at most its --max-num-seqs at once.",
+        description="Requests in flight per running shard (each conversation sends its turns one after another). "
+        "The shards regenerating from one server at once share their slots: each adds this many while it runs, and "
+        "slots one leaves idle (its last conversations, its rows being written) serve the others' conversations, the "
+        "earlier shard's first. The server runs at most its --max-num-seqs at once.",
     )
     request_timeout_s: float = Field(1800, gt=0, description="Seconds one answer may take.")
     retries: int = Field(

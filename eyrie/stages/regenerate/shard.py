@@ -30,6 +30,7 @@ from eyrie.stages.regenerate.conversation import (
     regenerate_conversation,
     request_seed,
 )
+from eyrie.stages.regenerate.window import shard_threads, shared_window
 
 STAGE = "regenerate"
 # Requests past which a shard with this share of its rows failed by server errors fails itself: a systemic problem
@@ -209,7 +210,6 @@ def regenerate_shard(
     t0 = time.perf_counter()
     done = [0]
     lock = threading.Lock()
-    gone = threading.Event()
 
     # The template's pieces first, in this thread: a fast tokenizer used from several threads at once can fail
     # ("Already borrowed"), and rendering costs little beside generation.
@@ -231,17 +231,18 @@ def regenerate_shard(
         sent = [0]
 
         def generate(prompt: list[int], max_tokens: int, turn: int) -> Generation:
-            if gone.is_set():  # the shard fails anyway: do not wait out every other conversation's retries
-                raise ServerUnavailable(f"{shard.name}: abandoned, the server stopped answering")
             seed = request_seed(cfg, fp, turn) if temperature > 0 else None
-            sent[0] += 1
-            try:
-                out = client.generate(
-                    prompt, max_tokens, temperature, cfg.top_p, seed, cfg.request_timeout_s, retries=cfg.retries
-                )
-            except ServerUnavailable:
-                gone.set()
-                raise
+            with share.slot(offset) as held:
+                if not held:  # the shard fails anyway: do not wait out every other conversation's retries
+                    raise ServerUnavailable(f"{shard.name}: abandoned, the server stopped answering")
+                sent[0] += 1
+                try:
+                    out = client.generate(
+                        prompt, max_tokens, temperature, cfg.top_p, seed, cfg.request_timeout_s, retries=cfg.retries
+                    )
+                except ServerUnavailable:
+                    share.abandon()  # this shard's waiting requests give up too
+                    raise
             return Generation(out["token_ids"], out["finish_reason"])
 
         result: Regenerated | RowError
@@ -261,55 +262,61 @@ def regenerate_shard(
                 progress(done[0], len(offsets))
         return shard.start + offset, result, temperature, chosen[offset], sent[0]
 
-    with ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix=f"eyrie-regen-{shard.name}") as pool:
-        results = list(pool.map(one, offsets))
-    kept = _read_rows(prior[1]) if prior else []
-    server_error_rows = []
-    for row, result, temperature, variant, sent in results:
-        stats.requests += sent
-        if isinstance(result, RowError):
-            stats.fail(result.reason, row, str(result))
-            if result.reason in SERVER_LOSSES:
-                server_error_rows.append(row)
-            continue
-        kept.append((row, result, temperature, variant))
-        stats.rows_out += 1
-        stats.turns += result.turns
-        stats.generated_tokens += result.generated_tokens
-        stats.keep(result.input_ids, result.loss_mask, result.truncated)
-        stats.length_capped += result.length_capped
-        stats.dropped_history_text += result.dropped_history_text
-        stats.temperatures[temperature] += 1
-        stats.template_variants[variant] += 1
-    if stats.failed["server_error"] > MAX_SERVER_ERROR_SHARE * max(1, len(conversations)):
-        raise RegenerationError(
-            f"{shard.name}: {stats.failed['server_error']} of {len(conversations)} conversations failed with server "
-            f"errors ({stats.examples.get('server_error')}): see the server log; the shard is not marked done"
-        )
-    kept.sort(key=lambda k: k[0])
-    data = _rows_parquet(kept)
-    rows_path.parent.mkdir(parents=True, exist_ok=True)
-    manifest_path.unlink(missing_ok=True)  # the rows it vouched for are about to be replaced (a retry's)
-    atomic_write_bytes(rows_path, data)
-    # Rows on disk, manifest not yet: a kill here leaves a whole rows file that nothing vouches for (the drill
-    # that proves a rerun redoes the shard rather than trusting it).
-    fault_point(f"regenerate.{shard.name}.rows-written")
-    seconds = time.perf_counter() - t0
-    manifest = {
-        "stage": STAGE,
-        "shard": shard.name,
-        "key": key,
-        "rows": [shard.start, shard.stop],
-        "file": rows_path.name,
-        "bytes": len(data),
-        "sha256": hashlib.sha256(data).hexdigest(),
-        "stats": stats.as_dict(),
-        "server_error_rows": sorted(server_error_rows),
-        "seconds": round(seconds, 3),
-        "generated_tokens_per_s": round(stats.generated_tokens / seconds, 1) if seconds > 0 else None,
-    }
-    atomic_write_json(manifest_path, manifest)
-    return manifest
+    # The requests go through the slots this shard shares with the shards regenerating from the same server at the
+    # same time (`window`): its own `concurrency` while it runs, its rows' writing included, and any the others leave
+    # idle, so a shard's last conversations and its writing overlap the next shard's requests.
+    with shared_window(client, cfg.concurrency) as share:
+        threads = shard_threads(cfg.concurrency, len(offsets))
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"eyrie-regen-{shard.name}") as pool:
+            results = list(pool.map(one, offsets))
+        kept = _read_rows(prior[1]) if prior else []
+        server_error_rows = []
+        for row, result, temperature, variant, sent in results:
+            stats.requests += sent
+            if isinstance(result, RowError):
+                stats.fail(result.reason, row, str(result))
+                if result.reason in SERVER_LOSSES:
+                    server_error_rows.append(row)
+                continue
+            kept.append((row, result, temperature, variant))
+            stats.rows_out += 1
+            stats.turns += result.turns
+            stats.generated_tokens += result.generated_tokens
+            stats.keep(result.input_ids, result.loss_mask, result.truncated)
+            stats.length_capped += result.length_capped
+            stats.dropped_history_text += result.dropped_history_text
+            stats.temperatures[temperature] += 1
+            stats.template_variants[variant] += 1
+        if stats.failed["server_error"] > MAX_SERVER_ERROR_SHARE * max(1, len(conversations)):
+            raise RegenerationError(
+                f"{shard.name}: {stats.failed['server_error']} of {len(conversations)} conversations failed with "
+                f"server errors ({stats.examples.get('server_error')}): see the server log; the shard is not marked "
+                "done"
+            )
+        kept.sort(key=lambda k: k[0])
+        data = _rows_parquet(kept)
+        rows_path.parent.mkdir(parents=True, exist_ok=True)
+        manifest_path.unlink(missing_ok=True)  # the rows it vouched for are about to be replaced (a retry's)
+        atomic_write_bytes(rows_path, data)
+        # Rows on disk, manifest not yet: a kill here leaves a whole rows file that nothing vouches for (the drill
+        # that proves a rerun redoes the shard rather than trusting it).
+        fault_point(f"regenerate.{shard.name}.rows-written")
+        seconds = time.perf_counter() - t0
+        manifest = {
+            "stage": STAGE,
+            "shard": shard.name,
+            "key": key,
+            "rows": [shard.start, shard.stop],
+            "file": rows_path.name,
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "stats": stats.as_dict(),
+            "server_error_rows": sorted(server_error_rows),
+            "seconds": round(seconds, 3),
+            "generated_tokens_per_s": round(stats.generated_tokens / seconds, 1) if seconds > 0 else None,
+        }
+        atomic_write_json(manifest_path, manifest)
+        return manifest
 
 
 def _variant_switches(cfg: RegenerateConfig, variants: dict[str, dict] | None) -> dict[str, dict | None]:
