@@ -1,7 +1,7 @@
-"""The request slots regeneration's shards share on one server (eyrie/stages/regenerate/window.py): slots in order
-of shard then conversation, never more in flight than the slots the shards running at once brought, a shard's idle
-slots serving the other (and, once it returned, the shards after it), and waiters that give up once their shard is
-abandoned."""
+"""The request slots regeneration's shards share on one server (eyrie/stages/regenerate/window.py): conversations in
+order of shard then position, never more in flight than the slots the shards running at once brought, a shard's idle
+slots serving the other (and, once it returned, the shards after it), cancelled conversations never run, and the
+window's threads end with it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import contextlib
 import threading
 import time
 
-from eyrie.stages.regenerate.window import _windows, shard_threads, shared_window
+import pytest
+
+from eyrie.stages.regenerate.window import _windows, shared_window
 from eyrie.vllm.client import ServerClient
 
 
@@ -21,7 +23,7 @@ def until(check, timeout_s: float = 5.0) -> None:
 
 
 class Meter:
-    """Slots held at once, and at most."""
+    """Conversations running at once, and at most."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -39,32 +41,38 @@ class Meter:
                 self.now -= 1
 
 
-def start(target, *args) -> threading.Thread:
-    t = threading.Thread(target=target, args=args, daemon=True)
-    t.start()
-    return t
+def held_until(meter: Meter, go: threading.Event):
+    """A conversation that keeps its slot until `go`."""
+
+    def run():
+        with meter.held():
+            assert go.wait(5)
+
+    return run
+
+
+def regen_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("eyrie-regen-")]
 
 
 def test_slots_go_to_the_earlier_shard_then_the_earlier_conversation():
     client = object()
     order: list[tuple[str, int]] = []
+    go = threading.Event()
     with shared_window(client, 1) as a, shared_window(client, 0) as b:  # a joined first; one slot in all
         window = a.window
-        assert b.window is window and a.rank < b.rank
-
-        def request(name, share, position):
-            with share.slot(position) as held:
-                assert held
-                order.append((name, position))
-
-        with a.slot(0):  # the only slot taken: every request below queues, in this arrival order
-            threads = []
-            for name, share, position in [("b", b, 0), ("a", a, 5), ("b", b, 1), ("a", a, 3)]:
-                threads.append(start(request, name, share, position))
-                until(lambda n=len(threads): window.waiting() == n)
-        for t in threads:
-            t.join(5)
-    # The earlier shard's conversations first, each shard's in conversation order; not the arrival order.
+        assert b.window is window and a.rank < b.rank and window.slots == 1
+        first = a.submit(0, held_until(Meter(), go))  # the only slot taken: everything below waits in line
+        until(lambda: window.waiting() == 0)
+        futures = [
+            share.submit(position, lambda name=name, p=position: order.append((name, p)))
+            for name, share, position in [("b", b, 0), ("a", a, 5), ("b", b, 1), ("a", a, 3)]
+        ]
+        assert window.waiting() == 4
+        go.set()
+        for f in [first, *futures]:
+            f.result(5)
+    # The earlier shard's conversations first, each shard's in position order; not the arrival order.
     assert order == [("a", 3), ("a", 5), ("b", 0), ("b", 1)]
     assert not _windows  # the last shard to leave drops the window
 
@@ -73,37 +81,33 @@ def test_two_shards_never_exceed_their_slots_together():
     client = object()
     meter = Meter()
 
-    def conversation(share, position):
-        for _ in range(3):  # turns: a slot per request
-            with share.slot(position) as held, meter.held():
-                assert held
+    def conversation():
+        for _ in range(3):  # turns: the conversation keeps its slot
+            with meter.held():
                 time.sleep(0.002)
 
     with shared_window(client, 3) as a, shared_window(client, 3) as b:
-        threads = [start(conversation, s, i) for s in (a, b) for i in range(shard_threads(3, 20))]
-        for t in threads:
-            t.join(10)
-    assert meter.peak == 6  # 3 + 3, never more, though 24 conversations wanted slots at once
-
-
-def held_until(share, position, meter, go):
-    """A request of `share`'s conversation `position`: its slot held until `go`."""
-    with share.slot(position) as held, meter.held():
-        assert held
-        go.wait(5)
+        futures = [s.submit(i, conversation) for s in (a, b) for i in range(20)]
+        for f in futures:
+            f.result(10)
+    assert meter.peak == 6  # 3 + 3, never more, though 40 conversations were waiting at once
 
 
 def test_a_shards_idle_slots_serve_the_other_shard():
     client = object()
+    meter, go_a, go_b = Meter(), threading.Event(), threading.Event()
     with shared_window(client, 2) as a, shared_window(client, 2) as b:
-        window, meter, go = a.window, Meter(), threading.Event()
-        with a.slot(0):  # a's last conversation: one of its two slots taken, the other idle
-            threads = [start(held_until, b, i, meter, go) for i in range(4)]
-            until(lambda: meter.now == 3 and window.waiting() == 1)  # b's two and a's idle one
+        window = a.window
+        tail = a.submit(0, held_until(meter, go_a))  # a's last conversation: one of its two slots idle
+        until(lambda: meter.now == 1)
+        bs = [b.submit(i, held_until(meter, go_b)) for i in range(4)]
+        until(lambda: meter.now == 4 and window.waiting() == 1)  # b's two and a's idle one
+        go_a.set()
+        tail.result(5)
         until(lambda: meter.now == 4 and window.waiting() == 0)  # a's tail done: both of a's slots serve b
-        go.set()
-        for t in threads:
-            t.join(5)
+        go_b.set()
+        for f in bs:
+            f.result(5)
 
 
 def test_a_returned_shards_slots_stay_spare_until_the_next_shard_joins():
@@ -113,50 +117,52 @@ def test_a_returned_shards_slots_stay_spare_until_the_next_shard_joins():
     first.__enter__()
     with shared_window(client, 2) as b:
         first.__exit__(None, None, None)  # a returned; the flow's next shard task has not started yet
-        threads = [start(held_until, b, i, meter, go) for i in range(6)]
+        futures = [b.submit(i, held_until(meter, go)) for i in range(6)]
         until(lambda: meter.now == 4 and b.window.waiting() == 2)  # b keeps the server at the two shards' four
         with shared_window(client, 2) as c:  # the next shard takes a's slots over: four in all, not six
-            threads += [start(held_until, c, i, meter, go) for i in range(2)]
+            assert c.window.slots == 4
+            futures += [c.submit(i, held_until(meter, go)) for i in range(2)]
             until(lambda: b.window.waiting() == 4)
             assert meter.now == 4
             go.set()
-            for t in threads:
-                t.join(5)
+            for f in futures:
+                f.result(5)
     assert meter.peak == 4 and not _windows
     # A window opened again holds its first shard's slots only.
     with shared_window(client, 2) as d:
         meter, go = Meter(), threading.Event()
-        threads = [start(held_until, d, i, meter, go) for i in range(4)]
+        futures = [d.submit(i, held_until(meter, go)) for i in range(4)]
         until(lambda: meter.now == 2 and d.window.waiting() == 2)
         go.set()
-        for t in threads:
-            t.join(5)
+        for f in futures:
+            f.result(5)
     assert meter.peak == 2
 
 
-def test_an_abandoned_shards_waiters_give_up_and_the_others_keep_waiting():
+def test_a_cancelled_conversation_never_runs_and_errors_reach_the_shard():
     client = object()
-    outcome: dict[str, bool] = {}
+    ran: list[int] = []
+    go = threading.Event()
+    with shared_window(client, 1) as a:
+        first = a.submit(0, held_until(Meter(), go))
+        until(lambda: a.window.waiting() == 0)
+        cancelled = a.submit(1, lambda: ran.append(1))
+        failing = a.submit(2, lambda: 1 / 0)
+        kept = a.submit(3, lambda: ran.append(3) or "done")
+        assert cancelled.cancel()
+        go.set()
+        with pytest.raises(ZeroDivisionError):
+            failing.result(5)
+        assert kept.result(5) == "done" and first.result(5) is None
+    assert ran == [3] and cancelled.cancelled()
 
-    def request(name, share):
-        with share.slot(0) as held:
-            outcome[name] = held
 
-    with shared_window(client, 1) as a, shared_window(client, 0) as b:
-        window = a.window
-        with a.slot(0):  # the one slot taken: both wait
-            tb = start(request, "b", b)
-            until(lambda: window.waiting() == 1)
-            ta = start(request, "a", a)
-            until(lambda: window.waiting() == 2)
-            b.abandon()  # b's server gone
-            tb.join(5)
-            assert outcome == {"b": False} and window.waiting() == 1  # b gave up without a slot; a still waits
-            # and a request of the abandoned shard gives up at once
-            request("b-later", b)
-            assert outcome["b-later"] is False
-        ta.join(5)
-        assert outcome["a"] is True
+def test_the_windows_threads_end_with_it():
+    before = len(regen_threads())
+    with shared_window(object(), 3) as a:
+        assert len(regen_threads()) == before + 3
+        a.submit(0, lambda: None).result(5)
+    until(lambda: len(regen_threads()) == before)
 
 
 def test_clients_of_one_server_share_a_window():
@@ -170,4 +176,3 @@ def test_clients_of_one_server_share_a_window():
     ):
         assert a.window is b.window and len({id(s.window) for s in (a, c, d)}) == 3
     assert not _windows
-    assert shard_threads(16, 5) == 5 and shard_threads(16, 1000) == 64 and shard_threads(16, 0) == 1

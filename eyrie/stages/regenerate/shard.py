@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from eyrie.stages.regenerate.conversation import (
     regenerate_conversation,
     request_seed,
 )
-from eyrie.stages.regenerate.window import shard_threads, shared_window
+from eyrie.stages.regenerate.window import shared_window
 
 STAGE = "regenerate"
 # Requests past which a shard with this share of its rows failed by server errors fails itself: a systemic problem
@@ -232,17 +233,16 @@ def regenerate_shard(
 
         def generate(prompt: list[int], max_tokens: int, turn: int) -> Generation:
             seed = request_seed(cfg, fp, turn) if temperature > 0 else None
-            with share.slot(offset) as held:
-                if not held:  # the shard fails anyway: do not wait out every other conversation's retries
-                    raise ServerUnavailable(f"{shard.name}: abandoned, the server stopped answering")
-                sent[0] += 1
-                try:
-                    out = client.generate(
-                        prompt, max_tokens, temperature, cfg.top_p, seed, cfg.request_timeout_s, retries=cfg.retries
-                    )
-                except ServerUnavailable:
-                    share.abandon()  # this shard's waiting requests give up too
-                    raise
+            if share.gone.is_set():  # the shard fails anyway: do not wait out every other conversation's retries
+                raise ServerUnavailable(f"{shard.name}: abandoned, the server stopped answering")
+            sent[0] += 1
+            try:
+                out = client.generate(
+                    prompt, max_tokens, temperature, cfg.top_p, seed, cfg.request_timeout_s, retries=cfg.retries
+                )
+            except ServerUnavailable:
+                share.abandon()  # this shard's other conversations send nothing more
+                raise
             return Generation(out["token_ids"], out["finish_reason"])
 
         result: Regenerated | RowError
@@ -266,9 +266,15 @@ def regenerate_shard(
     # same time (`window`): its own `concurrency` while it runs, its rows' writing included, and any the others leave
     # idle, so a shard's last conversations and its writing overlap the next shard's requests.
     with shared_window(client, cfg.concurrency) as share:
-        threads = shard_threads(cfg.concurrency, len(offsets))
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"eyrie-regen-{shard.name}") as pool:
-            results = list(pool.map(one, offsets))
+        futures = [share.submit(offset, functools.partial(one, offset)) for offset in offsets]
+        try:
+            results = [f.result() for f in futures]
+        except BaseException:
+            share.abandon()  # the shard fails: what has not started never does, what runs stops at its next request
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            raise
         kept = _read_rows(prior[1]) if prior else []
         server_error_rows = []
         for row, result, temperature, variant, sent in results:

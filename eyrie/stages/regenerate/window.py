@@ -6,32 +6,43 @@ import contextlib
 import heapq
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
 
 from eyrie.vllm.client import ServerClient
 
-# How many of its own slots a shard's threads may hold at most: a shard sends more than `regenerate.concurrency`
-# requests only with slots another running shard leaves idle (its tail, its rows being written), and two shards at a
-# time (the flow's task runner) make that twice its own; four leaves room for more shard tasks at once.
-SHARE_LIMIT = 4
-
-
-def shard_threads(concurrency: int, conversations: int) -> int:
-    """Threads of a shard's pool: one per conversation, up to `SHARE_LIMIT` times its own slots."""
-    return max(1, min(conversations, SHARE_LIMIT * concurrency))
-
 
 def client_connections(concurrency: int) -> int:
-    """Pooled connections of a shard task's `ServerClient`: as many as its threads may have requests in flight."""
-    return max(10, SHARE_LIMIT * concurrency)
+    """Pooled connections of a shard task's `ServerClient`: a shard's conversations may hold every slot of the window
+    while the other shard running beside it has none waiting (two shard tasks at a time: twice its own), and more
+    shard tasks at once make more slots; four times its own leaves room."""
+    return max(10, 4 * concurrency)
+
+
+class _Job:
+    """A conversation waiting for a slot: its place in line (shard, position, arrival) and the work it does there."""
+
+    __slots__ = ("order", "run", "future")
+
+    def __init__(self, order: tuple[int, int, int], run: Callable[[], Any]):
+        self.order = order
+        self.run = run
+        self.future: Future = Future()
+
+    def __lt__(self, other: _Job) -> bool:
+        return self.order < other.order
 
 
 class _Window:
-    """Requests in flight to one server from the shards regenerating from it in this process. Each shard brings its
-    slots (`share`) and no request starts while every slot is taken; a shard's idle slots (its last conversations
-    finishing, its rows being written) serve the other running shards' conversations, so the server keeps its queue
-    across a shard boundary. Slots go in order: the shard that joined first, then the conversation (`take`'s
-    position), so the shard that started first finishes first and its tail overlaps the next one's full window.
+    """Conversations in flight to one server from the shards regenerating from it in this process. Each shard brings
+    its slots (`join`); the window has one worker thread per slot, each taking the next conversation in line and
+    running it to its end, so no more conversations are in flight than the slots and a freed slot wakes exactly one
+    thread. A shard's idle slots (its last conversations finishing, its rows being written) serve the other running
+    shards' conversations, so the server keeps its queue across a shard boundary. The line's order: the shard that
+    joined first, then the conversation (`submit`'s position), so the shard that started first finishes first and its
+    tail overlaps the next one's full window. The workers last as long as the window: a shard that joins finds them
+    started.
 
     A shard that returns leaves its slots in the window, spare, until a shard joins and takes them over: the gap
     before the flow starts the next shard task, and the last shard of a run alone, keep the load the shard tasks
@@ -39,63 +50,76 @@ class _Window:
     closes with its last shard."""
 
     def __init__(self) -> None:
-        self._changed = threading.Condition()
-        self._capacity = 0
-        self._spare = 0  # of the capacity: the slots of shards that left, not yet taken over by a shard that joined
-        self._busy = 0
-        # Waiting requests, in the order they get slots: ((shard, position), arrival).
-        self._queue: list[tuple[tuple[int, int], int]] = []
+        self._ready = threading.Condition()
+        self._queue: list[_Job] = []  # a heap: the next to get a slot first
+        self._workers: list[threading.Thread] = []
+        self._spare = 0  # of the slots: those of shards that left, not yet taken over by a shard that joined
+        self._closed = False
         self._arrivals = itertools.count()
         self._shards = itertools.count()
         self.users = 0
 
+    @property
+    def slots(self) -> int:
+        return len(self._workers)
+
     def join(self, slots: int) -> int:
         """A shard adds `slots`, first taking over those a shard that left kept in the window; returns its rank
         (earlier shards first)."""
-        with self._changed:
+        with self._ready:
             taken = min(self._spare, slots)
             self._spare -= taken
-            self._capacity += slots - taken
-            self._changed.notify_all()
-            return next(self._shards)
+            started = [
+                threading.Thread(target=self._work, name=f"eyrie-regen-{len(self._workers) + i}", daemon=True)
+                for i in range(slots - taken)
+            ]
+            self._workers += started
+            rank = next(self._shards)
+        for worker in started:  # outside the lock: the running workers keep taking conversations meanwhile
+            worker.start()
+        return rank
 
     def leave(self, slots: int) -> None:
         """A shard is done: its slots stay, spare, for the shards still running or the next to join."""
-        with self._changed:
+        with self._ready:
             self._spare += slots
 
-    def take(self, shard: int, position: int, stop: threading.Event) -> bool:
-        """Wait for a slot, in (shard, position) order; False, with no slot, once `stop` is set (`wake` it)."""
-        with self._changed:
-            entry = ((shard, position), next(self._arrivals))
-            heapq.heappush(self._queue, entry)
-            while not stop.is_set() and not (self._queue[0] == entry and self._busy < self._capacity):
-                self._changed.wait()
-            if self._queue[0] == entry:
-                heapq.heappop(self._queue)
-            else:  # given up while others were ahead
-                self._queue.remove(entry)
-                heapq.heapify(self._queue)
-            held = not stop.is_set()
-            self._busy += held
-            self._changed.notify_all()  # the next in line may take a slot still free
-            return held
+    def submit(self, shard: int, position: int, run: Callable[[], Any]) -> Future:
+        """`run` in the next free slot, in (shard, position) order; its Future holds what it returns or raises (a
+        Future cancelled before its slot came never runs)."""
+        job = _Job((shard, position, next(self._arrivals)), run)
+        with self._ready:
+            heapq.heappush(self._queue, job)
+            self._ready.notify()
+        return job.future
 
-    def give(self) -> None:
-        """A slot `take` returned is free again."""
-        with self._changed:
-            self._busy -= 1
-            self._changed.notify_all()
-
-    def wake(self) -> None:
-        """Every waiter checks its `stop` again."""
-        with self._changed:
-            self._changed.notify_all()
+    def close(self) -> None:
+        """The last shard left: the workers end (nothing is waiting: each shard waited for its conversations)."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
 
     def waiting(self) -> int:
-        """Requests waiting for a slot."""
-        with self._changed:
+        """Conversations waiting for a slot."""
+        with self._ready:
             return len(self._queue)
+
+    def _work(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue and not self._closed:
+                    self._ready.wait()
+                if not self._queue:
+                    return
+                job = heapq.heappop(self._queue)
+            if not job.future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = job.run()
+            except BaseException as err:  # the shard's thread raises it from the Future
+                job.future.set_exception(err)
+            else:
+                job.future.set_result(result)
 
 
 class Share:
@@ -106,21 +130,13 @@ class Share:
         self.rank = rank
         self.gone = threading.Event()
 
-    @contextlib.contextmanager
-    def slot(self, position: int) -> Iterator[bool]:
-        """A slot for a request of the shard's conversation `position`, held for the block; False (no slot) once the
-        shard is abandoned."""
-        held = self.window.take(self.rank, position, self.gone)
-        try:
-            yield held
-        finally:
-            if held:
-                self.window.give()
+    def submit(self, position: int, run: Callable[[], Any]) -> Future:
+        """The shard's conversation `position`, run in a slot of the window."""
+        return self.window.submit(self.rank, position, run)
 
     def abandon(self) -> None:
-        """The server is gone: this shard's waiting requests give up (`slot` yields False)."""
+        """The server is gone: this shard's conversations send no more requests (their `generate` checks `gone`)."""
         self.gone.set()
-        self.window.wake()
 
 
 _windows: dict[tuple, _Window] = {}
@@ -130,7 +146,7 @@ _windows_lock = threading.Lock()
 @contextlib.contextmanager
 def shared_window(client, slots: int) -> Iterator[Share]:
     """The shard's share of the window for `client`'s server, `slots` of it its own while the block runs; the window
-    is opened by its first user and dropped by its last. Each shard task builds a ServerClient of its own: clients of
+    is opened by its first user and closed by its last. Each shard task builds a ServerClient of its own: clients of
     one URL and API key share a window; any other client (a test double) has one of its own."""
     if isinstance(client, ServerClient):
         key: tuple = (client.base_url, client.session.headers.get("Authorization"))
@@ -150,3 +166,4 @@ def shared_window(client, slots: int) -> Iterator[Share]:
             window.users -= 1
             if window.users == 0:
                 del _windows[key]
+                window.close()
