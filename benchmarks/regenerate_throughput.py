@@ -50,7 +50,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
+import contextlib
+import contextvars
 import json
 import os
 import shutil
@@ -73,7 +74,6 @@ from eyrie.stages.preflight import run_preflight
 from eyrie.stages.prepare import load_shards, prepare
 from eyrie.stages.regenerate import RegenerationPlan, regenerate_shard, shared_tokenizer
 from eyrie.stages.regenerate.shard import conversations_digest, load_conversations
-from eyrie.stages.regenerate.window import client_connections
 from eyrie.target.tiny import build_target
 from eyrie.vllm.client import ServerClient
 from eyrie.vllm.process import VllmServer
@@ -143,52 +143,64 @@ class InFlight:
         return {"in_flight_mean": self.area / wall if wall > 0 else 0.0, "in_flight_peak": self.peak}
 
     def wrap_client(self, client: ServerClient) -> ServerClient:
-        post = client.session.post
+        return wrap_generate(client, self._counted)
 
-        def counted_post(url, *args, **kw):
+    def _counted(self, generate):
+        async def counted(*args, **kw):
             with self:
-                return post(url, *args, **kw)
+                return await generate(*args, **kw)
 
-        client.session.post = counted_post  # type: ignore[method-assign]
-        return client
+        return counted
+
+
+def wrap_generate(client: ServerClient, wrap) -> ServerClient:
+    """`client.async_generator` (what regeneration's window sends every request through) yielding `wrap(generate)`."""
+    original = client.async_generator
+
+    @contextlib.asynccontextmanager
+    async def async_generator():
+        async with original() as generate:
+            yield wrap(generate)
+
+    client.async_generator = async_generator  # type: ignore[method-assign]
+    return client
 
 
 class Recorder:
     """Records, per conversation and in turn order, every body Eyrie's client posted for a generation and the token
-    ids of its answer: `regenerate_conversation` (one conversation, in one pool thread) is wrapped to open a
-    conversation for its thread, and each client's `session.post` to add the answered bodies to it."""
+    ids of its answer: `regenerate_conversation_async` (one conversation, in one of the window's workers) is wrapped
+    to open a conversation in its context, and each client's generation coroutine to add the answered bodies to it
+    (the body rebuilt from the call's arguments by the client's own `_generate_body`)."""
 
     def __init__(self):
         self.conversations: list[list[dict]] = []
-        self._local = threading.local()
-        self._lock = threading.Lock()
+        self._turns: contextvars.ContextVar[list[dict] | None] = contextvars.ContextVar("turns", default=None)
 
     def wrap_conversation(self, original):
-        def regenerate_conversation(*args, **kw):
+        async def regenerate_conversation_async(*args, **kw):
             turns: list[dict] = []
-            with self._lock:
-                self.conversations.append(turns)
-            self._local.turns = turns
+            self.conversations.append(turns)
+            token = self._turns.set(turns)
             try:
-                return original(*args, **kw)
+                return await original(*args, **kw)
             finally:
-                self._local.turns = None
+                self._turns.reset(token)
 
-        return regenerate_conversation
+        return regenerate_conversation_async
 
     def wrap_client(self, client: ServerClient) -> ServerClient:
-        post = client.session.post
+        return wrap_generate(client, self._recording)
 
-        def recording_post(url, *args, **kw):
-            body = copy.deepcopy(kw.get("json"))
-            r = post(url, *args, **kw)
-            turns = getattr(self._local, "turns", None)
-            if turns is not None and url.endswith("/v1/completions") and r.status_code == 200:
-                turns.append({"body": body, "token_ids": list(r.json()["choices"][0]["token_ids"])})
-            return r
+    def _recording(self, generate):
+        async def recording(token_ids, max_tokens, temperature, top_p, seed, *args, **kw):
+            body = ServerClient._generate_body(list(token_ids), max_tokens, temperature, top_p, seed)
+            out = await generate(token_ids, max_tokens, temperature, top_p, seed, *args, **kw)
+            turns = self._turns.get()
+            if turns is not None:
+                turns.append({"body": body, "token_ids": list(out["token_ids"])})
+            return out
 
-        client.session.post = recording_post  # type: ignore[method-assign]
-        return client
+        return recording
 
 
 def run_eyrie(base_url, api_key, tokenizer, prepare_dir, out: Path, shards, keys, cfg, max_length, variants, rec=None):
@@ -199,7 +211,7 @@ def run_eyrie(base_url, api_key, tokenizer, prepare_dir, out: Path, shards, keys
     spans: list[tuple[str, float, float]] = []  # each shard task's start and return, seconds into the pass
 
     def one(s) -> dict:
-        client = meter.wrap_client(ServerClient(base_url, api_key, client_connections(cfg.concurrency)))
+        client = meter.wrap_client(ServerClient(base_url, api_key))
         if rec is not None:
             rec.wrap_client(client)
         started = time.perf_counter() - meter.t0
@@ -208,9 +220,9 @@ def run_eyrie(base_url, api_key, tokenizer, prepare_dir, out: Path, shards, keys
         return m
 
     shutil.rmtree(out, ignore_errors=True)
-    original = shard_module.regenerate_conversation
+    original = shard_module.regenerate_conversation_async
     if rec is not None:
-        shard_module.regenerate_conversation = rec.wrap_conversation(original)
+        shard_module.regenerate_conversation_async = rec.wrap_conversation(original)
     try:
         t0, cpu0 = time.perf_counter(), time.process_time()
         meter.start()
@@ -218,7 +230,7 @@ def run_eyrie(base_url, api_key, tokenizer, prepare_dir, out: Path, shards, keys
             manifests = list(tasks.map(one, shards))
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     finally:
-        shard_module.regenerate_conversation = original
+        shard_module.regenerate_conversation_async = original
     stats = [m["stats"] for m in manifests]
     failed: dict[str, int] = {}
     for s in stats:

@@ -14,7 +14,6 @@ from eyrie.stages.prepare import Shard
 from eyrie.stages.regenerate.assemble import assemble
 from eyrie.stages.regenerate.conversation import shared_tokenizer, template_mix
 from eyrie.stages.regenerate.shard import regenerate_shard, shard_complete, shard_paths
-from eyrie.stages.regenerate.window import client_connections
 from eyrie.vllm.client import ServerClient
 from tasks.caching import keyed_task, stage_task
 from tasks.progress import report_rows
@@ -47,8 +46,8 @@ def regenerate_shard_task(job: RegenerateShardJob, base_url: str | None, config:
     cfg = config.regenerate
     api_key_env = config.extraction.api_key_env
     api_key = os.environ.get(api_key_env) if api_key_env else None
-    # Its own client, as every shard task: clients of one server share its window of request slots (the window module)
-    client = ServerClient(base_url, api_key, client_connections(cfg.concurrency))
+    # Its own client, as every shard task: clients of one server share its window of requests (the window module)
+    client = ServerClient(base_url, api_key)
 
     def progress(done: int, total: int) -> None:  # counted for the stage's one progress artifact (tasks/progress.py)
         report_rows("regeneration", shard.name, done, total)

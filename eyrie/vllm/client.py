@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -20,6 +21,11 @@ from eyrie.vllm.spec import GENERATION_CACHE_SALT
 
 if TYPE_CHECKING:
     pass  # typing.Self is 3.11+; the package supports 3.10
+
+
+def _backoff_s(attempt: int) -> float:
+    """Seconds before a generation's retry `attempt` (1, 2, ...): 2, 4, 8, ... up to 30."""
+    return min(2.0**attempt, 30.0)
 
 
 class FirstAnswer:
@@ -192,6 +198,39 @@ class ServerClient:
 
             yield extract
 
+    @staticmethod
+    def _generate_body(
+        token_ids: list[int], max_tokens: int, temperature: float, top_p: float, seed: int | None
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": "target",
+            "prompt": token_ids,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "return_token_ids": True,
+            "cache_salt": GENERATION_CACHE_SALT,
+            "kv_transfer_params": {SKIP_HIDDEN_STATES: True},
+        }
+        if seed is not None:
+            body["seed"] = seed
+        return body
+
+    @staticmethod
+    def _generation(answer: dict, token_ids: list[int]) -> dict:
+        """The answer of a 200: its generated ids and finish reason, or ServerUnavailable where it has none."""
+        choice = answer["choices"][0]
+        if choice.get("prompt_token_ids") not in (None, token_ids):
+            raise ServerUnavailable("vLLM echoed different prompt token ids than were sent")
+        if choice.get("finish_reason") not in ("stop", "length") or choice.get("token_ids") is None:
+            # Aborted (a server shutting down) or a vLLM that does not return ids: not this row's fault.
+            raise ServerUnavailable(
+                f"vLLM answered finish_reason {choice.get('finish_reason')!r} with token_ids "
+                f"{'missing' if choice.get('token_ids') is None else 'present'} (return_token_ids needs vLLM "
+                ">= 0.10.2)"
+            )
+        return {"token_ids": list(choice["token_ids"]), "finish_reason": choice["finish_reason"]}
+
     def generate(
         self,
         token_ids: list[int],
@@ -207,23 +246,12 @@ class ServerClient:
         connector skips requests that ask it to) and its prefix-cache blocks carry a salt of their own, so an
         extraction request never reuses blocks a generation computed. A 5xx or a dropped connection is retried
         `retries` times; then a 4xx or 5xx raises RequestRejected (the row is counted) and no answer at all raises
-        ServerUnavailable (the shard fails)."""
-        body: dict[str, Any] = {
-            "model": "target",
-            "prompt": token_ids,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "return_token_ids": True,
-            "cache_salt": GENERATION_CACHE_SALT,
-            "kv_transfer_params": {SKIP_HIDDEN_STATES: True},
-        }
-        if seed is not None:
-            body["seed"] = seed
+        ServerUnavailable (the shard fails). `async_generator` is the same as a coroutine."""
+        body = self._generate_body(token_ids, max_tokens, temperature, top_p, seed)
         failure: Exception = ServerUnavailable(f"no request was sent to {self.base_url}")
         for attempt in range(retries + 1):
             if attempt:
-                time.sleep(min(2.0**attempt, 30.0))
+                time.sleep(_backoff_s(attempt))
             sent = time.time()
             try:
                 r = self.session.post(self.base_url + "/v1/completions", json=body, timeout=timeout_s)
@@ -236,18 +264,60 @@ class ServerClient:
             if r.status_code != 200:
                 raise RequestRejected(r.status_code, r.text)
             self._answered(sent)
-            choice = r.json()["choices"][0]
-            if choice.get("prompt_token_ids") not in (None, token_ids):
-                raise ServerUnavailable("vLLM echoed different prompt token ids than were sent")
-            if choice.get("finish_reason") not in ("stop", "length") or choice.get("token_ids") is None:
-                # Aborted (a server shutting down) or a vLLM that does not return ids: not this row's fault.
-                raise ServerUnavailable(
-                    f"vLLM answered finish_reason {choice.get('finish_reason')!r} with token_ids "
-                    f"{'missing' if choice.get('token_ids') is None else 'present'} (return_token_ids needs vLLM "
-                    ">= 0.10.2)"
-                )
-            return {"token_ids": list(choice["token_ids"]), "finish_reason": choice["finish_reason"]}
+            return self._generation(r.json(), token_ids)
         raise failure
+
+    @contextlib.asynccontextmanager
+    async def async_generator(self) -> AsyncIterator[Callable[..., Awaitable[dict]]]:
+        """`generate` as a coroutine (same arguments, answers and errors), on one aiohttp session: what regeneration
+        uses (eyrie.stages.regenerate.window), for the reason `async_extractor` gives. Its connections are not
+        limited here: the caller bounds the requests in flight."""
+        import aiohttp
+
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            headers={k: v for k, v in self.session.headers.items() if k == "Authorization"},
+        ) as session:
+
+            async def generate(
+                token_ids: list[int],
+                max_tokens: int,
+                temperature: float,
+                top_p: float,
+                seed: int | None,
+                timeout_s: float,
+                retries: int = 2,
+            ) -> dict:
+                body = self._generate_body(token_ids, max_tokens, temperature, top_p, seed)
+                failure: Exception = ServerUnavailable(f"no request was sent to {self.base_url}")
+                for attempt in range(retries + 1):
+                    if attempt:
+                        await asyncio.sleep(_backoff_s(attempt))
+                    sent = time.time()
+                    try:
+                        async with session.post(
+                            self.base_url + "/v1/completions",
+                            json=body,
+                            timeout=aiohttp.ClientTimeout(total=timeout_s),
+                        ) as r:
+                            status = r.status
+                            if status == 200:
+                                answer = await r.json(content_type=None)  # whatever the header says
+                            else:
+                                text = await r.text()
+                    except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+                        failure = ServerUnavailable(f"no answer from vLLM at {self.base_url}: {err!r}")
+                        continue
+                    if status >= 500:
+                        failure = RequestRejected(status, text)
+                        continue
+                    if status != 200:
+                        raise RequestRejected(status, text)
+                    self._answered(sent)
+                    return self._generation(answer, token_ids)
+                raise failure
+
+            yield generate
 
     def chat(self, messages: list[dict], max_tokens: int, timeout_s: float = 600) -> dict:
         body: dict[str, Any] = {"model": "target", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}

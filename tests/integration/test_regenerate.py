@@ -7,7 +7,7 @@ extraction of the regenerated rows without a second load, and that no held-out p
 
 from __future__ import annotations
 
-import threading
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,18 +72,22 @@ def regenerated(tmp_path_factory) -> Regenerated:
     report = run_preflight(config, run.root, serve=False).as_dict()
 
     calls: list[tuple[list[int], dict]] = []
-    lock = threading.Lock()
-    generate = ServerClient.generate
+    async_generator = ServerClient.async_generator
 
-    def recording(self, token_ids, *args, **kwargs):
-        out = generate(self, token_ids, *args, **kwargs)
-        with lock:
-            calls.append((list(token_ids), out))
-        return out
+    @contextlib.asynccontextmanager
+    async def recording(self):  # regeneration's window sends every request through the client's coroutine form
+        async with async_generator(self) as generate:
+
+            async def recorded(token_ids, *args, **kwargs):
+                out = await generate(token_ids, *args, **kwargs)
+                calls.append((list(token_ids), out))  # on the window's one loop: no lock needed
+                return out
+
+            yield recorded
 
     mp = pytest.MonkeyPatch()
     try:
-        mp.setattr(ServerClient, "generate", recording)
+        mp.setattr(ServerClient, "async_generator", recording)
         # First run: shard 1 fails on every attempt; the other two finish, the server stays up for a retry.
         mp.setenv("EYRIE_FAULTS", "regenerate.shard-00001=raise")
         with pytest.raises(RegenerationError) as info:

@@ -5,6 +5,7 @@ the temperature mix, assembly into prepare's format, and the client's request an
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import json
@@ -396,6 +397,7 @@ def test_extraction_reads_the_regenerated_data_when_enabled(tmp_path, target_dir
 
 
 class _Canned(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as vLLM's server
     replies: list[tuple[int, dict]] = []
     bodies: list[dict] = []
 
@@ -423,31 +425,47 @@ def canned():
     server.server_close()
 
 
-def test_client_request_and_error_mapping(canned, monkeypatch):
-    monkeypatch.setattr("eyrie.vllm.process.time.sleep", lambda s: None)
+def _blocking(client: ServerClient, *args, **kw) -> dict:
+    return client.generate(*args, **kw)
+
+
+def _coroutine(client: ServerClient, *args, **kw) -> dict:
+    async def go() -> dict:
+        async with client.async_generator() as generate:
+            return await generate(*args, **kw)
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("generate", [_blocking, _coroutine], ids=["blocking", "coroutine"])
+def test_client_request_and_error_mapping(canned, monkeypatch, generate):
+    """`ServerClient.generate` and its coroutine form (regeneration's window): the same body, answers and errors."""
+
+    monkeypatch.setattr("eyrie.vllm.client._backoff_s", lambda attempt: 0.0)
     handler, url = canned
     ok = {"choices": [{"token_ids": [7, 8, 2], "finish_reason": "stop", "prompt_token_ids": [1, 2]}]}
     handler.replies = [(500, {"error": "busy"}), (200, ok)]
     client = ServerClient(url)
-    assert client.generate([1, 2], 16, 0.7, 0.9, 123, 5) == {"token_ids": [7, 8, 2], "finish_reason": "stop"}
+    assert generate(client, [1, 2], 16, 0.7, 0.9, 123, 5) == {"token_ids": [7, 8, 2], "finish_reason": "stop"}
     body = handler.bodies[-1]
     assert body["prompt"] == [1, 2] and body["return_token_ids"] and body["seed"] == 123 and body["top_p"] == 0.9
     # No hidden-states file for it on the extraction server, and prefix-cache blocks of its own.
     assert body["kv_transfer_params"] == {SKIP_HIDDEN_STATES: True} and body["cache_salt"] == GENERATION_CACHE_SALT
     handler.replies = [(400, {"error": "maximum context length"})]
     with pytest.raises(RequestRejected) as info:
-        client.generate([1, 2], 16, 0.0, 1.0, None, 5)
+        generate(client, [1, 2], 16, 0.0, 1.0, None, 5)
     assert info.value.status == 400 and len(handler.bodies) == 3 and "seed" not in handler.bodies[-1]
+    assert "maximum context length" in info.value.text
     handler.replies = [(500, {"error": "x"})] * 3
     with pytest.raises(RequestRejected) as info:
-        client.generate([1, 2], 16, 0.0, 1.0, None, 5, retries=2)
-    assert info.value.status == 500
+        generate(client, [1, 2], 16, 0.0, 1.0, None, 5, retries=2)
+    assert info.value.status == 500 and len(handler.bodies) == 6
     aborted = {"choices": [{"token_ids": [7], "finish_reason": "abort"}]}
     handler.replies = [(200, aborted)]
     with pytest.raises(ServerUnavailable, match="abort"):
-        client.generate([1, 2], 16, 0.0, 1.0, None, 5)
+        generate(client, [1, 2], 16, 0.0, 1.0, None, 5)
     with pytest.raises(ServerUnavailable, match="no answer"):
-        ServerClient("http://127.0.0.1:9").generate([1], 4, 0.0, 1.0, None, 2, retries=1)
+        generate(ServerClient("http://127.0.0.1:9"), [1], 4, 0.0, 1.0, None, 2, retries=1)
 
 
 def test_status_follows_the_stage(tmp_path, prepared, tok):

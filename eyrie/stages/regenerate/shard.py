@@ -5,11 +5,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +26,7 @@ from eyrie.stages.regenerate.conversation import (
     conversation_temperature,
     conversation_variant,
     plan_turns,
-    regenerate_conversation,
+    regenerate_conversation_async,
     request_seed,
 )
 from eyrie.stages.regenerate.window import shared_window
@@ -210,7 +208,6 @@ def regenerate_shard(
         stats = ShardStats.resumed(prior[0]["stats"], len(offsets))
     t0 = time.perf_counter()
     done = [0]
-    lock = threading.Lock()
 
     # The template's pieces first, in this thread: a fast tokenizer used from several threads at once can fail
     # ("Already borrowed"), and rendering costs little beside generation.
@@ -223,7 +220,7 @@ def regenerate_shard(
         except RowError as err:
             plans[offset] = err
 
-    def one(offset: int) -> tuple[int, Regenerated | RowError, float, str, int]:
+    async def one(offset: int) -> tuple[int, Regenerated | RowError, float, str, int]:
         """A conversation's row, or the RowError that names why it has none; its temperature and template variant;
         requests sent."""
         fp = conversation_fingerprint(conversations[offset])
@@ -231,13 +228,13 @@ def regenerate_shard(
         plan = plans[offset]
         sent = [0]
 
-        def generate(prompt: list[int], max_tokens: int, turn: int) -> Generation:
+        async def generate(prompt: list[int], max_tokens: int, turn: int) -> Generation:
             seed = request_seed(cfg, fp, turn) if temperature > 0 else None
             if share.gone.is_set():  # the shard fails anyway: do not wait out every other conversation's retries
                 raise ServerUnavailable(f"{shard.name}: abandoned, the server stopped answering")
             sent[0] += 1
             try:
-                out = client.generate(
+                out = await share.generate(
                     prompt, max_tokens, temperature, cfg.top_p, seed, cfg.request_timeout_s, retries=cfg.retries
                 )
             except ServerUnavailable:
@@ -250,31 +247,22 @@ def regenerate_shard(
             result = plan
         else:
             try:
-                result = regenerate_conversation(plan, generate, max_length, cfg.max_tokens)
+                result = await regenerate_conversation_async(plan, generate, max_length, cfg.max_tokens)
                 result.dropped_history_text = plan.dropped_history_text
             except RowError as err:
                 result = err
             except RequestRejected as err:
                 result = RowError(rejection_reason(err), str(err))
-        with lock:
-            done[0] += 1
-            if progress:
-                progress(done[0], len(offsets))
+        done[0] += 1  # on the window's loop: one conversation at a time gets here
+        if progress:
+            progress(done[0], len(offsets))
         return shard.start + offset, result, temperature, chosen[offset], sent[0]
 
     # The requests go through the slots this shard shares with the shards regenerating from the same server at the
     # same time (`window`): its own `concurrency` while it runs, its rows' writing included, and any the others leave
     # idle, so a shard's last conversations and its writing overlap the next shard's requests.
     with shared_window(client, cfg.concurrency) as share:
-        futures = [share.submit(offset, functools.partial(one, offset)) for offset in offsets]
-        try:
-            results = [f.result() for f in futures]
-        except BaseException:
-            share.abandon()  # the shard fails: what has not started never does, what runs stops at its next request
-            for f in futures:
-                f.cancel()
-            wait(futures)
-            raise
+        results = share.run([(offset, functools.partial(one, offset)) for offset in offsets])
         kept = _read_rows(prior[1]) if prior else []
         server_error_rows = []
         for row, result, temperature, variant, sent in results:

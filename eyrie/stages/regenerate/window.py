@@ -1,125 +1,166 @@
-"""The request slots of one regeneration server, shared by the shards regenerating from it at the same time."""
+"""The requests to one regeneration server, shared by the shards regenerating from it at the same time."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import heapq
 import itertools
 import threading
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from eyrie.vllm.client import ServerClient
 
+# Threads for a client with no `async_generator` (test doubles), which answer with a blocking `generate`: at most
+# as many as conversations are in flight, whatever the window's slots.
+_BLOCKING_THREADS = 64
 
-def client_connections(concurrency: int) -> int:
-    """Pooled connections of a shard task's `ServerClient`: a shard's conversations may hold every slot of the window
-    while the other shard running beside it has none waiting (two shard tasks at a time: twice its own), and more
-    shard tasks at once make more slots; four times its own leaves room."""
-    return max(10, 4 * concurrency)
+
+@contextlib.asynccontextmanager
+async def _generator(client) -> AsyncIterator[Callable[..., Awaitable[dict]]]:
+    """`client.generate` as a coroutine: ServerClient's own (one aiohttp session), else its blocking call in a
+    thread (test doubles)."""
+    if hasattr(client, "async_generator"):
+        async with client.async_generator() as generate:
+            yield generate
+        return
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(max_workers=_BLOCKING_THREADS, thread_name_prefix="eyrie-regen-request") as pool:
+
+        async def generate(*args, **kw) -> dict:
+            return await loop.run_in_executor(pool, lambda: client.generate(*args, **kw))
+
+        yield generate
 
 
 class _Job:
-    """A conversation waiting for a slot: its place in line (shard, position, arrival) and the work it does there."""
+    """A conversation waiting for a slot: its place in line (shard, position, arrival) and the coroutine it runs."""
 
     __slots__ = ("order", "run", "future")
 
-    def __init__(self, order: tuple[int, int, int], run: Callable[[], Any]):
+    def __init__(self, order: tuple[int, int, int], run: Callable[[], Awaitable[Any]], future: asyncio.Future):
         self.order = order
         self.run = run
-        self.future: Future = Future()
+        self.future = future
 
     def __lt__(self, other: _Job) -> bool:
         return self.order < other.order
 
 
 class _Window:
-    """Conversations in flight to one server from the shards regenerating from it in this process. Each shard brings
-    its slots (`join`); the window has one worker thread per slot, each taking the next conversation in line and
-    running it to its end, so no more conversations are in flight than the slots and a freed slot wakes exactly one
-    thread. A shard's idle slots (its last conversations finishing, its rows being written) serve the other running
-    shards' conversations, so the server keeps its queue across a shard boundary. The line's order: the shard that
-    joined first, then the conversation (`submit`'s position), so the shard that started first finishes first and its
-    tail overlaps the next one's full window. The workers last as long as the window: a shard that joins finds them
-    started.
+    """The conversations in flight to one server from the shards regenerating from it in this process: one asyncio
+    loop in a thread of its own and one HTTP session, as extraction's window (a thread per request in flight cost the
+    cores the server needs several times the CPU per request: requests' layers and the GIL, whose waiting threads
+    crowd a small machine's run queue whenever answers arrive together).
+
+    Each shard brings its slots (`join`): one worker per slot takes the next conversation in line and runs it to its
+    end, so no more conversations are in flight than the slots. A shard's idle slots (its last conversations
+    finishing, its rows being written) serve the other running shards' conversations, so the server keeps its queue
+    across a shard boundary. The line's order: the shard that joined first, then the conversation's position, so the
+    shard that started first finishes first and its tail overlaps the next one's full window.
 
     A shard that returns leaves its slots in the window, spare, until a shard joins and takes them over: the gap
     before the flow starts the next shard task, and the last shard of a run alone, keep the load the shard tasks
     running at once put on the server, never more (the most slots the running shards brought at once). The window
     closes with its last shard."""
 
-    def __init__(self) -> None:
-        self._ready = threading.Condition()
-        self._queue: list[_Job] = []  # a heap: the next to get a slot first
-        self._workers: list[threading.Thread] = []
+    def __init__(self, client) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="eyrie-regen-requests", daemon=True)
+        self.thread.start()
+        self._session = contextlib.AsyncExitStack()
+        self._workers: list[asyncio.Task] = []
         self._spare = 0  # of the slots: those of shards that left, not yet taken over by a shard that joined
-        self._closed = False
         self._arrivals = itertools.count()
         self._shards = itertools.count()
         self.users = 0
+
+        async def start() -> None:
+            self._queue: asyncio.PriorityQueue[_Job] = asyncio.PriorityQueue()
+            self.generate = await self._session.enter_async_context(_generator(client))
+
+        try:
+            self.run(start())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Run `coro` on the window's loop and wait for it (cancelled if this thread stops waiting)."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()
+            raise
 
     @property
     def slots(self) -> int:
         return len(self._workers)
 
+    def waiting(self) -> int:
+        """Conversations waiting for a slot."""
+        return self._queue.qsize()
+
     def join(self, slots: int) -> int:
         """A shard adds `slots`, first taking over those a shard that left kept in the window; returns its rank
         (earlier shards first)."""
-        with self._ready:
+
+        async def join() -> int:
             taken = min(self._spare, slots)
             self._spare -= taken
-            started = [
-                threading.Thread(target=self._work, name=f"eyrie-regen-{len(self._workers) + i}", daemon=True)
-                for i in range(slots - taken)
-            ]
-            self._workers += started
-            rank = next(self._shards)
-        for worker in started:  # outside the lock: the running workers keep taking conversations meanwhile
-            worker.start()
-        return rank
+            self._workers += [asyncio.create_task(self._work()) for _ in range(slots - taken)]
+            return next(self._shards)
+
+        return self.run(join())
 
     def leave(self, slots: int) -> None:
         """A shard is done: its slots stay, spare, for the shards still running or the next to join."""
-        with self._ready:
+
+        async def leave() -> None:
             self._spare += slots
 
-    def submit(self, shard: int, position: int, run: Callable[[], Any]) -> Future:
-        """`run` in the next free slot, in (shard, position) order; its Future holds what it returns or raises (a
-        Future cancelled before its slot came never runs)."""
-        job = _Job((shard, position, next(self._arrivals)), run)
-        with self._ready:
-            heapq.heappush(self._queue, job)
-            self._ready.notify()
+        self.run(leave())
+
+    def submit(self, shard: int, position: int, run: Callable[[], Awaitable[Any]]) -> asyncio.Future:
+        """On the loop: `run` in the next free slot, in (shard, position) order; its future holds what it returns or
+        raises."""
+        job = _Job((shard, position, next(self._arrivals)), run, self.loop.create_future())
+        self._queue.put_nowait(job)
         return job.future
 
-    def close(self) -> None:
-        """The last shard left: the workers end (nothing is waiting: each shard waited for its conversations)."""
-        with self._ready:
-            self._closed = True
-            self._ready.notify_all()
-
-    def waiting(self) -> int:
-        """Conversations waiting for a slot."""
-        with self._ready:
-            return len(self._queue)
-
-    def _work(self) -> None:
+    async def _work(self) -> None:
         while True:
-            with self._ready:
-                while not self._queue and not self._closed:
-                    self._ready.wait()
-                if not self._queue:
-                    return
-                job = heapq.heappop(self._queue)
-            if not job.future.set_running_or_notify_cancel():
-                continue
+            job = await self._queue.get()
             try:
-                result = job.run()
-            except BaseException as err:  # the shard's thread raises it from the Future
+                result = await job.run()
+            except asyncio.CancelledError:  # the window closes
+                job.future.cancel()
+                raise
+            except BaseException as err:  # the shard raises it
                 job.future.set_exception(err)
             else:
                 job.future.set_result(result)
+
+    def close(self) -> None:
+        """The last shard left (each waited for its conversations): the workers and the session end."""
+
+        async def stop() -> None:
+            for worker in self._workers:
+                worker.cancel()
+            await asyncio.gather(*self._workers, return_exceptions=True)
+            await self._session.aclose()
+
+        try:
+            self.run(stop())
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
 
 
 class Share:
@@ -130,9 +171,41 @@ class Share:
         self.rank = rank
         self.gone = threading.Event()
 
-    def submit(self, position: int, run: Callable[[], Any]) -> Future:
-        """The shard's conversation `position`, run in a slot of the window."""
-        return self.window.submit(self.rank, position, run)
+    async def generate(self, *args, **kw) -> dict:
+        """`ServerClient.generate`'s answer, on the window's session (a coroutine of the window's loop)."""
+        return await self.window.generate(*args, **kw)
+
+    def run(self, conversations: list[tuple[int, Callable[[], Awaitable[Any]]]]) -> list[Any]:
+        """Run each (position, coroutine function) in the window's slots and return their results in the order
+        given. One that raises fails the shard: those not started never start, those running send nothing more
+        (`gone`) and are waited for, and the first error in the order given is raised."""
+
+        def guarded(run: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
+            async def go() -> Any:
+                if self.gone.is_set():  # the shard failed: nothing more of it starts
+                    return None
+                try:
+                    return await run()
+                except BaseException:
+                    self.abandon()
+                    raise
+
+            return go
+
+        async def run_all() -> list[Any]:
+            futures = [self.window.submit(self.rank, position, guarded(run)) for position, run in conversations]
+            try:
+                if futures:
+                    await asyncio.wait(futures)
+            except asyncio.CancelledError:  # the shard's thread stopped waiting
+                self.abandon()
+                raise
+            for f in futures:
+                if f.exception() is not None:
+                    raise f.exception()  # type: ignore[misc]
+            return [f.result() for f in futures]
+
+        return self.window.run(run_all())
 
     def abandon(self) -> None:
         """The server is gone: this shard's conversations send no more requests (their `generate` checks `gone`)."""
@@ -155,7 +228,7 @@ def shared_window(client, slots: int) -> Iterator[Share]:
     with _windows_lock:
         window = _windows.get(key)
         if window is None:
-            window = _windows[key] = _Window()
+            window = _windows[key] = _Window(client)
         window.users += 1
     rank = window.join(slots)
     try:
@@ -164,6 +237,8 @@ def shared_window(client, slots: int) -> Iterator[Share]:
         window.leave(slots)
         with _windows_lock:
             window.users -= 1
-            if window.users == 0:
+            last = window.users == 0
+            if last:
                 del _windows[key]
-                window.close()
+        if last:
+            window.close()
