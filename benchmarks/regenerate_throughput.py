@@ -6,8 +6,8 @@ Eyrie's connector; served model "target"):
 
 - eyrie: `eyrie.stages.regenerate.regenerate_shard` over every shard, in this process, into a fresh stage folder per
   repeat, two shards at a time as the regenerate flow's task runner runs them (flows/regenerate.py), each with its
-  own `ServerClient` built as tasks/regenerate.py builds it; the shards share the server's window of request slots
-  (`eyrie.stages.regenerate.window`), `regenerate.concurrency` of them each. Timed wall, from the first shard's
+  own `ServerClient` built as tasks/regenerate.py builds it; the shards share the server's window (one asyncio loop,
+  one session: `eyrie.stages.regenerate.window`), `regenerate.concurrency` slots each. Timed wall, from the first shard's
   start to the last shard's manifest: the rows and manifests written, as the stage writes them.
 - bare: the server's pace for the same requests. One asyncio loop and one aiohttp session replay exactly the
   request bodies Eyrie's client sent (recorded, body for body, during an untimed first Eyrie pass: token-id
@@ -19,8 +19,8 @@ Requests in flight: two shards run at once, each bringing `concurrency` slots to
 the sum of min(`concurrency`, the shard's rows) over its first two shards (32 at the demo's concurrency 16 and
 shards of 16 or more). The bare client keeps exactly that many conversations going all pass long, each worker
 taking the next conversation when its last turn is answered. It is Eyrie's peak, not its mean: whatever leaves
-slots idle in Eyrie (a shard's start, the threads waiting for slots) the bare client does not give away, so it is
-part of the ratio.
+slots idle in Eyrie (a shard's start, its loop waiting for the GIL) the bare client does not give away, so it is part
+of the ratio.
 
 Agreement: the share of the bare client's answers whose generated token ids equal the ones Eyrie's recorded pass
 got for the same body, of their first tokens, and of generated tokens before the first difference. Greedy (or
