@@ -40,6 +40,8 @@ def all_finite(t: torch.Tensor) -> bool:
 
     if t.numel() == 0:
         return True
+    if t.is_floating_point() and t.element_size() == 1:  # float8: no aminmax kernel; bf16 holds every value exactly
+        t = t.to(torch.bfloat16)
     low, high = torch.aminmax(t)
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
