@@ -6,9 +6,10 @@ import asyncio
 import contextlib
 import os
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+
+from eyrie.run.loop import LoopThread
 
 
 # Threads that check, hash and move the files answered (extract_shard), beside the requests in flight: one per four
@@ -64,9 +65,8 @@ class _Window:
     Slots are taken in the order requests were queued: the shard that started first finishes first."""
 
     def __init__(self, client, concurrency: int):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="eyrie-requests", daemon=True)
-        self.thread.start()
+        self._loop = LoopThread("eyrie-requests")
+        self.run = self._loop.run
         self.files = ThreadPoolExecutor(
             max_workers=min(concurrency, FILE_THREADS), thread_name_prefix="eyrie-files", initializer=_one_thread
         )
@@ -83,22 +83,11 @@ class _Window:
             self.close()
             raise
 
-    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        """Run `coro` on the window's loop and wait for it (cancelled if this thread stops waiting)."""
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return fut.result()
-        except BaseException:
-            fut.cancel()
-            raise
-
     def close(self) -> None:
         try:
             self.run(self._session.aclose())
         finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join()
-            self.loop.close()
+            self._loop.stop()
             self.files.shutdown()
 
 

@@ -6,10 +6,11 @@ import asyncio
 import contextlib
 import itertools
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from eyrie.run.loop import LoopThread
 from eyrie.vllm.client import ServerClient
 
 # Threads for a client with no `async_generator` (test doubles), which answer with a blocking `generate`: at most
@@ -66,9 +67,8 @@ class _Window:
     closes with its last shard."""
 
     def __init__(self, client) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="eyrie-regen-requests", daemon=True)
-        self.thread.start()
+        self._loop = LoopThread("eyrie-regen-requests")
+        self.run = self._loop.run
         self._session = contextlib.AsyncExitStack()
         self._workers: list[asyncio.Task] = []
         self._spare = 0  # of the slots: those of shards that left, not yet taken over by a shard that joined
@@ -83,16 +83,7 @@ class _Window:
         try:
             self.run(start())
         except BaseException:
-            self._stop_loop()
-            raise
-
-    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        """Run `coro` on the window's loop and wait for it (cancelled if this thread stops waiting)."""
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return fut.result()
-        except BaseException:
-            fut.cancel()
+            self._loop.stop()
             raise
 
     @property
@@ -126,7 +117,7 @@ class _Window:
     def submit(self, shard: int, position: int, run: Callable[[], Awaitable[Any]]) -> asyncio.Future:
         """On the loop: `run` in the next free slot, in (shard, position) order; its future holds what it returns or
         raises."""
-        job = _Job((shard, position, next(self._arrivals)), run, self.loop.create_future())
+        job = _Job((shard, position, next(self._arrivals)), run, self._loop.loop.create_future())
         self._queue.put_nowait(job)
         return job.future
 
@@ -155,12 +146,7 @@ class _Window:
         try:
             self.run(stop())
         finally:
-            self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-        self.loop.close()
+            self._loop.stop()
 
 
 class Share:
