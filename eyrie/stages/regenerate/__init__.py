@@ -27,7 +27,8 @@ Modules, one job each:
 
 - `plan`: the shard keys and the plan (which shards are pending, the server);
 - `shard`: one shard's requests, its rows and manifest (`regenerate_shard`);
-- `window`: the request slots of one server, shared by the shards regenerating from it at the same time;
+- `window`: the requests to one server (one loop, one session, its slots), shared by the shards regenerating from it
+  at the same time;
 - `conversation`: one conversation's template pieces, sampling and turn loop;
 - `assemble`: the shards as one dataset;
 - `source`: which folder extraction reads, and `eyrie status`'s line.

@@ -13,8 +13,8 @@ from typing import Any
 from eyrie.run.loop import LoopThread
 from eyrie.vllm.client import ServerClient
 
-# Threads for a client with no `async_generator` (test doubles), which answer with a blocking `generate`: at most
-# as many as conversations are in flight, whatever the window's slots.
+# Threads for a client with no `async_generator` (test doubles), whose blocking `generate` runs in a thread per
+# request in flight: more than the slots of any window a test opens.
 _BLOCKING_THREADS = 64
 
 
