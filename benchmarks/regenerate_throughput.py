@@ -7,8 +7,8 @@ Eyrie's connector; served model "target"):
 - eyrie: `eyrie.stages.regenerate.regenerate_shard` over every shard, in this process, into a fresh stage folder per
   repeat, two shards at a time as the regenerate flow's task runner runs them (flows/regenerate.py), each with its
   own `ServerClient` built as tasks/regenerate.py builds it; the shards share the server's window (one asyncio loop,
-  one session: `eyrie.stages.regenerate.window`), `regenerate.concurrency` slots each. Timed wall, from the first shard's
-  start to the last shard's manifest: the rows and manifests written, as the stage writes them.
+  one session: `eyrie.stages.regenerate.window`), `regenerate.concurrency` slots each. Timed wall, from the first
+  shard's start to the last shard's manifest: the rows and manifests written, as the stage writes them.
 - bare: the server's pace for the same requests. One asyncio loop and one aiohttp session replay exactly the
   request bodies Eyrie's client sent (recorded, body for body, during an untimed first Eyrie pass: token-id
   prompt, max_tokens, temperature, top_p, seed, cache salt, the hidden-states skip), each conversation's turns in
@@ -168,7 +168,7 @@ def wrap_generate(client: ServerClient, wrap) -> ServerClient:
 
 class Recorder:
     """Records, per conversation and in turn order, every body Eyrie's client posted for a generation and the token
-    ids of its answer: `regenerate_conversation_async` (one conversation, in one of the window's workers) is wrapped
+    ids of its answer: `regenerate_conversation` (one conversation, in one of the window's workers) is wrapped
     to open a conversation in its context, and each client's generation coroutine to add the answered bodies to it
     (the body rebuilt from the call's arguments by the client's own `_generate_body`)."""
 
@@ -177,7 +177,7 @@ class Recorder:
         self._turns: contextvars.ContextVar[list[dict] | None] = contextvars.ContextVar("turns", default=None)
 
     def wrap_conversation(self, original):
-        async def regenerate_conversation_async(*args, **kw):
+        async def regenerate_conversation(*args, **kw):
             turns: list[dict] = []
             self.conversations.append(turns)
             token = self._turns.set(turns)
@@ -186,7 +186,7 @@ class Recorder:
             finally:
                 self._turns.reset(token)
 
-        return regenerate_conversation_async
+        return regenerate_conversation
 
     def wrap_client(self, client: ServerClient) -> ServerClient:
         return wrap_generate(client, self._recording)
@@ -220,9 +220,9 @@ def run_eyrie(base_url, api_key, tokenizer, prepare_dir, out: Path, shards, keys
         return m
 
     shutil.rmtree(out, ignore_errors=True)
-    original = shard_module.regenerate_conversation_async
+    original = shard_module.regenerate_conversation
     if rec is not None:
-        shard_module.regenerate_conversation_async = rec.wrap_conversation(original)
+        shard_module.regenerate_conversation = rec.wrap_conversation(original)
     try:
         t0, cpu0 = time.perf_counter(), time.process_time()
         meter.start()
@@ -230,7 +230,7 @@ def run_eyrie(base_url, api_key, tokenizer, prepare_dir, out: Path, shards, keys
             manifests = list(tasks.map(one, shards))
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     finally:
-        shard_module.regenerate_conversation_async = original
+        shard_module.regenerate_conversation = original
     stats = [m["stats"] for m in manifests]
     failed: dict[str, int] = {}
     for s in stats:

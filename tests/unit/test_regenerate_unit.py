@@ -38,6 +38,16 @@ from eyrie.vllm.client import ServerClient
 from eyrie.vllm.plugin import SKIP_HIDDEN_STATES
 from eyrie.vllm.spec import GENERATION_CACHE_SALT
 
+
+def run_conversation(plan, generate, max_length, max_tokens):
+    """The stage's conversation coroutine, answered by a blocking fake generator."""
+
+    async def answer(*request):
+        return generate(*request)
+
+    return asyncio.run(regenerate_conversation(plan, answer, max_length, max_tokens))
+
+
 TWO_TURNS = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "What is 2 plus 3?"},
@@ -131,7 +141,7 @@ def test_templates_that_rewrite_history(tok):
     )
     plan = plan_turns(no_think, TWO_TURNS)
     assert plan.dropped_history_text == 2 and no_think.decode(plan.pieces[1]).endswith("</think>\n\n")
-    row = regenerate_conversation(plan, FakeGenerator(no_think), 256, 64)
+    row = run_conversation(plan, FakeGenerator(no_think), 256, 64)
     assert no_think.decode(row.input_ids).count("<think>") == 2
     # A template that renders earlier turns differently once later ones exist gives no single row its ids.
     last_only = copy.deepcopy(tok)
@@ -148,7 +158,7 @@ def test_templates_that_rewrite_history(tok):
 def test_row_is_prompt_plus_generated_ids_verbatim(tok):
     plan = plan_turns(tok, TWO_TURNS)
     gen = FakeGenerator(tok)
-    row = regenerate_conversation(plan, gen, max_length=256, max_tokens=64)
+    row = run_conversation(plan, gen, max_length=256, max_tokens=64)
     assert len(gen.calls) == 2 and row.turns == 2 and not row.length_capped and not row.truncated
     (p0, g0), (p1, g1) = gen.calls
     assert p0 == plan.pieces[0]
@@ -169,23 +179,23 @@ def test_an_answer_without_the_end_token_keeps_the_template_whole(tok):
     def other_stop(prompt, max_tokens, turn):  # stopped on a token the template does not end turns with
         return Generation([40, 41, 0], "stop")
 
-    row = regenerate_conversation(plan, other_stop, 256, 64)
+    row = run_conversation(plan, other_stop, 256, 64)
     assert row.input_ids == plan.pieces[0] + [40, 41, 0] + plan.pieces[1]
 
 
 def test_length_cap_and_max_length(tok):
     plan = plan_turns(tok, TWO_TURNS)
-    capped = regenerate_conversation(plan, FakeGenerator(tok, words=8), max_length=256, max_tokens=5)
+    capped = run_conversation(plan, FakeGenerator(tok, words=8), max_length=256, max_tokens=5)
     # The first answer hit max_tokens: the row ends with it (no second turn, no closing template).
     assert capped.length_capped and not capped.truncated and capped.turns == 1
     assert capped.input_ids == plan.pieces[0] + capped.input_ids[len(plan.pieces[0]) :]
     assert sum(capped.loss_mask) == 5 and capped.loss_mask[-1] == 1
     # A budget cut by data.max_length is a truncation, not a length cap; nothing goes past max_length.
     room = len(plan.pieces[0]) + 3
-    cut = regenerate_conversation(plan, FakeGenerator(tok, words=8), max_length=room, max_tokens=64)
+    cut = run_conversation(plan, FakeGenerator(tok, words=8), max_length=room, max_tokens=64)
     assert cut.truncated and not cut.length_capped and len(cut.input_ids) == room
     with pytest.raises(RowError) as info:  # the prompt alone fills max_length
-        regenerate_conversation(plan, FakeGenerator(tok), max_length=len(plan.pieces[0]), max_tokens=64)
+        run_conversation(plan, FakeGenerator(tok), max_length=len(plan.pieces[0]), max_tokens=64)
     assert info.value.reason == "empty_assistant_turns"
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,16 +108,13 @@ class Regenerated:
     dropped_history_text: int = 0  # see TurnPlan
 
 
-# What a conversation asks its server, turn by turn: (prompt ids, max_tokens, turn).
-Request = tuple[list[int], int, int]
-
-
-def conversation_turns(plan: TurnPlan, max_length: int, max_tokens: int) -> Generator[Request, Generation, Regenerated]:
-    """Build the row turn by turn: yields each turn's request and is sent its answer; the row is the generator's
-    return value. The answer's ids are appended verbatim and masked, then the template's piece up to the next prompt
-    (less what the answer already ends with). An answer cut by `max_tokens` ends the row (`length_capped`); so does
-    `max_length` (`truncated`). The row's logic apart from how requests are sent: `regenerate_conversation` answers
-    them with a blocking call, `regenerate_conversation_async` with a coroutine."""
+async def regenerate_conversation(
+    plan: TurnPlan, generate: Callable[[list[int], int, int], Awaitable[Generation]], max_length: int, max_tokens: int
+) -> Regenerated:
+    """Build the row turn by turn: the coroutine `generate(prompt_ids, max_tokens, turn)` answers each prompt; its
+    ids are appended verbatim and masked, then the template's piece up to the next prompt (less what the answer
+    already ends with). An answer cut by `max_tokens` ends the row (`length_capped`); so does `max_length`
+    (`truncated`)."""
     ids = list(plan.pieces[0])
     mask = [0] * len(ids)
     capped = truncated = False
@@ -128,7 +125,7 @@ def conversation_turns(plan: TurnPlan, max_length: int, max_tokens: int) -> Gene
             truncated = True
             break
         budget = min(max_tokens, room)
-        out = yield (ids, budget, k)
+        out = await generate(ids, budget, k)
         ids += out.token_ids
         mask += [1] * len(out.token_ids)
         done += 1
@@ -145,32 +142,6 @@ def conversation_turns(plan: TurnPlan, max_length: int, max_tokens: int) -> Gene
     if not any(mask):
         raise RowError("empty_assistant_turns", "no generated token within data.max_length")
     return Regenerated(ids, mask, done, generated, capped, truncated)
-
-
-def regenerate_conversation(
-    plan: TurnPlan, generate: Callable[[list[int], int, int], Generation], max_length: int, max_tokens: int
-) -> Regenerated:
-    """`conversation_turns` with `generate(prompt_ids, max_tokens, turn)` answering each turn."""
-    turns = conversation_turns(plan, max_length, max_tokens)
-    try:
-        request = next(turns)
-        while True:
-            request = turns.send(generate(*request))
-    except StopIteration as end:
-        return end.value
-
-
-async def regenerate_conversation_async(
-    plan: TurnPlan, generate: Callable[[list[int], int, int], Awaitable[Generation]], max_length: int, max_tokens: int
-) -> Regenerated:
-    """`conversation_turns` with the coroutine `generate(prompt_ids, max_tokens, turn)` answering each turn."""
-    turns = conversation_turns(plan, max_length, max_tokens)
-    try:
-        request = next(turns)
-        while True:
-            request = turns.send(await generate(*request))
-    except StopIteration as end:
-        return end.value
 
 
 _TOKENIZERS: dict[str, Any] = {}

@@ -26,7 +26,7 @@ from eyrie.stages.regenerate.conversation import (
     conversation_temperature,
     conversation_variant,
     plan_turns,
-    regenerate_conversation_async,
+    regenerate_conversation,
     request_seed,
 )
 from eyrie.stages.regenerate.window import shared_window
@@ -247,7 +247,7 @@ def regenerate_shard(
             result = plan
         else:
             try:
-                result = await regenerate_conversation_async(plan, generate, max_length, cfg.max_tokens)
+                result = await regenerate_conversation(plan, generate, max_length, cfg.max_tokens)
                 result.dropped_history_text = plan.dropped_history_text
             except RowError as err:
                 result = err
