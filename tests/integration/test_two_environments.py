@@ -2,7 +2,7 @@
 `flow` extra, Prefect 3.9, no vLLM) and the one $EYRIE_VLLM_PYTHON names (this test venv: vLLM's CPU build, Eyrie's
 plugin, Prefect 3.7). Preflight passes in the flow's venv with the facts of that vLLM, export reads the drafter flags
 there, the servers' command takes that interpreter, and vLLM never enters the flow's process (nor can it: the flow's
-venv does not hold it)."""
+venv does not hold it). The whole pipeline runs there as `eyrie run` on Prefect 3.9, and runs again from its cache."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import config_dict
+from conftest import config_dict, register_server_folder, stop_server, write_config
 
 from eyrie.config import parse_config
 from eyrie.run.vllm_env_facts import facts
@@ -124,3 +124,50 @@ def test_preflight_and_export_through_the_probe(tmp_path, tiny_llama, vllm_env, 
     monkeypatch.setenv(VLLM_PYTHON_ENV, str(other / "bin" / "python"))
     assert vllm_version() == vllm_env["vllm"]
     assert spec.fingerprint() != got["fingerprint"]
+
+
+def test_the_whole_pipeline_runs_from_the_flow_venv(tmp_path, tiny_llama):
+    """`eyrie run` with the flow venv's Python (Prefect 3.9.x and its temporary server, no vLLM importable) and every
+    vLLM server started with this venv's: prepare to evaluate, then the same command again, which starts no server."""
+    run = tmp_path / "run"
+    for folder in (run / "extract", run / "export" / "server-trained"):
+        register_server_folder(folder)
+    config, _ = write_config(
+        tmp_path / "config.yaml",
+        tiny_llama,
+        "tiny-llama",
+        max_samples=24,
+        shard_size=8,
+        layer_ids=[2, 4, 5],
+        train={"epochs": 2},
+    )
+    prefect_home = tmp_path / "prefect"  # its own: a database Prefect 3.9 migrated is one 3.7 cannot open
+    env = {
+        **os.environ,
+        VLLM_PYTHON_ENV: sys.executable,
+        "PREFECT_HOME": str(prefect_home),
+        "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(prefect_home / "storage"),
+        "EYRIE_DIGEST_STORE": str(tmp_path / "digests"),
+    }
+    cmd = [str(FLOW_PYTHON), "-m", "flows.cli", "run", "--config", str(config), "--run-dir", str(run)]
+
+    def starts() -> int:  # vLLM starts, from every server log of the run
+        return sum(log.read_text(errors="replace").count("eyrie: starting vLLM") for log in run.rglob("server.log"))
+
+    try:
+        first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+        assert "Eyrie run complete" in first.stdout
+        assert json.loads((run / "preflight.json").read_text())["vllm_python"] == sys.executable
+        finished = json.loads((run / "finished.json").read_text())["outputs"]
+        assert (run / finished["drafter"] / "config.json").is_file()
+        assert finished["acceptance_length"] >= 1.0  # served and measured: the floor is 1 (no draft accepted)
+        assert len(list((run / "extract" / "shards").glob("shard-*.json"))) == 3
+        assert starts() == 2  # the extraction server, then the exported drafter's
+
+        again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+        assert starts() == 2  # every stage from its cache: no server started
+    finally:
+        for folder in (run / "extract", run / "export" / "server-trained"):
+            stop_server(folder)
