@@ -180,8 +180,9 @@ class Postgres:
 class PrefectServer:
     """`prefect server start` on a PostgreSQL database, with authentication on; `url` is its API."""
 
-    def __init__(self, root: Path, database_url: str, services: bool = True):
+    def __init__(self, root: Path, database_url: str, services: bool = True, python: str = sys.executable):
         self.root = Path(root)
+        self.python = python  # whose Prefect serves: this venv's, or another's (the flow venv's 3.9)
         self.database_url = database_url
         self.services = services
         self.auth = f"eyrie-admin:{secrets.token_hex(16)}"
@@ -203,7 +204,7 @@ class PrefectServer:
                 **{name: server_env(name) for name in DATABASE_SETTINGS},
             }
         )
-        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd = [self.python, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
         if not self.services:
             cmd.append("--no-services")
         self.root.mkdir(parents=True, exist_ok=True)
@@ -254,9 +255,11 @@ class PrefectServer:
 
 
 @contextmanager
-def running_prefect_server(postgres: Postgres, root: Path, name: str, services: bool = True):
-    """A Prefect server on a new database `name` of `postgres`, stopped on exit."""
-    server = PrefectServer(root, postgres.create_database(name), services=services)
+def running_prefect_server(
+    postgres: Postgres, root: Path, name: str, services: bool = True, python: str = sys.executable
+):
+    """A Prefect server on a new database `name` of `postgres`, stopped on exit; `python`'s Prefect serves."""
+    server = PrefectServer(root, postgres.create_database(name), services=services, python=python)
     try:
         yield server.start()
     finally:

@@ -2,24 +2,32 @@
 `flow` extra, Prefect 3.9, no vLLM) and the one $EYRIE_VLLM_PYTHON names (this test venv: vLLM's CPU build, Eyrie's
 plugin, Prefect 3.7). Preflight passes in the flow's venv with the facts of that vLLM, export reads the drafter flags
 there, the servers' command takes that interpreter, and vLLM never enters the flow's process (nor can it: the flow's
-venv does not hold it). The whole pipeline runs there as `eyrie run` on Prefect 3.9, and runs again from its cache."""
+venv does not hold it). The whole pipeline runs there as `eyrie run` on Prefect 3.9, and runs again from its cache;
+and in production's shape: a Prefect 3.9 server on PostgreSQL, `deployments.setup` and a process worker from the
+flow venv, a flow run of the pipeline's deployment on a GPU node's queue."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import config_dict, register_server_folder, stop_server, write_config
+from prefect_server import running_prefect_server
 
+from deployments.setup import PREFECT_FILE, gpu_nodes
 from eyrie.config import parse_config
+from eyrie.run.folder import RunFolder
 from eyrie.run.vllm_env_facts import facts
 from eyrie.run.vllm_python import VLLM_PYTHON_ENV, vllm_version
 from eyrie.stages.export import NORM_FLAGS
+from eyrie.stages.prepare import load_shards
 from eyrie.vllm.spec import ServerSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -171,3 +179,114 @@ def test_the_whole_pipeline_runs_from_the_flow_venv(tmp_path, tiny_llama):
     finally:
         for folder in (run / "extract", run / "export" / "server-trained"):
             stop_server(folder)
+
+
+# A flow run of a deployment, created and followed by the flow venv's Prefect client (the server's own release):
+# its final state as JSON.
+RUN_DEPLOYMENT = """
+import asyncio, json, sys, time
+from prefect.client.orchestration import get_client
+
+async def main(name, parameters, timeout_s):
+    async with get_client() as c:
+        d = await c.read_deployment_by_name(name)
+        fr = await c.create_flow_run_from_deployment(d.id, parameters=json.loads(parameters))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            fr = await c.read_flow_run(fr.id)
+            if fr.state and fr.state.is_final():
+                break
+            await asyncio.sleep(2)
+        server = (await c._client.get("/admin/version")).json()
+        state = fr.state
+        print(json.dumps({"state": state and state.type.value, "message": state and state.message, "server": server}))
+
+asyncio.run(main(sys.argv[1], sys.argv[2], float(sys.argv[3])))
+"""
+
+
+def test_a_deployment_runs_on_a_prefect_3_9_server_and_worker_from_the_flow_venv(postgres, tmp_path, tiny_llama):
+    """Production with the node's own vLLM: the Prefect server at the flow venv's release (3.9, as
+    `PREFECT_VERSION=3.9.1` in infra/.env runs it), setup and the GPU node's process worker in the flow venv, its
+    flow-run processes there too (no vLLM), and the extraction server in the vLLM venv."""
+    node = gpu_nodes()[0]
+    job_env = {
+        k: str(v)
+        for k, v in yaml.safe_load(PREFECT_FILE.read_text())["definitions"]["work_pool"]["job_variables"]["env"].items()
+    }
+    run = tmp_path / "run"
+    _, config = write_config(tmp_path / "config.yaml", tiny_llama, max_samples=16, shard_size=8, layer_ids=[2, 4, 5])
+    worker = None
+    with running_prefect_server(postgres, tmp_path / "server", "eyrie_flow_venv", python=str(FLOW_PYTHON)) as server:
+        setup = subprocess.run(
+            [str(FLOW_PYTHON), "-m", "deployments.setup"],
+            cwd=REPO,
+            env=server.client_env(tmp_path / "setup-home"),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert setup.returncode == 0, setup.stdout[-3000:] + setup.stderr[-3000:]
+        home = tmp_path / "worker"
+        home.mkdir()
+        worker_env = server.client_env(
+            home,
+            **job_env,
+            EYRIE_HOME=str(REPO),
+            EYRIE_NODE_NAME=node,
+            PREFECT_WORKER_QUERY_SECONDS="2",
+            **{VLLM_PYTHON_ENV: sys.executable},
+        )
+        try:
+            with open(tmp_path / "worker.log", "wb") as log:
+                worker = subprocess.Popen(
+                    [
+                        str(FLOW_PYTHON),
+                        "-m",
+                        "prefect",
+                        "worker",
+                        "start",
+                        "--pool",
+                        "eyrie-gpu",
+                        "--work-queue",
+                        node,
+                        "--limit",
+                        "1",
+                        "--type",
+                        "process",
+                        "--name",
+                        node,
+                        "--no-create-pool-if-not-found",
+                        "--install-policy",
+                        "never",
+                    ],
+                    cwd=home,
+                    env=worker_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            parameters = {"config": config.model_dump(mode="json"), "run_dir": str(run), "until": "extract"}
+            out = subprocess.run(
+                [str(FLOW_PYTHON), "-c", RUN_DEPLOYMENT, "eyrie-pipeline/production", json.dumps(parameters), "600"],
+                cwd=REPO,
+                env=server.client_env(tmp_path / "client-home"),
+                capture_output=True,
+                text=True,
+                timeout=700,
+            )
+            assert out.returncode == 0, out.stderr[-3000:]
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            worker_log = (tmp_path / "worker.log").read_text(errors="replace")
+            assert got["state"] == "COMPLETED", f"{got}\n{worker_log[-4000:]}"
+            assert got["server"].startswith("3.9."), got
+            assert json.loads((run / "preflight.json").read_text())["vllm_python"] == sys.executable
+            rf = RunFolder(run)
+            names = sorted(s.name for s in load_shards(rf.prepare))
+            assert names and sorted(p.stem for p in rf.shard_manifests.glob("*.json")) == names
+        finally:
+            if worker is not None:
+                os.killpg(worker.pid, signal.SIGTERM)
+                worker.wait(30)
+            for state in run.rglob("server.json"):
+                stop_server(state.parent)
