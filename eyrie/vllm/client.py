@@ -231,6 +231,16 @@ class ServerClient:
             )
         return {"token_ids": list(choice["token_ids"]), "finish_reason": choice["finish_reason"]}
 
+    def _generation_or_retry(self, status: int, payload: Any, token_ids: list[int], sent: float) -> dict | Exception:
+        """A generation request's answer by its status, for both forms of `generate`: a 200's generation (`payload`
+        its JSON), a 5xx's RequestRejected returned to be retried, a 4xx's raised (`payload` its text)."""
+        if status >= 500:
+            return RequestRejected(status, payload)
+        if status != 200:
+            raise RequestRejected(status, payload)
+        self._answered(sent)
+        return self._generation(payload, token_ids)
+
     def generate(
         self,
         token_ids: list[int],
@@ -258,13 +268,12 @@ class ServerClient:
             except requests.RequestException as err:
                 failure = ServerUnavailable(f"no answer from vLLM at {self.base_url}: {err}")
                 continue
-            if r.status_code >= 500:
-                failure = RequestRejected(r.status_code, r.text)
+            payload = r.json() if r.status_code == 200 else r.text
+            out = self._generation_or_retry(r.status_code, payload, token_ids, sent)
+            if isinstance(out, Exception):
+                failure = out
                 continue
-            if r.status_code != 200:
-                raise RequestRejected(r.status_code, r.text)
-            self._answered(sent)
-            return self._generation(r.json(), token_ids)
+            return out
         raise failure
 
     @contextlib.asynccontextmanager
@@ -301,20 +310,16 @@ class ServerClient:
                             timeout=aiohttp.ClientTimeout(total=timeout_s),
                         ) as r:
                             status = r.status
-                            if status == 200:
-                                answer = await r.json(content_type=None)  # whatever the header says
-                            else:
-                                text = await r.text()
+                            # the JSON whatever the Content-Type header says
+                            payload = await r.json(content_type=None) if status == 200 else await r.text()
                     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
                         failure = ServerUnavailable(f"no answer from vLLM at {self.base_url}: {err!r}")
                         continue
-                    if status >= 500:
-                        failure = RequestRejected(status, text)
+                    out = self._generation_or_retry(status, payload, token_ids, sent)
+                    if isinstance(out, Exception):
+                        failure = out
                         continue
-                    if status != 200:
-                        raise RequestRejected(status, text)
-                    self._answered(sent)
-                    return self._generation(answer, token_ids)
+                    return out
                 raise failure
 
             yield generate
