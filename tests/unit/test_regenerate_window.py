@@ -205,3 +205,26 @@ def test_clients_of_one_server_share_a_window():
     ):
         assert a.window is b.window and len({id(s.window) for s in (a, c, d)}) == 3
     assert not _windows
+
+
+def test_a_shard_whose_conversations_all_fail_raises_one_error_and_logs_none():
+    """A server gone fails every conversation of the shard: the first error is raised, the others read, so asyncio
+    reports no "exception was never retrieved" for them (a traceback per conversation in the user's log)."""
+    import gc
+
+    async def gone():
+        await asyncio.sleep(0.01)  # in flight together, as requests to a server that is gone
+        raise ConnectionError("no answer")
+
+    unread: list[dict] = []
+    raised = False
+    with shared_window(object(), 4) as a:
+        a.window._loop.loop.set_exception_handler(lambda loop, context: unread.append(context))
+        try:
+            a.run([(i, gone) for i in range(8)])
+        except ConnectionError:  # dropped here, as a caller that logs it and goes on: its futures with it
+            raised = True
+    del a
+    gc.collect()
+    assert raised
+    assert not [c for c in unread if "never retrieved" in c.get("message", "")], unread

@@ -186,9 +186,10 @@ class Share:
             except asyncio.CancelledError:  # the shard's thread stopped waiting
                 self.abandon()
                 raise
-            for f in futures:
-                if f.exception() is not None:
-                    raise f.exception()  # type: ignore[misc]
+            # Every error read (asyncio logs "exception was never retrieved" for any left unread), the first raised.
+            errors = [e for e in (f.exception() for f in futures) if e is not None]
+            if errors:
+                raise errors[0]
             return [f.result() for f in futures]
 
         return self.window.run(run_all())
